@@ -1,0 +1,149 @@
+"""Every error interlens raises on purpose, in one place.
+
+The hierarchy::
+
+    InterlensError                      base of everything below; catch this to catch us
+    ├── ConfigurationError              bad input to a constructor, modifier or run call
+    │   ├── TemplateError               a template cannot be resolved for a row
+    │   │   └── MissingColumnError      dataset_field("col") names a column the row lacks
+    │   ├── UnknownParticipantError     a speaker name that is not in the conversation
+    │   ├── UnknownAnalyzerError        .analyzer("name") that nobody registered
+    │   └── DeviceError                 a device string that does not exist here
+    ├── UnrunConversationError          sample() on a recipe that has not generated a turn
+    ├── SchemaVersionError              a saved conversation written by a newer interlens
+    ├── GenerationError                 a participant failed to produce a turn
+    │   └── ModelLoadError              weights or tokenizer could not be loaded
+    ├── AnalyzerError                   an analyzer raised or returned something not JSON-serializable
+    └── LedgerError                     the run ledger (``out_dir/ledger.sqlite``) refused an operation
+        ├── LedgerLockedError           another live process is writing the same out_dir
+        ├── FingerprintMismatchError    a rerun's recipe differs from the one that produced the ledger
+        ├── LedgerSchemaError           the ledger was written by a newer interlens
+        └── LedgerCorruptError          the file is not a readable SQLite ledger (left untouched)
+
+Errors from the ledger package (``interlens.store``) are raised there as its own classes, because the store
+imports nothing from interlens; :func:`translate` turns them into the classes above at the boundary, and
+the classes above also inherit from the store's, so ``except interlens.store.LedgerLockedError`` keeps
+working on a translated error.
+"""
+
+from __future__ import annotations
+
+from interlens.store import _errors as _store_errors
+
+__all__ = [
+    "AnalyzerError",
+    "ConfigurationError",
+    "DeviceError",
+    "FingerprintMismatchError",
+    "GenerationError",
+    "InterlensError",
+    "LedgerCorruptError",
+    "LedgerError",
+    "LedgerLockedError",
+    "LedgerSchemaError",
+    "MissingColumnError",
+    "ModelLoadError",
+    "SchemaVersionError",
+    "TemplateError",
+    "UnknownAnalyzerError",
+    "UnknownParticipantError",
+    "UnrunConversationError",
+]
+
+
+class InterlensError(Exception):
+    """Base class of every error interlens raises on purpose."""
+
+
+class ConfigurationError(InterlensError, ValueError):
+    """Bad input to a constructor, modifier or run call; raised before any work starts."""
+
+
+class TemplateError(ConfigurationError):
+    """A template value cannot be resolved for a data row."""
+
+
+class MissingColumnError(TemplateError, KeyError):
+    """``dataset_field("col")`` names a column that the row does not have."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownParticipantError(ConfigurationError, KeyError):
+    """A speaker name that is not one of the conversation's participants."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownAnalyzerError(ConfigurationError, KeyError):
+    """``.analyzer("name")`` with a name nobody registered with ``register_analyzer``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DeviceError(ConfigurationError):
+    """A device string that does not exist on this machine."""
+
+
+class UnrunConversationError(InterlensError):
+    """``sample()`` on a recipe that has not generated a turn yet."""
+
+
+class SchemaVersionError(InterlensError):
+    """A saved conversation was written by a newer interlens than this one."""
+
+
+class GenerationError(InterlensError):
+    """A participant failed to produce a turn."""
+
+
+class ModelLoadError(GenerationError):
+    """Model weights or tokenizer could not be loaded."""
+
+
+class AnalyzerError(InterlensError):
+    """An analyzer raised, or returned a value that is not JSON-serializable."""
+
+
+class LedgerError(InterlensError, _store_errors.StoreError):
+    """The run ledger refused an operation."""
+
+
+class LedgerLockedError(LedgerError, _store_errors.LedgerLockedError):
+    """Another live process is writing the same ``out_dir``."""
+
+
+class FingerprintMismatchError(LedgerError, _store_errors.FingerprintMismatchError):
+    """A rerun's recipe differs from the recipe that produced the ledger."""
+
+
+class LedgerSchemaError(LedgerError, _store_errors.LedgerSchemaError):
+    """The ledger was written by a newer version of interlens."""
+
+
+class LedgerCorruptError(LedgerError, _store_errors.LedgerCorruptError):
+    """The ledger file is not a readable SQLite ledger; it is left untouched."""
+
+
+_TRANSLATION: dict[type[BaseException], type[InterlensError]] = {
+    _store_errors.LedgerLockedError: LedgerLockedError,
+    _store_errors.FingerprintMismatchError: FingerprintMismatchError,
+    _store_errors.LedgerSchemaError: LedgerSchemaError,
+    _store_errors.LedgerCorruptError: LedgerCorruptError,
+    _store_errors.StoreError: LedgerError,
+}
+
+
+def translate(exc: BaseException) -> BaseException:
+    """Return the interlens error for a foreign ``exc`` (same message), or ``exc`` itself."""
+    if isinstance(exc, InterlensError):
+        return exc
+    for foreign, ours in _TRANSLATION.items():
+        if isinstance(exc, foreign):
+            translated = ours(*exc.args)
+            translated.__cause__ = exc
+            return translated
+    return exc

@@ -1,0 +1,142 @@
+"""The contract between the scheduler and the code it runs.
+
+The scheduler never imports interlens' user-facing modules. It runs objects that satisfy the small protocols
+below; interlens implements them (a conversation job, a model's load recipe, a loaded model), and pickling
+brings that code into a worker process by reference. Everything crossing these protocols is plain data
+(JSON-able dicts, strings, numbers) or an object that pickles without weights.
+
+Flow of one job::
+
+    scheduler                                   job (interlens)
+    ─────────                                   ───────────────
+    JobSpec pulled lazily from a LineupSpec
+    ledger: start_job (attempt += 1)
+    await job.run(ctx) ───────────────────────▶ replays ctx.committed_turns, then for each new turn:
+                                                  local model turn → await ctx.generate(engine_spec, request)
+    coalescing batcher per (engine key, device)     (batched with every other job's pending request)
+    ◀────────────────────────────────────────── await ctx.record_turn(index, turn)   (durable on return)
+                                                runs the analyzer, returns a JobResult
+    ledger: finish_job (done + result, one txn)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Engine",
+    "EngineSpec",
+    "ExecutionMode",
+    "Job",
+    "JobContext",
+    "JobResult",
+    "JobSpec",
+    "LineupSpec",
+]
+
+JSON = Any  # a value that json.dumps accepts
+
+
+class ExecutionMode(enum.Enum):
+    """How local-model turns are generated.
+
+    BATCHED: concurrent turns for one model on one device co-step in one batched generate (the default).
+    DETERMINISTIC: every turn is generated alone with a generator seeded from (participant seed, rollout seed,
+    turn index), so a conversation is token-identical on the same hardware whatever runs beside it.
+    """
+
+    BATCHED = "batched"
+    DETERMINISTIC = "deterministic"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model resident on one device. Built once per (EngineSpec.key, device) in a worker."""
+
+    def generate_batch(self, requests: Sequence[Any], *, mode: ExecutionMode) -> list[Any]:
+        """Generate one result per request, in order. Runs in a thread; may block for a long time.
+
+        Raising fails the whole batch: the batcher splits a batch that ran out of memory in halves and
+        retries, down to single requests. A per-request failure can instead be returned in place as an
+        Exception instance, which is raised to that request's caller only.
+        """
+        ...
+
+
+@runtime_checkable
+class EngineSpec(Protocol):
+    """A lazy, picklable load recipe (no weights). Equal keys share one Engine per device."""
+
+    @property
+    def engine_key(self) -> Hashable: ...
+
+    def load_engine(self, device: str) -> Engine:
+        """Load the weights onto ``device`` (called in a thread, at most once per key and device)."""
+        ...
+
+
+class JobContext(Protocol):
+    """What a running job may ask of the scheduler. Provided in-process and, identically, in a worker."""
+
+    job_id: str
+    seed: int
+    device: str  # the device the job is pinned to ("cpu", "cuda:0", ...)
+    mode: ExecutionMode
+    attempt: int  # 1 on the first attempt
+    committed_turns: Sequence[Mapping[str, JSON]]  # turns a previous attempt/run already committed, in order
+
+    async def generate(self, engine: EngineSpec, request: Any) -> Any:
+        """Queue ``request`` on the coalescing batcher of ``engine`` on this job's device; await its result."""
+        ...
+
+    async def record_turn(self, index: int, turn: Mapping[str, JSON]) -> None:
+        """Commit one finished turn; returns once it is durable (out_dir set) or recorded in memory."""
+        ...
+
+
+@dataclass
+class JobResult:
+    """What a finished job hands back. Everything is JSON so the ledger never stores a pickle."""
+
+    conversation: Mapping[str, JSON]  # recipe + transcript
+    tokens_generated: int = 0
+    analysis: JSON = None
+    # A job whose conversation finished but whose analyzer failed returns its conversation AND this error; the
+    # scheduler records the job as failed with the conversation kept, and a rerun re-runs only the analyzer.
+    analysis_error: BaseException | None = None
+
+
+@runtime_checkable
+class Job(Protocol):
+    """One conversation to run. Must pickle cheaply (lazy participants: no weights)."""
+
+    needs_device: bool  # True when any participant is a local model; False → in-process worker
+
+    async def run(self, ctx: JobContext) -> JobResult: ...
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether a failure of this job is worth retrying (bounded; attempts are recorded)."""
+        ...
+
+
+@dataclass
+class JobSpec:
+    job_id: str  # e.g. "rollout_0003", "gpqa/row_00012", "pair_7b"
+    lineup: str  # the lineup (conversation name) it belongs to
+    seed: int
+    job: Job
+    row_index: int | None = None
+
+
+@dataclass
+class LineupSpec:
+    """One conversation recipe expanded to its jobs. ``jobs`` is pulled lazily (data is streamed)."""
+
+    name: str
+    fingerprint: str  # stable hash of the recipe: a rerun with another fingerprint is refused
+    jobs: Iterable[JobSpec]
+    n_jobs: int | None = None  # when known, for progress
+    describe: Mapping[str, JSON] = field(default_factory=dict)  # recipe summary, to explain a mismatch

@@ -1,0 +1,43 @@
+"""Errors raised by the ledger.
+
+The hierarchy::
+
+    StoreError                      base of every ledger error
+    ├── LedgerLockedError           another live process holds the out_dir's writer lock
+    ├── FingerprintMismatchError    a rerun's recipe fingerprint differs for existing job ids
+    ├── LedgerSchemaError           the file was written by a newer schema version
+    └── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
+
+The store imports nothing from interlens, so these are its own classes; interlens translates them at its
+boundary into ``InterlensError`` subclasses that also inherit from these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FingerprintMismatchError",
+    "LedgerCorruptError",
+    "LedgerLockedError",
+    "LedgerSchemaError",
+    "StoreError",
+]
+
+
+class StoreError(Exception):
+    """Base class of every ledger error."""
+
+
+class LedgerLockedError(StoreError):
+    """Another live process holds the writer lock of this out_dir."""
+
+
+class FingerprintMismatchError(StoreError):
+    """A rerun's recipe fingerprint differs from the one recorded for the same job ids."""
+
+
+class LedgerSchemaError(StoreError):
+    """The ledger was written by a newer schema version than this code understands."""
+
+
+class LedgerCorruptError(StoreError):
+    """The file is not a readable SQLite ledger."""
