@@ -1,5 +1,82 @@
-"""interlens: run one multi-agent conversation recipe many times."""
+"""interlens: run one multi-agent conversation recipe many times.
 
-from ._exceptions import InterlensError
+A :class:`Conversation` is the recipe, the live dialogue and the rollout driver in one object::
 
-__all__ = ["InterlensError"]
+    conv = Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(6)
+    report = conv.rollout(n=64, out_dir="runs/tabs_spaces")
+
+Importing interlens is cheap: torch, transformers, datasets and the provider SDKs load on first use.
+"""
+
+from interlens.scheduler import ExecutionMode, available_devices
+
+from ._analyzers import register_analyzer
+from ._conversation import Conversation
+from ._exceptions import (
+    AnalyzerError,
+    ConfigurationError,
+    DeviceError,
+    FingerprintMismatchError,
+    GenerationError,
+    InterlensError,
+    LedgerCorruptError,
+    LedgerError,
+    LedgerLockedError,
+    LedgerSchemaError,
+    MissingColumnError,
+    ModelLoadError,
+    SchemaVersionError,
+    TemplateError,
+    UnknownAnalyzerError,
+    UnknownParticipantError,
+    UnrunConversationError,
+)
+from ._message import Message, Transcript
+from ._model_participant import AutoModelParticipant, ModelParticipant
+from ._participant import Participant, ScriptedParticipant, View
+from ._report import RunReport, RunResult
+from ._rollout import arun, run
+from ._stop import MaxTurns, StopCondition, StopStrings, TokenBudget
+from ._templating import dataset_field
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnalyzerError",
+    "AutoModelParticipant",
+    "ConfigurationError",
+    "Conversation",
+    "DeviceError",
+    "ExecutionMode",
+    "FingerprintMismatchError",
+    "GenerationError",
+    "InterlensError",
+    "LedgerCorruptError",
+    "LedgerError",
+    "LedgerLockedError",
+    "LedgerSchemaError",
+    "MaxTurns",
+    "Message",
+    "MissingColumnError",
+    "ModelLoadError",
+    "ModelParticipant",
+    "Participant",
+    "RunReport",
+    "RunResult",
+    "SchemaVersionError",
+    "ScriptedParticipant",
+    "StopCondition",
+    "StopStrings",
+    "TemplateError",
+    "TokenBudget",
+    "Transcript",
+    "UnknownAnalyzerError",
+    "UnknownParticipantError",
+    "UnrunConversationError",
+    "View",
+    "arun",
+    "available_devices",
+    "dataset_field",
+    "register_analyzer",
+    "run",
+]

@@ -1,0 +1,548 @@
+"""``Conversation``: the recipe, the live dialogue and the rollout driver in one object.
+
+The recipe (participants, framing, turns, data, analyzer, name, stop conditions) is an immutable record;
+every modifier returns a new Conversation around a new record and leaves the original untouched
+(copy-on-write). Participants are shared between copies, so loaded weights are shared by reference.
+
+Live use mutates the dialogue: ``run``/``step`` append turns to ``transcript``; ``sample`` generates without
+committing. ``rollout`` never mutates: it runs independent copies (see ``_rollout``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._exceptions import ConfigurationError, SchemaVersionError, UnknownParticipantError, UnrunConversationError
+from ._message import MODERATOR, Message, Transcript
+from ._participant import GenerationOptions, Participant, View, ViewMessage, participant_from_json
+from ._stop import MaxTurns, StopCondition, ambient_conditions, condition_from_json, turn_cap
+from ._templating import (
+    Template,
+    check_template,
+    import_callable,
+    is_templated,
+    resolve,
+    template_from_json,
+    template_to_json,
+)
+
+if TYPE_CHECKING:
+    from ._report import RunReport
+
+__all__ = ["SCHEMA_VERSION", "Conversation"]
+
+SCHEMA_VERSION = 1
+"""Version of the JSON written by ``save`` and stored in the ledger. A newer one is refused on load."""
+
+_UNSET: Any = object()
+_SAVE_FILE = "conversation.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    participants: tuple[Participant, ...]
+    shared_context: Template = None
+    shared_system_prompt: Template = None
+    turns: int | None = None
+    data: Any = None
+    analyzer: Callable[[Conversation], Any] | str | None = None
+    name: str | None = None
+    stop: tuple[StopCondition, ...] = ()
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(_Recipe))
+
+
+class Conversation:
+    """A multi-agent conversation recipe that can also be run live and rolled out many times.
+
+    ``shared_context`` seeds the transcript as its first message, authored ``"moderator"`` and seen by
+    everyone. Turns go round-robin from the first participant. Each speaker sees the shared system prompt and
+    its own system prompt, then the transcript with its own turns as ``assistant`` and everybody else's as
+    ``user`` (labelled with the author's name when more than two participants speak).
+    """
+
+    def __init__(
+        self,
+        participants: Sequence[Participant],
+        shared_context: Template = None,
+        shared_system_prompt: Template = None,
+        *,
+        turns: int | None = None,
+        data: Any = None,
+        analyzer: Callable[[Conversation], Any] | str | None = None,
+        name: str | None = None,
+        stop: Sequence[StopCondition] = (),
+    ) -> None:
+        recipe = _Recipe(
+            participants=tuple(participants) if not isinstance(participants, Participant) else (participants,),
+            shared_context=shared_context,
+            shared_system_prompt=shared_system_prompt,
+            turns=turns,
+            data=data,
+            analyzer=analyzer,
+            name=name,
+            stop=tuple(stop),
+        )
+        _validate(recipe)
+        self._recipe = recipe
+        self.transcript = Transcript()
+        self.row: dict[str, Any] | None = None
+        self.seed: int | None = None
+        self._stream_id = uuid.uuid4().hex
+        self._seed_transcript()
+
+    # ------------------------------------------------------------------ recipe fields (read-only)
+    @property
+    def participants(self) -> tuple[Participant, ...]:
+        return self._recipe.participants
+
+    @property
+    def shared_context(self) -> Template:
+        return self._recipe.shared_context
+
+    @property
+    def shared_system_prompt(self) -> Template:
+        return self._recipe.shared_system_prompt
+
+    @property
+    def stop_conditions(self) -> tuple[StopCondition, ...]:
+        return self._recipe.stop
+
+    @property
+    def data_source(self) -> Any:
+        """The data attached with ``.data(...)`` (``None`` when there is none)."""
+        return self._recipe.data
+
+    @property
+    def analyzer_fn(self) -> Callable[[Conversation], Any] | str | None:
+        return self._recipe.analyzer
+
+    def participant(self, name: str) -> Participant:
+        for p in self._recipe.participants:
+            if p.name == name:
+                return p
+        raise UnknownParticipantError(
+            f"no participant named {name!r}; participants: {[p.name for p in self._recipe.participants]}"
+        )
+
+    # ------------------------------------------------------------------ copy-on-write modifiers
+    def _copy(self, **changes: Any) -> Conversation:
+        recipe = dataclasses.replace(self._recipe, **changes)
+        _validate(recipe)
+        clone = object.__new__(Conversation)
+        clone._recipe = recipe
+        clone.transcript = self.transcript.copy()
+        clone.row = dict(self.row) if self.row is not None else None
+        clone.seed = self.seed
+        clone._stream_id = uuid.uuid4().hex
+        if "shared_context" in changes:
+            clone._seed_transcript()
+        return clone
+
+    def turns(self, n: Any = _UNSET) -> Any:
+        """``.turns(n)``: a copy that runs ``n`` generated turns (``None``: until a stop condition).
+
+        ``.turns()`` with no argument returns the current setting.
+        """
+        if n is _UNSET:
+            return self._recipe.turns
+        return self._copy(turns=n)
+
+    def data(self, rows: Any) -> Conversation:
+        """A copy that expands to one conversation per row of ``rows`` in a rollout.
+
+        ``rows`` may be a ``datasets.Dataset``, a streaming ``IterableDataset``, a list of dicts or any iterable
+        (a bare generator included). It is streamed, never materialized.
+        """
+        return self._copy(data=rows)
+
+    def analyzer(self, fn_or_name: Callable[[Conversation], Any] | str | None) -> Conversation:
+        """A copy whose rollouts call ``fn_or_name(conv)`` on each finished conversation, models resident.
+
+        A name refers to a function registered with ``register_analyzer``. The return value must be
+        JSON-serializable; it becomes ``RunResult.analysis``.
+        """
+        return self._copy(analyzer=fn_or_name)
+
+    def name(self, value: Any = _UNSET) -> Any:
+        """``.name("x")``: a copy whose rollout job ids are namespaced ``x/...``; ``.name()`` returns it."""
+        if value is _UNSET:
+            return self._recipe.name
+        return self._copy(name=value)
+
+    def run_until(self, *conditions: StopCondition) -> Conversation:
+        """A copy that also stops when any of ``conditions`` holds (added to the existing ones)."""
+        return self._copy(stop=(*self._recipe.stop, *conditions))
+
+    def set(self, **fields: Any) -> Conversation:
+        """A copy with any constructor field replaced, e.g. ``.set(participants=[solver])``."""
+        unknown = sorted(set(fields) - set(_FIELDS))
+        if unknown:
+            raise ConfigurationError(f"Conversation has no field(s) {unknown}; fields: {list(_FIELDS)}")
+        if "participants" in fields:
+            fields["participants"] = tuple(fields["participants"])
+        if "stop" in fields:
+            fields["stop"] = tuple(fields["stop"])
+        return self._copy(**fields)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def generated_turns(self) -> int:
+        """Turns generated so far (the shared context does not count)."""
+        return sum(1 for m in self.transcript if m.author != MODERATOR)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens this conversation generated, summed from each turn's ``metadata["n_tokens"]``."""
+        return self.transcript.tokens_generated
+
+    @property
+    def last_generated(self) -> Message | None:
+        for m in reversed(self.transcript):
+            if m.author != MODERATOR:
+                return m
+        return None
+
+    def _seed_transcript(self) -> None:
+        """Put the shared context first in the transcript (once it can be resolved)."""
+        context = self._recipe.shared_context
+        messages = [m for m in self.transcript if not m.metadata.get("shared_context")]
+        self.transcript = Transcript(messages)
+        if context is None or (is_templated(context) and self.row is None):
+            return
+        text = resolve(context, self.row, field="shared_context")
+        self.transcript = Transcript([Message(MODERATOR, text or "", {"shared_context": True}), *messages])
+
+    def _conditions(self, *, recipe_turns: bool = True) -> list[StopCondition]:
+        conditions = list(self._recipe.stop) + list(ambient_conditions())
+        if recipe_turns and self._recipe.turns is not None:
+            conditions.append(MaxTurns(self._recipe.turns))
+        return conditions
+
+    def _should_stop(self, conditions: Sequence[StopCondition]) -> bool:
+        return any(c.should_stop(self) for c in conditions)
+
+    def next_speaker(self) -> Participant:
+        """Round-robin from the first participant, continuing after the last one who spoke."""
+        last = self.last_generated
+        participants = self._recipe.participants
+        if last is None:
+            return participants[0]
+        names = [p.name for p in participants]
+        index = names.index(last.author) + 1 if last.author in names else 0
+        return participants[index % len(participants)]
+
+    def view(self, speaker: str | Participant) -> View:
+        """What ``speaker`` sees now: its system block and the transcript from its point of view."""
+        participant = speaker if isinstance(speaker, Participant) else self.participant(speaker)
+        label = len(self._recipe.participants) > 2
+        messages = []
+        for m in self.transcript:
+            if m.author == participant.name:
+                messages.append(ViewMessage("assistant", m.content, m.author))
+            else:
+                content = f"{m.author}: {m.content}" if label else m.content
+                messages.append(ViewMessage("user", content, m.author))
+        system_parts = [
+            resolve(self._recipe.shared_system_prompt, self.row, field="shared_system_prompt"),
+            resolve(participant.system_prompt, self.row, field=f"{participant.name}.system_prompt"),
+        ]
+        system = "\n\n".join(p for p in system_parts if p) or None
+        return View(speaker=participant.name, system=system, messages=tuple(messages))
+
+    # ------------------------------------------------------------------ live use
+    def _check_ready(self) -> None:
+        if is_templated(self._recipe.shared_context) and self.row is None:
+            resolve(self._recipe.shared_context, None, field="shared_context")  # raises the clear error
+
+    def _options(self, conditions: Sequence[StopCondition], participant: Participant, *,
+                 ephemeral: bool = False) -> GenerationOptions:
+        from ._rollout import turn_seed  # the per-turn seed rule lives with the execution modes
+
+        return GenerationOptions(
+            max_new_tokens=turn_cap(conditions, self),
+            seed=turn_seed(self, participant),
+            stream_id=self._stream_id,
+            ephemeral=ephemeral,
+        )
+
+    async def astep(self, speaker: str | None = None) -> Message:
+        """Generate one turn (by ``speaker``, default the next in round-robin) and append it."""
+        self._check_ready()
+        participant = self.participant(speaker) if speaker is not None else self.next_speaker()
+        message = await participant.agenerate(self.view(participant),
+                                              self._options(self._conditions(), participant))
+        self.transcript.append(message)
+        return message
+
+    def step(self, speaker: str | None = None) -> Message:
+        """Sync twin of :meth:`astep`."""
+        return _run_sync(self.astep, speaker)
+
+    async def arun(self, turns: int | None = None) -> Transcript:
+        """Generate ``turns`` more turns (default: until the recipe's turn count or a stop condition).
+
+        An explicit ``turns`` overrides the recipe's ``.turns(n)``; stop conditions still apply.
+        """
+        self._check_ready()
+        conditions = self._conditions(recipe_turns=turns is None)
+        if turns is not None:
+            if not isinstance(turns, int) or turns < 0:
+                raise ConfigurationError(f"run(turns=...) needs a non-negative int, got {turns!r}")
+            conditions.append(MaxTurns(self.generated_turns + turns))
+        elif not conditions:
+            raise ConfigurationError(
+                "this conversation would never stop: pass run(turns=n), set .turns(n), or add a stop "
+                "condition with .run_until(...)"
+            )
+        while not self._should_stop(conditions):
+            participant = self.next_speaker()
+            message = await participant.agenerate(self.view(participant), self._options(conditions, participant))
+            self.transcript.append(message)
+        return self.transcript
+
+    def run(self, turns: int | None = None) -> Transcript:
+        """Sync twin of :meth:`arun`; works in scripts and inside a running event loop (Jupyter)."""
+        return _run_sync(self.arun, turns)
+
+    async def asample(self, speaker: str, prompt: str | None = None) -> Message:
+        """Generate what ``speaker`` would say next (after ``prompt``, if given) WITHOUT committing it."""
+        if self.generated_turns == 0:
+            raise UnrunConversationError(
+                "sample() needs a conversation that has run: this one has no generated turn yet (an unrun "
+                "recipe). Sample on a finished rollout, report.results[job_id].conversation, or run this "
+                "conversation first with conv.run(...)"
+            )
+        participant = self.participant(speaker)
+        view = self.view(participant)
+        if prompt is not None:
+            view = dataclasses.replace(view, messages=(*view.messages, ViewMessage("user", prompt, MODERATOR)))
+        return await participant.agenerate(
+            view, self._options(list(ambient_conditions()), participant, ephemeral=True)
+        )
+
+    def sample(self, speaker: str, prompt: str | None = None) -> Message:
+        """Sync twin of :meth:`asample`."""
+        return _run_sync(self.asample, speaker, prompt)
+
+    # ------------------------------------------------------------------ rollouts (see _rollout)
+    def rollout(self, n: int | None = None, **options: Any) -> RunReport:
+        """Run ``n`` independent copies (or one per data row); see :func:`interlens.run` for the options."""
+        from ._rollout import rollout
+
+        return rollout(self, n, **options)
+
+    async def arollout(self, n: int | None = None, **options: Any) -> RunReport:
+        """Async twin of :meth:`rollout` (works under top-level await)."""
+        from ._rollout import arollout
+
+        return await arollout(self, n, **options)
+
+    # ------------------------------------------------------------------ JSON
+    def recipe_json(self, *, strict: bool = True) -> dict[str, Any]:
+        """The recipe as JSON. ``strict=False`` names lambdas by their code instead of refusing them."""
+        r = self._recipe
+        if strict:
+            participants = [p.to_json() for p in r.participants]
+            context = template_to_json(r.shared_context, field="shared_context")
+            system = template_to_json(r.shared_system_prompt, field="shared_system_prompt")
+        else:
+            from ._participant import _describe_template
+
+            participants = [p.describe() for p in r.participants]
+            context = _describe_template(r.shared_context)
+            system = _describe_template(r.shared_system_prompt)
+        return {
+            "participants": participants,
+            "shared_context": context,
+            "shared_system_prompt": system,
+            "turns": r.turns,
+            "stop": [c.to_json() for c in r.stop],
+            "analyzer": _analyzer_json(r.analyzer, strict=strict),
+            "name": r.name,
+        }
+
+    def fingerprint(self) -> str:
+        """A stable hash of the recipe: a rerun into the same out_dir with another fingerprint is refused."""
+        blob = json.dumps(self.recipe_json(strict=False), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        """Recipe + dialogue state as JSON (what the ledger and ``save`` store)."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "recipe": self.recipe_json(strict=False),
+            "transcript": self.transcript.to_json(),
+            "row": _json_safe(self.row),
+            "seed": self.seed,
+        }
+
+    def _with_state(self, state: Mapping[str, Any]) -> Conversation:
+        """A copy of this recipe carrying the dialogue state of ``state`` (from ``to_json``)."""
+        _check_schema(state)
+        clone = self._copy()
+        clone.transcript = Transcript.from_json(state.get("transcript", []))
+        clone.row = state.get("row")
+        clone.seed = state.get("seed")
+        return clone
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write recipe + transcript to ``directory/conversation.json`` (JSON, never pickle)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "schema": SCHEMA_VERSION,
+            "recipe": self.recipe_json(strict=True),
+            "transcript": self.transcript.to_json(),
+            "row": _json_safe(self.row),
+            "seed": self.seed,
+        }
+        target = path / _SAVE_FILE
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2, ensure_ascii=False))
+        os.replace(tmp, target)
+        return target
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Conversation:
+        """Read a conversation written by :meth:`save`. Participants come back lazy (no weights loaded)."""
+        target = Path(directory) / _SAVE_FILE
+        if not target.exists():
+            raise ConfigurationError(f"no saved conversation at {target} (save(dir) writes {_SAVE_FILE})")
+        payload = json.loads(target.read_text())
+        _check_schema(payload)
+        recipe = payload["recipe"]
+        stop = []
+        for item in recipe.get("stop", []):
+            condition = condition_from_json(item)
+            if condition is None:
+                raise ConfigurationError(f"cannot rebuild custom stop condition {item} from JSON; "
+                                         "re-attach it with .run_until(...) after loading")
+            stop.append(condition)
+        conv = cls(
+            [participant_from_json(p) for p in recipe["participants"]],
+            shared_context=template_from_json(recipe.get("shared_context")),
+            shared_system_prompt=template_from_json(recipe.get("shared_system_prompt")),
+            turns=recipe.get("turns"),
+            analyzer=_analyzer_from_json(recipe.get("analyzer")),
+            name=recipe.get("name"),
+            stop=stop,
+        )
+        conv.transcript = Transcript.from_json(payload.get("transcript", []))
+        conv.row = payload.get("row")
+        conv.seed = payload.get("seed")
+        return conv
+
+    def __repr__(self) -> str:
+        names = ", ".join(p.name for p in self._recipe.participants)
+        label = f" {self._recipe.name!r}" if self._recipe.name else ""
+        return (f"<Conversation{label} [{names}] turns={self._recipe.turns} "
+                f"transcript={len(self.transcript)} messages>")
+
+
+# ---------------------------------------------------------------------- helpers
+def _validate(recipe: _Recipe) -> None:
+    if not recipe.participants:
+        raise ConfigurationError("a Conversation needs at least one participant")
+    for p in recipe.participants:
+        if not isinstance(p, Participant):
+            raise ConfigurationError(f"participants must be Participant objects, got {type(p).__name__}: {p!r}")
+    names = [p.name for p in recipe.participants]
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"participant names must be unique, got {names}")
+    check_template(recipe.shared_context, field="shared_context")
+    check_template(recipe.shared_system_prompt, field="shared_system_prompt")
+    if recipe.turns is not None and (not isinstance(recipe.turns, int) or isinstance(recipe.turns, bool)
+                                     or recipe.turns < 0):
+        raise ConfigurationError(f".turns(n) needs a non-negative int or None, got {recipe.turns!r}")
+    for cond in recipe.stop:
+        if not isinstance(cond, StopCondition):
+            raise ConfigurationError(f"run_until() needs StopCondition objects, got {cond!r}")
+    if recipe.analyzer is not None and not (callable(recipe.analyzer) or isinstance(recipe.analyzer, str)):
+        raise ConfigurationError(f".analyzer() needs a callable(conv) or a registered name, got {recipe.analyzer!r}")
+    if recipe.name is not None and (not isinstance(recipe.name, str) or not recipe.name or "/" in recipe.name):
+        raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
+    if recipe.data is not None and (isinstance(recipe.data, str | bytes | Mapping)
+                                    or not isinstance(recipe.data, Iterable)):
+        raise ConfigurationError(
+            f".data() needs an iterable of rows (a datasets.Dataset, an IterableDataset, a list of dicts or a "
+            f"generator), got {type(recipe.data).__name__}"
+        )
+
+
+def _check_schema(payload: Mapping[str, Any]) -> None:
+    version = payload.get("schema")
+    if not isinstance(version, int):
+        raise SchemaVersionError(f"not an interlens conversation (no schema version): keys {sorted(payload)}")
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"this conversation was saved with schema {version}, newer than this interlens understands "
+            f"({SCHEMA_VERSION}); upgrade interlens to load it"
+        )
+
+
+def _analyzer_json(analyzer: Any, *, strict: bool) -> Any:
+    if analyzer is None or isinstance(analyzer, str):
+        return analyzer
+    from ._participant import _describe_callable
+    from ._templating import callable_path
+
+    if strict:
+        try:
+            return {"$callable": callable_path(analyzer, what="analyzer")}
+        except ConfigurationError:
+            return {"$unsaved": _describe_callable(analyzer)}  # a closure: the dialogue still saves
+    return {"$callable": _describe_callable(analyzer)}
+
+
+def _analyzer_from_json(data: Any) -> Any:
+    if data is None or isinstance(data, str):
+        return data
+    if "$callable" in data:
+        return import_callable(data["$callable"])
+    return None  # a closure could not be saved; re-attach with .analyzer(...)
+
+
+def _json_safe(value: Any) -> Any:
+    """Rows can hold anything (numpy scalars, images); keep what JSON can say, stringify the rest."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _json_safe(item())
+        except (TypeError, ValueError):
+            pass
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return _json_safe(tolist())
+    return str(value)
+
+
+def _run_sync(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run an async method from sync code: a script, a notebook, or an analyzer's worker thread.
+
+    An analyzer runs in a worker thread of the job's event loop; its ``conv.sample(...)`` must go back to THAT
+    loop (where the batcher and the job's device live) instead of starting a new one.
+    """
+    import anyio.from_thread
+
+    from ._model_participant import CURRENT_JOB
+
+    if CURRENT_JOB.get() is not None:
+        return anyio.from_thread.run(fn, *args)
+    from interlens.scheduler import run_sync
+
+    return run_sync(fn, *args)

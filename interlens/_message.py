@@ -1,0 +1,115 @@
+"""Messages and transcripts: the plain data a conversation is made of.
+
+Both are JSON all the way down (``to_json`` / ``from_json``) because they are what the ledger stores and what
+``save`` writes: opening a run directory must never execute code.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+__all__ = ["MODERATOR", "Message", "Transcript"]
+
+MODERATOR = "moderator"
+"""Author of the shared context message that seeds every transcript."""
+
+
+@dataclass
+class Message:
+    """One turn: who said it, what they said, and how it was produced.
+
+    ``metadata`` carries generation facts such as ``n_tokens`` (tokens generated for this turn, the unit of
+    :class:`~interlens.TokenBudget`), ``finish_reason``, ``batched`` and ``shared_prefill``.
+    """
+
+    author: str
+    content: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens generated for this turn (0 for turns nobody generated, such as the shared context)."""
+        return int(self.metadata.get("n_tokens", 0))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"author": self.author, "content": self.content, "metadata": dict(self.metadata)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Message:
+        return cls(author=data["author"], content=data["content"], metadata=dict(data.get("metadata") or {}))
+
+    def __str__(self) -> str:
+        return f"{self.author}: {self.content}"
+
+
+class Transcript:
+    """The ordered messages of one conversation. Behaves like a list; prints as a readable dialogue."""
+
+    __slots__ = ("_messages",)
+
+    def __init__(self, messages: Iterable[Message] = ()) -> None:
+        self._messages: list[Message] = list(messages)
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> Transcript: ...
+    def __getitem__(self, index: int | slice) -> Message | Transcript:
+        if isinstance(index, slice):
+            return Transcript(self._messages[index])
+        return self._messages[index]
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self._messages)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Transcript):
+            return self._messages == other._messages
+        if isinstance(other, list):
+            return self._messages == other
+        return NotImplemented
+
+    def append(self, message: Message) -> None:
+        self._messages.append(message)
+
+    def copy(self) -> Transcript:
+        """A copy whose messages can be appended to without touching this transcript."""
+        return Transcript(Message(m.author, m.content, dict(m.metadata)) for m in self._messages)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Sum of ``metadata["n_tokens"]`` over the turns: counted, never re-tokenized."""
+        return sum(m.n_tokens for m in self._messages)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [m.to_json() for m in self._messages]
+
+    @classmethod
+    def from_json(cls, data: Iterable[Mapping[str, Any]]) -> Transcript:
+        return cls(Message.from_json(m) for m in data)
+
+    def __repr__(self) -> str:
+        return f"Transcript({len(self)} messages)"
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self, *, width: int = 100) -> str:
+        """The dialogue as text: one block per message, the author's name as a header."""
+        blocks = []
+        for m in self._messages:
+            body = "\n".join(
+                textwrap.fill(line, width=width, subsequent_indent="  ") if line else ""
+                for line in m.content.splitlines() or [""]
+            )
+            blocks.append(f"[{m.author}]\n{body}")
+        return "\n\n".join(blocks)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython
+        printer.text(self.format())

@@ -1,0 +1,295 @@
+"""Local HuggingFace models as participants.
+
+A :class:`ModelParticipant` is a lazy load recipe: building one reads at most the model's ``config.json``
+(to pick the family class); weights load on first use, through a process-wide cache keyed by the load
+recipe, so two participants naming one model share one model object, and pickling ships no weights.
+
+In a rollout the participant is the scheduler's ``EngineSpec``: its turns go to the coalescing batcher of
+the engine on the job's device (one batched generate for many conversations). Live, it calls the engine
+directly with a batch of one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ._exceptions import ConfigurationError, GenerationError, ModelLoadError
+from ._message import Message
+from ._participant import GenerationOptions, Participant, View, register_participant_kind
+from ._templating import Template, template_from_json
+
+__all__ = ["AutoModelParticipant", "ModelParticipant", "register_family"]
+
+# Set by a rollout job while it runs: turns then go through the scheduler instead of a direct call.
+CURRENT_JOB: contextvars.ContextVar[Any] = contextvars.ContextVar("interlens_current_job", default=None)
+
+_FAMILIES: dict[str, type[ModelParticipant]] = {}
+
+
+def register_family(model_type: str) -> Any:
+    """Class decorator: use this ModelParticipant subclass for models whose ``config.model_type`` matches."""
+
+    def decorate(cls: type[ModelParticipant]) -> type[ModelParticipant]:
+        _FAMILIES[model_type] = cls
+        cls.family = model_type
+        return cls
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One turn to generate: the speaker's view and its sampling settings."""
+
+    view: View
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    reuse_key: Hashable | None = None
+
+
+class ChatEngine:
+    """A loaded model plus its tokenizer's chat template: views in, generations out (scheduler ``Engine``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def generate_batch(self, requests: Sequence[ChatRequest], *, mode: Any = None, cancelled: Any = None) -> list[Any]:
+        from interlens.scheduler import ExecutionMode
+
+        from ._chat_template import render_view
+        from ._generation import GenerationRequest
+
+        prepared: list[Any] = []
+        for req in requests:
+            try:
+                text = render_view(self.tokenizer, req.view)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                prepared.append(GenerationRequest(
+                    prompt_ids=tuple(ids), max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+                    top_p=req.top_p, stop=req.stop, seed=req.seed, reuse_key=req.reuse_key,
+                ))
+            except Exception as exc:  # a view the template cannot render fails its own row only
+                prepared.append(GenerationError(f"cannot render the view of {req.view.speaker!r}: {exc}"))
+        rows = [p for p in prepared if not isinstance(p, Exception)]
+        results = iter(
+            self.engine.generate_batch(rows, mode=mode or ExecutionMode.BATCHED, cancelled=cancelled)
+            if rows else []
+        )
+        return [p if isinstance(p, Exception) else next(results) for p in prepared]
+
+
+class ModelParticipant(Participant):
+    """A local HuggingFace causal LM. Prefer :meth:`AutoModelParticipant.from_pretrained`."""
+
+    kind = "model"
+    needs_device = True
+    family: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        name: str,
+        system_prompt: Template = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        kv_reuse: bool | str = "auto",
+        device: str | None = None,
+        dtype: str | None = None,
+        revision: str | None = None,
+    ) -> None:
+        super().__init__(name=name, system_prompt=system_prompt)
+        if not isinstance(model_id, str) or not model_id:
+            raise ConfigurationError(f"{name}: model_id must be a hub id or a local path, got {model_id!r}")
+        if temperature < 0:
+            raise ConfigurationError(f"{name}: temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ConfigurationError(f"{name}: top_p must be in (0, 1], got {top_p}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ConfigurationError(f"{name}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if kv_reuse not in (True, False, "auto"):
+            raise ConfigurationError(f"{name}: kv_reuse must be True, False or 'auto', got {kv_reuse!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        self.model_id = model_id
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_new_tokens = max_new_tokens
+        self.stop = tuple(stop)
+        self.seed = seed
+        self.kv_reuse = kv_reuse
+        self.device = device
+        self.dtype = dtype
+        self.revision = revision
+
+    # ---------------------------------------------------------------- scheduler EngineSpec
+    @property
+    def engine_key(self) -> Hashable:
+        return ("hf", self.model_id, self.dtype, self.revision)
+
+    def load_engine(self, device: str) -> ChatEngine:
+        from ._model_cache import load_engine
+
+        return ChatEngine(load_engine(self.model_id, device=device, dtype=self.dtype, revision=self.revision))
+
+    def live_engine(self) -> ChatEngine:
+        """The engine used outside rollouts: on ``device=`` or the first available device."""
+        from interlens.scheduler import available_devices
+
+        return self.load_engine(self.device or available_devices()[0])
+
+    # ---------------------------------------------------------------- generation
+    def request(self, view: View, options: GenerationOptions) -> ChatRequest:
+        cap = self.max_new_tokens if options.max_new_tokens is None else min(self.max_new_tokens,
+                                                                             options.max_new_tokens)
+        reuse = None
+        if self.kv_reuse and not options.ephemeral and options.stream_id is not None:
+            reuse = (options.stream_id, self.name)
+        return ChatRequest(view=view, max_new_tokens=cap, temperature=self.temperature, top_p=self.top_p,
+                           stop=self.stop, seed=options.seed, reuse_key=reuse)
+
+    async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
+        import anyio
+
+        options = options or GenerationOptions()
+        request = self.request(view, options)
+        if request.max_new_tokens <= 0:  # a spent budget: an empty turn, nothing generated
+            return Message(self.name, "", {"n_tokens": 0, "finish_reason": "length", "model": self.model_id})
+        job = CURRENT_JOB.get()
+        if job is not None:
+            result = await job.generate(self, request)
+        else:
+            engine = await anyio.to_thread.run_sync(self.live_engine)
+            [result] = await anyio.to_thread.run_sync(lambda: engine.generate_batch([request]))
+        if isinstance(result, BaseException):
+            raise result
+        return self.message(result)
+
+    def message(self, result: Any) -> Message:
+        return Message(
+            self.name,
+            result.text,
+            {
+                "n_tokens": result.n_tokens,
+                "finish_reason": result.finish_reason,
+                "prompt_tokens": result.prompt_tokens,
+                "batched": result.batch_size > 1,
+                "batch_size": result.batch_size,
+                "shared_prefill": result.shared_prefill,
+                "reused_prefix_tokens": result.reused_prefix_tokens,
+                "seconds": round(result.seconds, 6),
+                "model": self.model_id,
+                "at": time.time(),
+            },
+        )
+
+    # ---------------------------------------------------------------- JSON / pickling
+    def to_json(self) -> dict[str, Any]:
+        from ._templating import template_to_json
+
+        return {
+            "kind": self.kind,
+            "family": self.family,
+            "model_id": self.model_id,
+            "name": self.name,
+            "system_prompt": template_to_json(self.system_prompt, field=f"{self.name}.system_prompt"),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "stop": list(self.stop),
+            "seed": self.seed,
+            "kv_reuse": self.kv_reuse,
+            "device": self.device,
+            "dtype": self.dtype,
+            "revision": self.revision,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        from ._participant import _describe_template
+
+        data = self.to_json() | {"system_prompt": _describe_template(self.system_prompt)}
+        data.pop("device")  # where it runs is not part of the recipe
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelParticipant:
+        target = _FAMILIES.get(data.get("family") or "", ModelParticipant)
+        kwargs = {k: v for k, v in data.items() if k not in ("kind", "family", "model_id", "system_prompt")}
+        return target(data["model_id"], system_prompt=template_from_json(data.get("system_prompt")), **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # holds no weights: engines live in the process-wide cache
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.model_id!r}, name={self.name!r})"
+
+
+register_participant_kind(ModelParticipant.kind, ModelParticipant.from_json)
+
+
+@register_family("qwen2")
+class Qwen2Participant(ModelParticipant):
+    """Qwen2 / Qwen2.5 (ChatML template, system role supported)."""
+
+
+@register_family("llama")
+class LlamaParticipant(ModelParticipant):
+    """Llama 2/3 family (header-based template, system role supported)."""
+
+
+@register_family("gemma2")
+class Gemma2Participant(ModelParticipant):
+    """Gemma 2: no system role, strict alternation (the view is folded, see ``_chat_template``)."""
+
+
+@register_family("gemma3_text")
+class Gemma3Participant(ModelParticipant):
+    """Gemma 3 text models."""
+
+
+def _read_model_type(id_or_path: str, revision: str | None) -> str | None:
+    """``config.model_type`` without loading weights: the JSON file for a local dir, else AutoConfig."""
+    local = Path(id_or_path)
+    if local.is_dir():
+        config = local / "config.json"
+        if not config.exists():
+            raise ModelLoadError(f"{id_or_path} is a directory without config.json; is it a saved model?")
+        return json.loads(config.read_text()).get("model_type")
+    try:
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(id_or_path, revision=revision), "model_type", None)
+    except Exception:
+        return None  # offline or not yet downloaded: resolve the family at load time instead
+
+
+class AutoModelParticipant:
+    """Factory: ``AutoModelParticipant.from_pretrained(id_or_path, name=...)`` picks the family class."""
+
+    def __init__(self) -> None:
+        raise TypeError("use AutoModelParticipant.from_pretrained(id_or_path, name=...)")
+
+    @staticmethod
+    def from_pretrained(id_or_path: str | Path, *, name: str, **settings: Any) -> ModelParticipant:
+        """A lazy participant for ``id_or_path``; reads only the config, never the weights.
+
+        Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
+        ``kv_reuse`` ("auto" | True | False), ``device``, ``dtype``, ``revision``.
+        """
+        model_id = str(id_or_path)
+        model_type = _read_model_type(model_id, settings.get("revision"))
+        cls = _FAMILIES.get(model_type or "", ModelParticipant)
+        return cls(model_id, name=name, **settings)

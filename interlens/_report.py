@@ -1,0 +1,150 @@
+"""``RunReport`` and ``RunResult``: what a rollout hands back.
+
+With an ``out_dir`` every per-job read goes to the ledger on demand, so a report over a million jobs holds no
+million conversations in memory; without one, the results live in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._message import Transcript
+
+if TYPE_CHECKING:
+    from interlens.scheduler import ErrorInfo, JobOutcome, RunOutcome
+
+    from ._conversation import Conversation
+
+__all__ = ["RunReport", "RunResult"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One job's result: its finished conversation (``None`` if it failed before finishing) and facts."""
+
+    job_id: str
+    error: ErrorInfo | None  # None when the job succeeded
+    analysis: Any
+    device: str | None
+    tokens_generated: int
+    attempts: int
+    skipped: bool  # done by an earlier run of the same out_dir, loaded from its ledger
+    row_index: int | None
+    seed: int
+    _state: Mapping[str, Any] | None
+    _recipe: Conversation | None
+
+    @functools.cached_property
+    def conversation(self) -> Conversation | None:
+        """The finished conversation, live: ``sample()`` and ``run()`` work on it."""
+        if self._state is None or self._recipe is None:
+            return None
+        from ._rollout import _expand_one
+
+        base = self._recipe.data(None)
+        conv = _expand_one(base, self._state.get("row"), self.row_index, self.seed)
+        return conv._with_state(self._state)
+
+    @property
+    def transcript(self) -> Transcript | None:
+        if self._state is None:
+            return None
+        return Transcript.from_json(self._state.get("transcript", []))
+
+    def __repr__(self) -> str:
+        status = "ok" if self.error is None else f"error={self.error.type}"
+        return f"RunResult({self.job_id!r}, {status}, tokens={self.tokens_generated}, device={self.device!r})"
+
+
+class _Results(Mapping[str, RunResult]):
+    """``report.results``: job id → RunResult, read on demand."""
+
+    def __init__(self, report: RunReport) -> None:
+        self._report = report
+
+    def __getitem__(self, job_id: str) -> RunResult:
+        return self._report._result(self._report._outcome.outcome(job_id))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._report._outcome.job_ids)
+
+    def __len__(self) -> int:
+        return len(self._report._outcome.job_ids)
+
+    def items(self) -> Iterator[tuple[str, RunResult]]:  # type: ignore[override]
+        """One ledger read per job, streamed in job order."""
+        for outcome in self._report._outcome.outcomes():
+            yield outcome.job_id, self._report._result(outcome)
+
+    def values(self) -> Iterator[RunResult]:  # type: ignore[override]
+        for _, result in self.items():
+            yield result
+
+
+class RunReport:
+    """Results of ``rollout``/``run``: ``.results``, ``.failed``, ``.skipped`` and bulk accessors."""
+
+    def __init__(self, outcome: RunOutcome, lineups: Mapping[str, Conversation]) -> None:
+        self._outcome = outcome
+        self._lineups = dict(lineups)
+        self.results: Mapping[str, RunResult] = _Results(self)
+
+    def _result(self, outcome: JobOutcome) -> RunResult:
+        return RunResult(
+            job_id=outcome.job_id,
+            error=outcome.error,
+            analysis=outcome.analysis,
+            device=outcome.device,
+            tokens_generated=outcome.tokens_generated,
+            attempts=outcome.attempts,
+            skipped=outcome.skipped,
+            row_index=outcome.row_index,
+            seed=outcome.seed,
+            _state=outcome.conversation,
+            _recipe=self._lineups.get(outcome.lineup),
+        )
+
+    @property
+    def failed(self) -> list[str]:
+        """Ids of jobs that failed (their ``RunResult.error`` says why)."""
+        return self._outcome.failed
+
+    @property
+    def skipped(self) -> list[str]:
+        """Ids of jobs found done in the ledger and not run again (their results are loaded)."""
+        return self._outcome.skipped
+
+    @property
+    def out_dir(self) -> Path | None:
+        path = self._outcome.ledger_path
+        return path.parent if path is not None else None
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        return self._outcome.counts
+
+    def transcripts(self) -> dict[str, Transcript]:
+        """Job id → transcript, for every job that has one."""
+        return {jid: r.transcript for jid, r in self.results.items() if r.transcript is not None}
+
+    def analyses(self) -> dict[str, Any]:
+        """Job id → analyzer value, for jobs whose analyzer succeeded."""
+        return {jid: r.analysis for jid, r in self.results.items() if r.error is None and r._state is not None}
+
+    def conversations(self) -> dict[str, Conversation]:
+        """Job id → finished Conversation (live: ``sample()`` works on it)."""
+        out = {}
+        for jid, r in self.results.items():
+            conv = r.conversation
+            if conv is not None:
+                out[jid] = conv
+        return out
+
+    def __repr__(self) -> str:
+        c = self._outcome.counts
+        return (f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
+                f"skipped={c.get('skipped', 0)}>")

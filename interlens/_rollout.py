@@ -1,0 +1,290 @@
+"""From conversations to scheduler jobs and back: ``rollout``, ``run`` and their async twins.
+
+A lineup (one Conversation) expands lazily into jobs: one per sample (``rollout_0000``...) or per data row
+(``row_00000``...), each an independent copy with its templates resolved for its row and its own seed. The
+scheduler runs them; this module only translates between the two worlds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._analyzers import check_analyzer, run_analyzer
+from ._exceptions import ConfigurationError, InterlensError, TemplateError, translate
+from ._model_participant import CURRENT_JOB
+from ._participant import Participant
+from ._stop import ambient_conditions
+from ._templating import DatasetField, is_templated, resolve
+
+if TYPE_CHECKING:
+    from interlens.scheduler import JobContext, JobResult, JobSpec, LineupSpec
+
+    from ._conversation import Conversation
+    from ._report import RunReport
+
+__all__ = ["arollout", "arun", "rollout", "run", "turn_seed"]
+
+
+def _mix(*parts: int) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def turn_seed(conv: Conversation, participant: Participant) -> int | None:
+    """The sampling seed of the next turn of ``participant``, or None for the shared RNG.
+
+    Deterministic mode, or a participant with a pinned ``seed=``, seeds every turn from (participant seed,
+    rollout seed, turn index): the turn is then token-identical whatever else is generated beside it.
+    """
+    from interlens.scheduler import ExecutionMode
+
+    job = CURRENT_JOB.get()
+    pinned = getattr(participant, "seed", None)
+    deterministic = job is not None and job.mode is ExecutionMode.DETERMINISTIC
+    if pinned is None and not deterministic:
+        return None
+    return _mix(pinned or 0, conv.seed or 0, conv.generated_turns)
+
+
+@dataclass
+class ConversationJob:
+    """One expanded conversation, run by the scheduler (satisfies ``interlens.scheduler.Job``)."""
+
+    conversation: Conversation
+    needs_device: bool
+    error: BaseException | None = None  # a row that could not be expanded fails its own job only
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        from interlens.scheduler import JobResult
+
+        from ._message import Message
+
+        if self.error is not None:
+            raise self.error
+        conv = self.conversation._copy()
+        conv._stream_id = ctx.job_id
+        for turn in ctx.committed_turns:  # resume: replay what an earlier attempt already committed
+            conv.transcript.append(Message.from_json(turn))
+        token = CURRENT_JOB.set(ctx)
+        try:
+            conditions = conv._conditions()
+            while not conv._should_stop(conditions):
+                participant = conv.next_speaker()
+                message = await participant.agenerate(conv.view(participant), conv._options(conditions, participant))
+                conv.transcript.append(message)
+                await ctx.record_turn(conv.generated_turns - 1, message.to_json())
+            analysis, analysis_error = None, None
+            if conv.analyzer_fn is not None:
+                try:
+                    analysis = await run_analyzer(conv.analyzer_fn, conv)
+                except Exception as exc:
+                    analysis_error = exc
+        finally:
+            CURRENT_JOB.reset(token)
+        return JobResult(conversation=conv.to_json(), tokens_generated=conv.tokens_generated,
+                         analysis=analysis, analysis_error=analysis_error)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
+
+
+def _rows(data: Any, n: int | None) -> tuple[Iterator[Any], int | None]:
+    """A lazy iterator over at most ``n`` rows of ``data`` and its length when known."""
+    try:
+        total: int | None = len(data)
+    except TypeError:
+        total = None
+    if n is not None:
+        total = n if total is None else min(n, total)
+    return itertools.islice(iter(data), n), total
+
+
+def _template_columns(conv: Conversation) -> set[str]:
+    columns: set[str] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, DatasetField):
+            columns.add(value.column)
+        elif isinstance(value, tuple):
+            for part in value:
+                visit(part)
+        elif hasattr(value, "interpolations") and not isinstance(value, str):
+            for interp in value.interpolations:
+                visit(interp.value)
+
+    for value in (conv.shared_context, conv.shared_system_prompt, *(p.system_prompt for p in conv.participants)):
+        visit(value)
+    return columns
+
+
+def _expand_one(base: Conversation, row: Any, index: int | None, seed: int) -> Conversation:
+    """The job's own copy of ``base``: its row attached, its templates resolved, its seed set."""
+    if row is not None and not hasattr(row, "keys"):
+        raise TemplateError(f"data row {index} is a {type(row).__name__}, not a mapping of column -> value")
+    row_dict = dict(row) if row is not None else None
+    participants = tuple(
+        p.replace(system_prompt=resolve(p.system_prompt, row_dict, field=f"{p.name}.system_prompt"))
+        if is_templated(p.system_prompt) else p
+        for p in base.participants
+    )
+    system = resolve(base.shared_system_prompt, row_dict, field="shared_system_prompt")
+    conv = base.set(participants=participants, shared_system_prompt=system)
+    conv.row, conv.seed = row_dict, seed
+    conv._seed_transcript()
+    return conv
+
+
+def lineup_spec(conv: Conversation, n: int | None, *, seed: int, prefix: str | None, single_job_id: str | None,
+                lineup: str) -> LineupSpec:
+    """Expand ``conv`` into a lazily generated stream of jobs."""
+    from interlens.scheduler import JobSpec, LineupSpec
+
+    ambient = ambient_conditions()
+    if ambient:
+        conv = conv.run_until(*ambient)
+    if not conv._conditions():
+        raise ConfigurationError(
+            f"lineup {lineup!r} would never stop: set .turns(n) or add a stop condition with .run_until(...)"
+        )
+    check_analyzer(conv.analyzer_fn)
+    needs_device = any(p.needs_device for p in conv.participants)
+    data = conv.data_source
+    if data is not None:
+        columns = getattr(data, "column_names", None)
+        missing = sorted(_template_columns(conv) - set(columns)) if isinstance(columns, list) else []
+        if missing:
+            from ._exceptions import MissingColumnError
+
+            raise MissingColumnError(
+                f"lineup {lineup!r} uses dataset_field({missing[0]!r}) but the data has no column "
+                f"{missing[0]!r}; available columns: {sorted(columns or [])}"
+            )
+        rows, total = _rows(data, n)
+        base = conv.data(None)
+
+        def jobs() -> Iterator[JobSpec]:
+            for i, row in enumerate(rows):
+                job_id = f"{prefix}row_{i:05d}"
+                try:
+                    job = ConversationJob(_expand_one(base, row, i, seed + i), needs_device)
+                except InterlensError as exc:
+                    job = ConversationJob(base, needs_device, error=exc)
+                yield JobSpec(job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=i)
+
+        return LineupSpec(name=lineup, fingerprint=conv.fingerprint(), jobs=jobs(), n_jobs=total,
+                          describe=conv.recipe_json(strict=False))
+    if any(is_templated(v) for v in (conv.shared_context, conv.shared_system_prompt,
+                                    *(p.system_prompt for p in conv.participants))):
+        raise TemplateError(f"lineup {lineup!r} is templated with dataset_field/callables but has no data: "
+                            "attach rows with .data(...)")
+    count = 1 if n is None else n
+    if not isinstance(count, int) or count < 0:
+        raise ConfigurationError(f"n must be a non-negative int, got {n!r}")
+
+    def samples() -> Iterator[JobSpec]:
+        for i in range(count):
+            job_id = single_job_id if single_job_id is not None and count == 1 else f"{prefix}rollout_{i:04d}"
+            yield JobSpec(job_id=job_id, lineup=lineup, seed=seed + i,
+                          job=ConversationJob(_expand_one(conv, None, None, seed + i), needs_device))
+
+    return LineupSpec(name=lineup, fingerprint=conv.fingerprint(), jobs=samples(), n_jobs=count,
+                      describe=conv.recipe_json(strict=False))
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("interlens", "torch", "transformers", "datasets", "openai", "anthropic"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], *, devices: Sequence[str] | None,
+                   out_dir: str | os.PathLike[str] | None, resume: bool, batched: bool,
+                   **scheduler_options: Any) -> RunReport:
+    from interlens.scheduler import ExecutionMode, available_devices, run_jobs
+
+    from ._report import RunReport
+
+    mode = ExecutionMode.BATCHED if batched else ExecutionMode.DETERMINISTIC
+    try:
+        outcome = await run_jobs(
+            [spec for _, spec in lineups],
+            devices=list(devices) if devices is not None else available_devices(),
+            out_dir=out_dir, resume=resume, mode=mode, versions=_versions(), **scheduler_options,
+        )
+    except Exception as exc:
+        raise translate(exc) from exc.__cause__
+    return RunReport(outcome, {spec.name: conv for conv, spec in lineups})
+
+
+def _lineups(conversations: Iterable[Conversation], seed: int) -> list[tuple[Conversation, LineupSpec]]:
+    from ._conversation import Conversation
+
+    convs = list(conversations) if not isinstance(conversations, Conversation) else [conversations]
+    if not convs:
+        raise ConfigurationError("run() needs at least one Conversation")
+    out = []
+    for i, conv in enumerate(convs):
+        if not isinstance(conv, Conversation):
+            raise ConfigurationError(f"run() takes Conversation objects, got {type(conv).__name__} at index {i}")
+        name = conv.name() or f"conv{i}"
+        single = name if conv.data_source is None else None
+        out.append((conv, lineup_spec(conv, None, seed=seed, prefix=f"{name}/", single_job_id=single,
+                                      lineup=name)))
+    names = [spec.name for _, spec in out]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigurationError(f"two lineups share the name(s) {duplicates}: give each a distinct .name(...)")
+    return out
+
+
+async def arun(conversations: Iterable[Conversation], *, devices: Sequence[str] | None = None,
+               out_dir: str | os.PathLike[str] | None = None, resume: bool = True, seed: int = 0,
+               batched: bool = True, **options: Any) -> RunReport:
+    """Run many lineups in one pool; see :func:`run`."""
+    return await _execute(_lineups(conversations, seed), devices=devices, out_dir=out_dir, resume=resume,
+                          batched=batched, **options)
+
+
+def run(conversations: Iterable[Conversation], *, devices: Sequence[str] | None = None,
+        out_dir: str | os.PathLike[str] | None = None, resume: bool = True, seed: int = 0, batched: bool = True,
+        **options: Any) -> RunReport:
+    """Run many lineups in one pool under one ``out_dir``/resume namespace.
+
+    Each conversation expands to its own jobs (one per ``.data()`` row, else a single job), namespaced by its
+    ``.name()``: ``pair_7b``, ``gpqa/row_00000``... (unnamed lineups are ``conv0``, ``conv1``...).
+    Options: ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress`` (None:
+    a bar when interactive).
+    """
+    from interlens.scheduler import run_sync
+
+    return run_sync(arun, conversations, devices=devices, out_dir=out_dir, resume=resume, seed=seed,
+                    batched=batched, **options)
+
+
+async def arollout(conv: Conversation, n: int | None = None, *, devices: Sequence[str] | None = None,
+                   out_dir: str | os.PathLike[str] | None = None, seed: int = 0, batched: bool = True,
+                   resume: bool = True, **options: Any) -> RunReport:
+    lineup = conv.name() or "rollout"
+    spec = lineup_spec(conv, n, seed=seed, prefix="", single_job_id=None, lineup=lineup)
+    return await _execute([(conv, spec)], devices=devices, out_dir=out_dir, resume=resume, batched=batched,
+                          **options)
+
+
+def rollout(conv: Conversation, n: int | None = None, *, devices: Sequence[str] | None = None,
+            out_dir: str | os.PathLike[str] | None = None, seed: int = 0, batched: bool = True,
+            resume: bool = True, **options: Any) -> RunReport:
+    from interlens.scheduler import run_sync
+
+    return run_sync(arollout, conv, n, devices=devices, out_dir=out_dir, seed=seed, batched=batched,
+                    resume=resume, **options)

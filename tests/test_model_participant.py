@@ -1,0 +1,145 @@
+"""Local model participants on tiny real models of three families, loaded through from_pretrained."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from interlens import (
+    AutoModelParticipant,
+    Conversation,
+    ModelLoadError,
+    ModelParticipant,
+    ScriptedParticipant,
+    TokenBudget,
+)
+from interlens._chat_template import fold_messages, probe_template, render_view
+from interlens._model_participant import Gemma2Participant, LlamaParticipant, Qwen2Participant
+from interlens.testing import TINY_FAMILIES, tiny_model
+
+FAMILY_CLASSES = {"qwen2": Qwen2Participant, "llama": LlamaParticipant, "gemma2": Gemma2Participant}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "gemma2"])
+def family(request):
+    return request.param, tiny_model(request.param)
+
+
+def _debate(path: str, **settings):
+    a = AutoModelParticipant.from_pretrained(path, name="a", system_prompt="Argue for tabs.", max_new_tokens=6,
+                                             **settings)
+    b = AutoModelParticipant.from_pretrained(path, name="b", system_prompt="Argue for spaces.", max_new_tokens=6,
+                                             **settings)
+    return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.", shared_system_prompt="Be kind.")
+
+
+def test_three_families_available():
+    assert {"qwen2", "llama", "gemma2"} <= set(TINY_FAMILIES)
+
+
+def test_from_pretrained_resolves_family_without_loading_weights(family):
+    from interlens._model_cache import clear_engine_cache
+
+    clear_engine_cache()
+    name, path = family
+    p = AutoModelParticipant.from_pretrained(path, name="x")
+    assert type(p) is FAMILY_CLASSES[name]
+    assert isinstance(p, ModelParticipant) and p.needs_device
+
+
+def test_views_render_with_family_template(family):
+    name, path = family
+    conv = _debate(path)
+    from interlens import Message
+
+    conv.transcript.append(Message("a", "Tabs are compact."))
+    engine = conv.participants[1].live_engine()
+    caps = probe_template(engine.tokenizer)
+    view = conv.view("b")
+    text = render_view(engine.tokenizer, view)
+    assert "Argue for spaces." in text and "Be kind." in text and "Tabs are compact." in text
+    messages = fold_messages(view, caps)
+    if name == "gemma2":  # no system role: folded into the first user turn; strict alternation
+        assert not caps.system_role and not caps.consecutive_roles
+        assert [m["role"] for m in messages] == ["user"]
+        assert messages[0]["content"].startswith("Be kind.\n\nArgue for spaces.\n\nDebate: tabs vs spaces.")
+        assert "<start_of_turn>user" in text and text.rstrip().endswith("<start_of_turn>model")
+    else:
+        assert caps.system_role
+        assert messages[0] == {"role": "system", "content": "Be kind.\n\nArgue for spaces."}
+        assert [m["role"] for m in messages[1:]] == ["user", "user"]
+
+
+def test_live_debate_generates_with_honest_token_counts(family):
+    _, path = family
+    conv = _debate(path, temperature=0.0)
+    conv.run(turns=3)
+    assert [m.author for m in conv.transcript] == ["moderator", "a", "b", "a"]
+    engine = conv.participants[0].live_engine()
+    for m in conv.transcript[1:]:
+        assert 1 <= m.n_tokens <= 6
+        assert m.metadata["finish_reason"] in {"eos", "length"}
+        assert m.metadata["batched"] is False
+    # a greedy turn's n_tokens is the number of tokens actually generated
+    reply = conv.sample("b")
+    ids = engine.tokenizer(reply.content, add_special_tokens=False)["input_ids"]
+    assert reply.n_tokens >= len(ids) - 1  # decoding may merge a token boundary; never fewer than generated
+
+
+def test_batched_generation_through_engine(family):
+    _, path = family
+    conv = _debate(path, temperature=0.0)
+    conv.run(turns=1)
+    participant = conv.participants[1]
+    engine = participant.live_engine()
+    from interlens._participant import GenerationOptions
+
+    requests = [participant.request(conv.view("b"), GenerationOptions(max_new_tokens=k)) for k in (2, 4, 6)]
+    results = engine.generate_batch(requests)
+    assert [r.n_tokens <= k for r, k in zip(results, (2, 4, 6), strict=True)] == [True, True, True]
+    assert all(r.batch_size == 3 and r.n_tokens == len(r.token_ids) for r in results)
+    # rows of one prompt, greedy: the shorter ones are prefixes of the longest
+    assert results[2].token_ids[: results[0].n_tokens] == results[0].token_ids
+
+
+def test_two_participants_with_one_id_share_one_model(qwen2_path):
+    a = AutoModelParticipant.from_pretrained(qwen2_path, name="a")
+    b = AutoModelParticipant.from_pretrained(qwen2_path, name="b", temperature=0.3)
+    assert a.live_engine().engine.model is b.live_engine().engine.model
+
+
+def test_pickled_lazy_participant_is_small(qwen2_path):
+    p = AutoModelParticipant.from_pretrained(qwen2_path, name="a")
+    p.live_engine()  # weights loaded in this process...
+    blob = pickle.dumps(p)
+    assert len(blob) < 2_000  # ...but the participant ships none of them
+    clone = pickle.loads(blob)
+    assert clone.live_engine().engine.model is p.live_engine().engine.model
+
+
+def test_token_budget_caps_model_turns(qwen2_path):
+    p = AutoModelParticipant.from_pretrained(qwen2_path, name="solo", max_new_tokens=50, temperature=0.0,
+                                             stop=())
+    conv = Conversation(participants=[p], shared_context="Count.").turns(None)
+    conv = conv.run_until(TokenBudget(per_conversation=7, per_turn=3))
+    conv.run()
+    assert all(m.n_tokens <= 3 for m in conv.transcript[1:])
+    assert conv.tokens_generated <= 7
+    assert conv.tokens_generated == sum(m.n_tokens for m in conv.transcript)
+
+
+def test_mixed_scripted_and_model(qwen2_path):
+    mod = ScriptedParticipant("host", ["Next question."])
+    p = AutoModelParticipant.from_pretrained(qwen2_path, name="guest", max_new_tokens=3)
+    conv = Conversation(participants=[mod, p]).turns(4)
+    conv.run()
+    assert [m.author for m in conv.transcript] == ["host", "guest", "host", "guest"]
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        AutoModelParticipant.from_pretrained(str(tmp_path), name="x")
+    p = ModelParticipant(str(tmp_path / "nowhere"), name="x")
+    with pytest.raises(ModelLoadError):
+        p.live_engine()

@@ -1,0 +1,57 @@
+"""The public face: every name in __all__ exists and is documented; importing interlens stays cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import interlens
+import interlens.scheduler
+import interlens.store
+import interlens.testing
+
+PACKAGES = [interlens, interlens.scheduler, interlens.store, interlens.testing]
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_all_is_complete_and_importable(package):
+    assert len(set(package.__all__)) == len(package.__all__), "duplicates in __all__"
+    for name in package.__all__:
+        assert hasattr(package, name), f"{package.__name__}.__all__ names {name!r} which does not exist"
+    public = {n for n in vars(package) if not n.startswith("_")}
+    modules = {n for n, v in vars(package).items() if type(v).__name__ == "module"}
+    extra = public - set(package.__all__) - modules - {"annotations"}
+    assert not extra, f"{package.__name__} exposes names missing from __all__: {sorted(extra)}"
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_public_names_are_documented(package):
+    for name in package.__all__:
+        obj = getattr(package, name)
+        if callable(obj) and not isinstance(obj, type(interlens)):
+            assert (obj.__doc__ or "").strip(), f"{package.__name__}.{name} has no docstring"
+
+
+def test_import_interlens_is_cheap():
+    code = (
+        "import sys, interlens; "
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'openai', 'anthropic', 'httpx2') "
+        "if m in sys.modules]; print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"import interlens imported {out.stdout.strip()}"
+
+
+def test_scheduler_and_store_are_not_top_level_packages():
+    code = "import importlib.util as u; print(u.find_spec('scheduler'), u.find_spec('store'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "None None"
+
+
+def test_exceptions_share_one_root():
+    for name in interlens.__all__:
+        obj = getattr(interlens, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, interlens.InterlensError), name
