@@ -216,10 +216,13 @@ async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], *, device
     from ._report import RunReport
 
     mode = ExecutionMode.BATCHED if batched else ExecutionMode.DETERMINISTIC
+    if devices is None:  # only local models need a device: don't import torch to run scripted or API jobs
+        local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
+        devices = available_devices() if local else ["cpu"]
     try:
         outcome = await run_jobs(
             [spec for _, spec in lineups],
-            devices=list(devices) if devices is not None else available_devices(),
+            devices=list(devices),
             out_dir=out_dir, resume=resume, mode=mode, versions=_versions(), **scheduler_options,
         )
     except Exception as exc:

@@ -1,14 +1,54 @@
 """The async rollout engine (installed as ``interlens.scheduler``). Never imports interlens' user modules."""
 
-from ._protocols import Engine, EngineSpec, ExecutionMode, Job, JobContext, JobResult, JobSpec, LineupSpec
+from ._bridge import run_sync
+from ._devices import available_devices, validate_devices
+from ._errors import (
+    BatchResultError,
+    DeviceError,
+    DuplicateJobError,
+    EngineLoadError,
+    NoDeviceError,
+    SchedulerConfigError,
+    SchedulerError,
+)
+from ._outcome import ErrorInfo, JobOutcome, RunOutcome
+from ._protocols import (
+    BatchCancelled,
+    Engine,
+    EngineSpec,
+    ExecutionMode,
+    Job,
+    JobContext,
+    JobResult,
+    JobSpec,
+    LineupSpec,
+)
+from ._run import run_jobs
+from ._worker import HOST_DEVICE
 
 __all__ = [
+    "HOST_DEVICE",
+    "BatchCancelled",
+    "BatchResultError",
+    "DeviceError",
+    "DuplicateJobError",
     "Engine",
+    "EngineLoadError",
     "EngineSpec",
+    "ErrorInfo",
     "ExecutionMode",
     "Job",
     "JobContext",
+    "JobOutcome",
     "JobResult",
     "JobSpec",
     "LineupSpec",
+    "NoDeviceError",
+    "RunOutcome",
+    "SchedulerConfigError",
+    "SchedulerError",
+    "available_devices",
+    "run_jobs",
+    "run_sync",
+    "validate_devices",
 ]

@@ -22,11 +22,13 @@ Flow of one job::
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "BatchCancelled",
     "Engine",
     "EngineSpec",
     "ExecutionMode",
@@ -38,6 +40,10 @@ __all__ = [
 ]
 
 JSON = Any  # a value that json.dumps accepts
+
+
+class BatchCancelled(Exception):
+    """Raised by an engine that stopped a batch because its ``cancelled`` event was set."""
 
 
 class ExecutionMode(enum.Enum):
@@ -56,8 +62,13 @@ class ExecutionMode(enum.Enum):
 class Engine(Protocol):
     """A model resident on one device. Built once per (EngineSpec.key, device) in a worker."""
 
-    def generate_batch(self, requests: Sequence[Any], *, mode: ExecutionMode) -> list[Any]:
+    def generate_batch(
+        self, requests: Sequence[Any], *, mode: ExecutionMode, cancelled: threading.Event | None = None
+    ) -> list[Any]:
         """Generate one result per request, in order. Runs in a thread; may block for a long time.
+
+        When ``cancelled`` is set (Ctrl-C, run cancelled) the engine stops within one decode step and raises
+        :class:`BatchCancelled`, so a cancelled run does not wait for a long generate to finish.
 
         Raising fails the whole batch: the batcher splits a batch that ran out of memory in halves and
         retries, down to single requests. A per-request failure can instead be returned in place as an
@@ -89,7 +100,7 @@ class JobContext(Protocol):
     committed_turns: Sequence[Mapping[str, JSON]]  # turns a previous attempt/run already committed, in order
 
     async def generate(self, engine: EngineSpec, request: Any) -> Any:
-        """Queue ``request`` on the coalescing batcher of ``engine`` on this job's device; await its result."""
+        """Queue ``request`` on the coalescing batcher of ``engine`` on the job's device; await its result."""
         ...
 
     async def record_turn(self, index: int, turn: Mapping[str, JSON]) -> None:

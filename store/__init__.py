@@ -1,17 +1,42 @@
-"""The SQLite ledger that makes every run resumable and auditable (installed as ``interlens.store``)."""
+"""The SQLite ledger that makes every run resumable and auditable (installed as ``interlens.store``).
+
+One file per run directory, ``OUT_DIR/ledger.sqlite``: the scheduler writes it through :class:`Ledger` (the
+only writer, group-committed, durable against a crash of the process on every acknowledged write); reports
+and the CLI read it through :class:`LedgerReader` (synchronous, read-only, fine while a run is live). Only
+JSON is stored, never pickle, so opening a run directory cannot execute code; no credential is ever stored.
+This package imports nothing from interlens or its scheduler.
+"""
 
 from ._errors import (
     FingerprintMismatchError,
     LedgerCorruptError,
     LedgerLockedError,
+    LedgerNotFoundError,
     LedgerSchemaError,
     StoreError,
 )
+from ._ledger import Ledger
+from ._lock import LOCK_FILENAME
+from ._reader import LedgerReader
+from ._records import JOB_STATES, RUN_STATUSES, TERMINAL_BATCH_STATES, BatchRecord, JobRecord, TurnRecord
+from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
 
 __all__ = [
+    "JOB_STATES",
+    "LEDGER_FILENAME",
+    "LOCK_FILENAME",
+    "RUN_STATUSES",
+    "SCHEMA_VERSION",
+    "TERMINAL_BATCH_STATES",
+    "BatchRecord",
     "FingerprintMismatchError",
+    "JobRecord",
+    "Ledger",
     "LedgerCorruptError",
     "LedgerLockedError",
+    "LedgerNotFoundError",
+    "LedgerReader",
     "LedgerSchemaError",
     "StoreError",
+    "TurnRecord",
 ]

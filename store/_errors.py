@@ -6,7 +6,8 @@ The hierarchy::
     ├── LedgerLockedError           another live process holds the out_dir's writer lock
     ├── FingerprintMismatchError    a rerun's recipe fingerprint differs for existing job ids
     ├── LedgerSchemaError           the file was written by a newer schema version
-    └── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
+    ├── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
+    └── LedgerNotFoundError         no ledger where a reader looked (also a FileNotFoundError)
 
 The store imports nothing from interlens, so these are its own classes; interlens translates them at its
 boundary into ``InterlensError`` subclasses that also inherit from these.
@@ -18,6 +19,7 @@ __all__ = [
     "FingerprintMismatchError",
     "LedgerCorruptError",
     "LedgerLockedError",
+    "LedgerNotFoundError",
     "LedgerSchemaError",
     "StoreError",
 ]
@@ -41,3 +43,7 @@ class LedgerSchemaError(StoreError):
 
 class LedgerCorruptError(StoreError):
     """The file is not a readable SQLite ledger."""
+
+
+class LedgerNotFoundError(StoreError, FileNotFoundError):
+    """There is no ledger at the path a reader was given."""

@@ -1,0 +1,613 @@
+"""Batched text generation for a local HuggingFace causal LM: the engine behind every local-model turn.
+
+The scheduler coalesces the turn requests that are pending for one model on one device and hands them to
+:meth:`LocalEngine.generate_batch` as ONE call, in a worker thread. Batching is where the throughput is
+(12-25x over one row at a time on CPU), so this module is about running a batch of heterogeneous rows well:
+
+* one left-padded batch (positions from the attention mask), prefilled once, then a hand-written decode loop.
+  ``model.generate`` cannot honour per-row temperature / top-p / max_new_tokens / stop strings, cannot drop
+  finished rows, and draws every row from one RNG stream;
+* finished rows are dropped from the batch (their KV rows removed), so long rows do not drag short ones along;
+* a row with a ``seed`` samples from its own ``torch.Generator``: its tokens do not depend on its batch mates
+  (rows without a seed share the global RNG, one ``multinomial`` call for all of them);
+* identical prompts (n samples of one scenario) are prefilled ONCE and their KV cache expanded to the rows;
+* a single-row request with a ``reuse_key`` keeps its KV cache for that stream's next turn, which then only
+  prefills what is new (a conversation's prompt grows turn by turn by a suffix).
+
+A preallocated ``StaticCache`` is used for batches: a ``DynamicCache`` re-concatenates the whole KV every
+step, which is up to a third of a decode step at batch 64 on CPU. Reuse streams use a ``DynamicCache``
+because they must grow past any preallocated length on the next turn.
+
+Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
+halves and retries. A request that is bad on its own (a token id outside the vocabulary) is returned in place
+as an exception instance, so it fails only its own caller (see ``interlens.scheduler.Engine``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from interlens._exceptions import ConfigurationError
+from interlens.scheduler import BatchCancelled, ExecutionMode
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GenerationRequest", "GenerationResult", "LocalEngine"]
+
+_FINISH_REASONS = ("eos", "length", "stop")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One row of a batched generate: a tokenized prompt and how to continue it.
+
+    Validated on construction, so a bad value fails in the participant that built it, not deep inside a
+    batch shared with other conversations.
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 1.0  # <= 0 means greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # generation of the row ends once its text contains one of these
+    seed: int | None = None  # per-row torch.Generator: the row's tokens do not depend on its batch mates
+    reuse_key: Hashable | None = None  # KV reuse stream across turns (single-row requests); None = no reuse
+
+    def __post_init__(self) -> None:
+        # Accept any sequence for the tuple fields (a list is the natural thing to pass), store tuples.
+        if not isinstance(self.prompt_ids, tuple):
+            object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if isinstance(self.stop, str):
+            raise ConfigurationError(
+                f"GenerationRequest(stop={self.stop!r}): stop must be a sequence of strings, not one string; "
+                f"write stop=({self.stop!r},)."
+            )
+        if not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not self.prompt_ids:
+            raise ConfigurationError(
+                "GenerationRequest(prompt_ids=()): the prompt is empty; pass at least one token id "
+                "(render the conversation with the chat template first)."
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt_ids):
+            raise ConfigurationError(
+                "GenerationRequest(prompt_ids=...): every prompt id must be a non-negative int; "
+                "pass the token ids the tokenizer returned (e.g. tokenizer(text).input_ids)."
+            )
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigurationError(
+                f"GenerationRequest(max_new_tokens={self.max_new_tokens!r}): must be an int >= 1."
+            )
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ConfigurationError(
+                f"GenerationRequest(temperature={self.temperature!r}): must be a finite number "
+                "(<= 0 means greedy decoding)."
+            )
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigurationError(
+                f"GenerationRequest(top_p={self.top_p!r}): must be in (0, 1]; use 1.0 to disable nucleus "
+                "sampling."
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigurationError(
+                f"GenerationRequest(stop={self.stop!r}): stop strings must be non-empty strings."
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ConfigurationError(f"GenerationRequest(seed={self.seed!r}): seed must be an int or None.")
+        if self.reuse_key is not None:
+            try:
+                hash(self.reuse_key)
+            except TypeError:
+                raise ConfigurationError(
+                    f"GenerationRequest(reuse_key={self.reuse_key!r}): reuse_key must be hashable "
+                    "(a string or a tuple such as (job_id, participant))."
+                ) from None
+
+
+@dataclass
+class GenerationResult:
+    """What one row produced, plus how it was produced (recorded in the turn's metadata)."""
+
+    token_ids: list[int]  # generated tokens, including the end-of-turn token when one was produced
+    text: str  # decoded, special tokens skipped, cut BEFORE a matched stop string
+    n_tokens: int  # == len(token_ids): tokens actually generated for this row
+    finish_reason: str  # "eos" | "length" | "stop"
+    prompt_tokens: int
+    seconds: float  # wall time of the batched call this row was part of
+    batch_size: int  # rows in that batched call
+    shared_prefill: bool  # the prompt was prefilled once for several identical rows
+    reused_prefix_tokens: int  # prompt tokens whose KV came from this stream's previous turn (0 if none)
+
+
+@dataclass
+class _Row:
+    """Mutable per-row decode state."""
+
+    request: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
+
+
+class LocalEngine:
+    """A loaded causal LM plus its tokenizer on one device; satisfies ``interlens.scheduler.Engine``.
+
+    ``generate_batch`` runs one batch at a time (a lock), because live use may call it from several threads
+    and the model, the RNG streams and the KV-reuse entries are shared state.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str,
+        kv_reuse_capacity: int = 4,
+        shared_prefill: bool = True,
+    ) -> None:
+        if kv_reuse_capacity < 0:
+            raise ConfigurationError(f"LocalEngine(kv_reuse_capacity={kv_reuse_capacity}): must be >= 0.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.kv_reuse_capacity = kv_reuse_capacity
+        self.shared_prefill = shared_prefill
+        self._lock = threading.Lock()
+        self._reuse: OrderedDict[Hashable, tuple[list[int], Any]] = OrderedDict()
+        self._eos_ids = _eos_ids(model, tokenizer)
+        self._pad_id = _pad_id(model, tokenizer, self._eos_ids)
+        self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # "static" for batches (see the module docstring); tests and the benchmark may compare "dynamic".
+        self._batch_cache = "static"
+
+    def __repr__(self) -> str:
+        name = getattr(self.model.config, "_name_or_path", type(self.model).__name__)
+        return f"LocalEngine({name!r}, device={self.device!r})"
+
+    # ------------------------------------------------------------------ public face
+
+    def generate_batch(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        mode: ExecutionMode = ExecutionMode.BATCHED,
+        cancelled: threading.Event | None = None,
+    ) -> list[GenerationResult | Exception]:
+        """Generate one result per request, in order, as one batched call (see the module docstring).
+
+        In ``ExecutionMode.DETERMINISTIC`` every request runs alone, so a seeded row is token-identical on
+        the same hardware whatever else was queued with it. When ``cancelled`` is set, generation stops
+        within one decode step and :class:`interlens.scheduler.BatchCancelled` is raised.
+        """
+        import torch
+
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, GenerationRequest):
+                kind = type(request).__name__
+                raise TypeError(f"LocalEngine.generate_batch expects GenerationRequest objects, got {kind}.")
+        out: list[GenerationResult | Exception | None] = [None] * len(requests)
+        valid: list[int] = []
+        for i, request in enumerate(requests):
+            problem = self._check(request)
+            if problem is None:
+                valid.append(i)
+            else:
+                out[i] = problem
+        groups = [[i] for i in valid] if mode is ExecutionMode.DETERMINISTIC else ([valid] if valid else [])
+        with self._lock, torch.inference_mode():
+            for group in groups:
+                batch = [requests[i] for i in group]
+                if len(batch) == 1 and batch[0].reuse_key is not None and self.kv_reuse_capacity > 0:
+                    results = [self._generate_reusing(batch[0], cancelled)]
+                else:
+                    results = self._generate_rows(batch, cancelled)
+                for i, result in zip(group, results, strict=True):
+                    out[i] = result
+        return [r for r in out if r is not None]
+
+    def release(self, reuse_key: Hashable) -> None:
+        """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
+        with self._lock:
+            self._reuse.pop(reuse_key, None)
+
+    def clear_reuse(self) -> None:
+        """Free every kept KV cache."""
+        with self._lock:
+            self._reuse.clear()
+
+    # ------------------------------------------------------------------ validation
+
+    def _check(self, request: GenerationRequest) -> Exception | None:
+        """Problems only this engine can see (the request validated itself); returned in place, not raised."""
+        bad = [t for t in request.prompt_ids if t >= self._vocab_size]
+        if bad:
+            return ConfigurationError(
+                f"prompt token id {bad[0]} is outside this model's vocabulary (size {self._vocab_size}); "
+                "tokenize the prompt with this model's own tokenizer."
+            )
+        return None
+
+    # ------------------------------------------------------------------ batched path
+
+    def _generate_rows(
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+    ) -> list[GenerationResult]:
+        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded."""
+        import torch
+
+        started = time.perf_counter()
+        device = self.device
+        lengths = [len(r.prompt_ids) for r in requests]
+        max_new = max(r.max_new_tokens for r in requests)
+        unique: dict[tuple[int, ...], int] = {}
+        row_to_unique = [unique.setdefault(r.prompt_ids, len(unique)) for r in requests]
+        shared = (
+            self.shared_prefill and len(requests) > 1 and len(unique) < len(requests) and min(lengths) >= 2
+        )
+        _raise_if_cancelled(cancelled)
+
+        if shared:
+            # Prefill every distinct prompt minus its last token ONCE, copy the KV rows out to the batch rows,
+            # then feed each row its last prompt token: the first decode step yields the first logits.
+            # (Caching the whole prompt and feeding it again would duplicate the KV: pitfall 1 in the notes.)
+            prompts = list(unique)
+            prefix_len = max(len(p) for p in prompts) - 1
+            ids, mask = _left_pad([p[:-1] for p in prompts], prefix_len, self._pad_id)
+            cache = self._new_batch_cache(prefix_len + 1 + max_new)
+            self._forward(ids, mask, cache, device)
+            index = torch.tensor(row_to_unique, dtype=torch.long, device=device)
+            cache.reorder_cache(index)  # index_select on the batch dim: U rows -> B rows
+            row_mask = torch.tensor(mask, dtype=torch.long)[torch.tensor(row_to_unique)]
+            full_mask = torch.cat([row_mask, torch.ones(len(requests), 1 + max_new, dtype=torch.long)], dim=1)
+            last = torch.tensor([[r.prompt_ids[-1]] for r in requests], dtype=torch.long, device=device)
+            positions = torch.tensor(lengths, dtype=torch.long, device=device) - 1
+            attn = None if bool(full_mask.all()) else full_mask.to(device)
+            logits = self._step(last, positions, attn, cache, prefix_len + 1)
+            positions = positions + 1
+            kv_len = prefix_len + 1
+            counts: dict[int, int] = {}
+            for u in row_to_unique:
+                counts[u] = counts.get(u, 0) + 1
+            shared_rows = [counts[u] > 1 for u in row_to_unique]
+        else:
+            prompt_len = max(lengths)
+            ids, mask = _left_pad([r.prompt_ids for r in requests], prompt_len, self._pad_id)
+            cache = self._new_batch_cache(prompt_len + max_new)
+            logits = self._forward(ids, mask, cache, device)
+            full_mask = torch.cat(
+                [torch.tensor(mask, dtype=torch.long), torch.ones(len(requests), max_new, dtype=torch.long)],
+                dim=1,
+            )
+            positions = torch.tensor(lengths, dtype=torch.long, device=device)
+            attn = None if min(lengths) == prompt_len else full_mask.to(device)
+            kv_len = prompt_len
+            shared_rows = [False] * len(requests)
+
+        rows = [_Row(r, stop_window=_stop_window(r.stop)) for r in requests]
+        self._decode(rows, logits, cache, positions, attn, kv_len, cancelled)
+        seconds = time.perf_counter() - started
+        return [
+            self._result(row, seconds=seconds, batch_size=len(rows), shared=s, reused=0)
+            for row, s in zip(rows, shared_rows, strict=True)
+        ]
+
+    def _new_batch_cache(self, max_len: int) -> Any:
+        from transformers import DynamicCache, StaticCache
+
+        if self._batch_cache == "static":
+            return StaticCache(config=self.model.config, max_cache_len=max_len)
+        return DynamicCache(config=self.model.config)
+
+    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+        """Prefill a left-padded block; returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        attention = torch.tensor(mask, dtype=torch.long, device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        has_pad = not bool(attention.all())
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention if has_pad else None,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        cache: Any,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """Feed one token per row; ``kv_len`` is the KV length after this step (sizes the dynamic mask)."""
+        if attn is not None and attn.shape[1] > kv_len and not _is_static(cache):
+            attn = attn[:, :kv_len]
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attn,
+            position_ids=positions.unsqueeze(1),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+    # ------------------------------------------------------------------ the decode loop
+
+    def _decode(
+        self,
+        rows: list[_Row],
+        logits: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        kv_len: int,
+        cancelled: threading.Event | None,
+    ) -> None:
+        """Sample until every row is finished, dropping finished rows from the batch as they finish.
+
+        ``positions`` holds each active row's position of the NEXT token to feed; ``attn`` is the full-length
+        2-D mask (None when no row is padded); ``kv_len`` the KV length already in the cache.
+        """
+        import torch
+
+        eos = self._eos_ids
+        active = list(rows)
+        sampler = _Sampler([r.request for r in active], self.device)
+        while True:
+            chosen = sampler(logits)
+            finished: list[int] = []
+            for j, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+                row.tokens.append(token)
+                if token in eos:
+                    row.finish = "eos"
+                elif row.stop_window and self._hit_stop(row):
+                    row.finish = "stop"
+                elif len(row.tokens) >= row.request.max_new_tokens:
+                    row.finish = "length"
+                if row.finish is not None:
+                    finished.append(j)
+            if len(finished) == len(active):
+                return
+            _raise_if_cancelled(cancelled)
+            if finished:
+                gone = set(finished)
+                keep = [j for j in range(len(active)) if j not in gone]
+                keep_t = torch.tensor(keep, dtype=torch.long, device=chosen.device)
+                cache.reorder_cache(keep_t)  # index_select on the batch dim, for static and dynamic layers
+                chosen = chosen.index_select(0, keep_t)
+                positions = positions.index_select(0, keep_t)
+                if attn is not None:
+                    attn = attn.index_select(0, keep_t)
+                    if bool(attn.all()):
+                        attn = None  # the padded rows are gone: let attention skip the mask
+                active = [active[j] for j in keep]
+                sampler = sampler.select(keep)
+            kv_len += 1
+            logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len)
+            positions = positions + 1
+
+    def _hit_stop(self, row: _Row) -> bool:
+        # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.
+        tail = self.tokenizer.decode(row.tokens[-row.stop_window :], skip_special_tokens=True)
+        return any(s in tail for s in row.request.stop)
+
+    def _result(
+        self, row: _Row, *, seconds: float, batch_size: int, shared: bool, reused: int
+    ) -> GenerationResult:
+        text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        if row.finish == "stop":
+            cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+            if cuts:
+                text = text[: min(cuts)]
+        assert row.finish in _FINISH_REASONS
+        return GenerationResult(
+            token_ids=list(row.tokens),
+            text=text,
+            n_tokens=len(row.tokens),
+            finish_reason=row.finish,
+            prompt_tokens=len(row.request.prompt_ids),
+            seconds=seconds,
+            batch_size=batch_size,
+            shared_prefill=shared,
+            reused_prefix_tokens=reused,
+        )
+
+    # ------------------------------------------------------------------ KV reuse across turns
+
+    def _generate_reusing(
+        self, request: GenerationRequest, cancelled: threading.Event | None
+    ) -> GenerationResult:
+        """A single row on its reuse stream: prefill only what the stream's cache does not hold yet.
+
+        The entry is taken OUT of the table while in use and put back only after success, so an error or a
+        cancellation never leaves a half-updated cache behind.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        prompt = list(request.prompt_ids)
+        key = request.reuse_key
+        entry = self._reuse.pop(key, None)
+        cache: Any = None
+        reused = 0
+        if entry is not None:
+            old_ids, old_cache = entry
+            common = _common_prefix(old_ids, prompt)
+            keep = min(common, len(prompt) - 1)  # at least one prompt token must be fed to get logits
+            if keep > 0 and old_cache.get_seq_length() == len(old_ids):
+                try:
+                    if len(old_ids) > keep:
+                        old_cache.crop(keep - len(old_ids))
+                    cache, reused = old_cache, keep
+                except (RuntimeError, ValueError):
+                    cache = None  # e.g. a sliding-window layer past its window cannot roll back: start fresh
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        _raise_if_cancelled(cancelled)
+        suffix = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
+        positions = torch.arange(reused, len(prompt), dtype=torch.long, device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=suffix, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        row = _Row(request, stop_window=_stop_window(request.stop))
+        start_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
+        self._decode([row], out.logits[:, -1, :], cache, start_pos, None, len(prompt), cancelled)
+        # The last sampled token was never fed, so the cache holds the prompt and all but the last token.
+        self._reuse[key] = (prompt + row.tokens[:-1], cache)
+        while len(self._reuse) > self.kv_reuse_capacity:
+            self._reuse.popitem(last=False)
+        seconds = time.perf_counter() - started
+        return self._result(row, seconds=seconds, batch_size=1, shared=False, reused=reused)
+
+
+class _Sampler:
+    """Picks the next token of every active row; built once per batch composition, not per step.
+
+    Greedy rows take the argmax; sampling rows are scaled by their temperature, nucleus-filtered when their
+    top_p < 1, and drawn either from their own generator (seeded rows, one ``multinomial`` each, which is what
+    makes them batch-invariant) or all together from the global RNG (one ``multinomial`` call).
+    """
+
+    def __init__(
+        self, requests: list[GenerationRequest], device: str, generators: list[Any] | None = None
+    ) -> None:
+        import torch
+
+        self.requests = requests
+        self.device = device
+        if generators is None:
+            generators = [
+                torch.Generator(device=device).manual_seed(r.seed)
+                if r.seed is not None and r.temperature > 0
+                else None
+                for r in requests
+            ]
+        self.generators = generators
+        sampling = [j for j, r in enumerate(requests) if r.temperature > 0]
+        self.all_greedy = not sampling
+        self.all_sampling = len(sampling) == len(requests)
+        if self.all_greedy:
+            return
+        self.sampling_idx = torch.tensor(sampling, dtype=torch.long, device=device)
+        self.temperatures = torch.tensor(
+            [[requests[j].temperature] for j in sampling], dtype=torch.float32, device=device
+        )
+        top_ps = [requests[j].top_p for j in sampling]
+        self.top_p = (
+            torch.tensor([p if p < 1.0 else math.inf for p in top_ps], dtype=torch.float32, device=device)
+            if any(p < 1.0 for p in top_ps)
+            else None
+        )
+        self.seeded = [(k, generators[j]) for k, j in enumerate(sampling) if generators[j] is not None]
+        unseeded = [k for k, j in enumerate(sampling) if generators[j] is None]
+        self.unseeded_idx = (
+            torch.tensor(unseeded, dtype=torch.long, device=device) if len(unseeded) < len(sampling) else None
+        )
+        self.any_unseeded = bool(unseeded)
+
+    def select(self, keep: list[int]) -> _Sampler:
+        """The sampler for a batch reduced to rows ``keep`` (generators carry on where they were)."""
+        return _Sampler([self.requests[j] for j in keep], self.device, [self.generators[j] for j in keep])
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
+        scores = logits if self.all_sampling else logits.index_select(0, self.sampling_idx)
+        probs = torch.softmax(scores.float() / self.temperatures, dim=-1)
+        if self.top_p is not None:
+            probs = _nucleus(probs, self.top_p)
+        picked = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        if self.any_unseeded:
+            if self.unseeded_idx is None:
+                picked = torch.multinomial(probs, 1).squeeze(1)
+            else:
+                picked[self.unseeded_idx] = torch.multinomial(probs[self.unseeded_idx], 1).squeeze(1)
+        for k, generator in self.seeded:
+            picked[k] = torch.multinomial(probs[k : k + 1], 1, generator=generator)[0, 0]
+        if self.all_sampling:
+            return picked
+        chosen = logits.argmax(dim=-1)
+        chosen[self.sampling_idx] = picked
+        return chosen
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside each row's smallest set whose mass reaches its top_p (inf: keep all)."""
+    import torch
+
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each token
+    sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _left_pad(
+    prompts: Sequence[Sequence[int]], width: int, pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
+
+
+def _stop_window(stops: tuple[str, ...]) -> int:
+    """Trailing tokens that can hold a stop string: a byte-level token may carry a single byte of a char."""
+    return 4 * max(len(s) for s in stops) + 4 if stops else 0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _is_static(cache: Any) -> bool:
+    from transformers import StaticCache
+
+    return isinstance(cache, StaticCache)
+
+
+def _raise_if_cancelled(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise BatchCancelled("generation cancelled")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a turn: the generation config's (end-of-turn tokens) and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+            break
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _pad_id(model: Any, tokenizer: Any, eos: frozenset[int]) -> int:
+    """Any valid id works for padding (pads are masked); prefer the declared pad token."""
+    for value in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(model.generation_config, "pad_token_id", None),
+    ):
+        if isinstance(value, int):
+            return value
+    return min(eos) if eos else 0

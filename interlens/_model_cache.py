@@ -1,0 +1,176 @@
+"""Process-wide cache of loaded local models, keyed by load recipe.
+
+Two participants naming the same model on the same device must share ONE copy of the weights: a debate
+between two instances of one 7B model should cost one 7B model of memory, and the scheduler's batcher can
+only co-step their turns if they are turns of the same engine. So engines are cached by everything that
+changes what gets loaded (path or hub id, device, dtype, revision, trust_remote_code), and loading is guarded
+by a lock per recipe: two threads asking at once load once, while different recipes still load in parallel.
+
+Loading never waits on the network unless asked to: a hub id is looked up in the local Hugging Face cache only
+(``local_files_only``), because a rollout loads models in worker threads and processes where a download
+would stall every conversation, and on an offline machine the hub client retries for most of a minute before
+failing. ``allow_download=True`` lets a miss go to the hub (still never when ``HF_HUB_OFFLINE`` is set).
+Every failure to load becomes a :class:`~interlens._exceptions.ModelLoadError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from interlens._exceptions import DeviceError, ModelLoadError
+from interlens._generation import LocalEngine
+
+__all__ = ["clear_engine_cache", "load_engine"]
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+_guard = threading.Lock()
+_engines: dict[tuple[Any, ...], LocalEngine] = {}
+_loading: dict[tuple[Any, ...], threading.Lock] = {}
+
+
+def load_engine(
+    path_or_id: str,
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    allow_download: bool = False,
+) -> LocalEngine:
+    """Return the engine for this load recipe, loading model + tokenizer on first use (thread-safe).
+
+    ``dtype`` is one of ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the checkpoint's dtype) or
+    None (transformers' default). The model is put in eval mode on ``device``. A hub id must already be in
+    the local Hugging Face cache unless ``allow_download`` is true.
+    """
+    if not isinstance(path_or_id, str) or not path_or_id.strip():
+        raise ModelLoadError(
+            f"load_engine({path_or_id!r}): pass a local model directory or a Hugging Face hub id "
+            "such as 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelLoadError(
+            f"load_engine({path_or_id!r}, dtype={dtype!r}): unknown dtype; use one of {', '.join(_DTYPES)} "
+            "or None."
+        )
+    _check_device(device)
+    local = os.path.isdir(os.path.expanduser(path_or_id))
+    source = os.path.realpath(os.path.expanduser(path_or_id)) if local else path_or_id
+    key = (source, device, dtype, revision, bool(trust_remote_code))
+    engine = _engines.get(key)
+    if engine is not None:
+        return engine
+    with _guard:
+        lock = _loading.setdefault(key, threading.Lock())
+    with lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _load(
+                source,
+                local,
+                device=device,
+                dtype=dtype,
+                revision=revision,
+                trust=trust_remote_code,
+                download=allow_download,
+            )
+            with _guard:
+                _engines[key] = engine
+    return engine
+
+
+def clear_engine_cache() -> None:
+    """Forget every cached engine (tests; freeing memory between runs). Engines in use stay valid."""
+    with _guard:
+        _engines.clear()
+        _loading.clear()
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceError(
+            f"device={device!r} is not a device string; use 'cpu', 'cuda', 'cuda:0', ..."
+        ) from exc
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = parsed.index or 0
+        if index >= count:
+            raise DeviceError(
+                f"device={device!r} does not exist here ({count} CUDA device(s) visible); "
+                "use 'cpu' or one of interlens' available devices."
+            )
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device={device!r}: MPS is not available on this machine; use 'cpu'.")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~", "\\")) or os.path.isfile(os.path.expanduser(name))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load(
+    source: str,
+    local: bool,
+    *,
+    device: str,
+    dtype: str | None,
+    revision: str | None,
+    trust: bool,
+    download: bool,
+) -> LocalEngine:
+    if not local and _looks_like_path(source):
+        raise ModelLoadError(
+            f"no model directory at {source!r}; check the path (it must be a directory written by "
+            "save_pretrained, holding config.json and the weights)."
+        )
+    kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if local:
+        return _from_pretrained(source, device, kwargs, local_files_only=True, where="this directory")
+    try:
+        return _from_pretrained(source, device, kwargs, local_files_only=True, where="the local HF cache")
+    except ModelLoadError as exc:
+        if not download or _offline():
+            why = (
+                "HF_HUB_OFFLINE is set" if download else "downloading was not allowed (allow_download=False)"
+            )
+            raise ModelLoadError(
+                f"{source!r} is not in the local Hugging Face cache and {why}; download it first "
+                f"(`hf download {source}`), pass a local directory, or allow the download."
+            ) from exc
+    return _from_pretrained(source, device, kwargs, local_files_only=False, where="the Hugging Face hub")
+
+
+def _from_pretrained(
+    source: str, device: str, kwargs: dict[str, Any], *, local_files_only: bool, where: str
+) -> LocalEngine:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
+        )
+        model: Any = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(
+            f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
+            "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
+        ) from exc
+    model = model.to(device)
+    model.eval()
+    return LocalEngine(model, tokenizer, device=device)
+
+
+def _tok_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != "dtype"}

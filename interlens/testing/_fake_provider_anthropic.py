@@ -1,0 +1,223 @@
+"""Anthropic routes of the fake provider: messages and message batches.
+
+Shapes follow /work/shared/notes/provider_wire_formats.md §2. Two details matter to the SDK: batch
+timestamps are RFC 3339 strings, and ``results_url`` must point back at this server (built from the Host
+header the client used), because ``messages.batches.results()`` GETs it verbatim.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ._fake_provider_core import (
+    Ctx,
+    Route,
+    State,
+    anthropic_error_type,
+    json_response,
+    jsonl,
+    new_id,
+    rfc3339,
+)
+from ._fake_provider_http import HttpResponse
+
+_CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_MAX_BATCH_ROWS = 100_000
+_COUNTS = ("processing", "succeeded", "errored", "canceled", "expired")
+
+
+@dataclass(slots=True)
+class AnthropicBatch:
+    id: str
+    requests: list[tuple[str, Any]]
+    created_at: float
+    status: str = "in_progress"
+    polls: int = 0
+    polls_in_state: int = 0
+    ended_at: float | None = None
+    cancel_initiated_at: float | None = None
+    results: list[dict[str, Any]] | None = None
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(_COUNTS, 0)
+        if self.results is None:
+            counts["processing"] = len(self.requests)
+        else:
+            for line in self.results:
+                counts[line["result"]["type"]] += 1
+        return counts
+
+    def wire(self, base_url: str) -> dict[str, Any]:
+        ended = self.status == "ended"
+        return {
+            "id": self.id,
+            "type": "message_batch",
+            "processing_status": self.status,
+            "request_counts": self.counts(),
+            "created_at": rfc3339(self.created_at),
+            "expires_at": rfc3339(self.created_at + 86_400),
+            "ended_at": rfc3339(self.ended_at) if self.ended_at is not None else None,
+            "archived_at": None,
+            "cancel_initiated_at": (
+                rfc3339(self.cancel_initiated_at) if self.cancel_initiated_at is not None else None
+            ),
+            "results_url": f"{base_url}/v1/messages/batches/{self.id}/results" if ended else None,
+        }
+
+
+def validate_message(body: Any) -> str | None:
+    """Why a messages body would be rejected by the real API, or None if it is acceptable."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        return "model: Field required (a non-empty string)"
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        return "max_tokens: Field required (an integer >= 1)"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages: must be a non-empty list of {role, content} objects"
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
+            return f"messages.{i}.role: must be 'user' or 'assistant'"
+    if body.get("stream"):
+        return "stream=true is not supported by FakeProviderServer; call without streaming"
+    return None
+
+
+def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
+    gen = state.generate(body, body.get("max_tokens"))
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": body["model"],
+        "content": [{"type": "text", "text": gen.text, "citations": None}],
+        "stop_reason": "max_tokens" if gen.truncated else "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": gen.prompt_tokens,
+            "output_tokens": gen.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "service_tier": tier,
+        },
+    }
+
+
+def _messages(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
+    problem = validate_message(ctx.json)
+    if problem is not None:
+        return ctx.error(400, problem)
+    return json_response(message(state, ctx.json))
+
+
+def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
+    body = ctx.json
+    requests = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(requests, list) or not requests:
+        return ctx.error(400, "requests: must be a non-empty list of {custom_id, params}")
+    if len(requests) > _MAX_BATCH_ROWS:
+        return ctx.error(400, f"requests: a batch holds at most {_MAX_BATCH_ROWS} requests")
+    seen: set[str] = set()
+    rows: list[tuple[str, Any]] = []
+    for i, item in enumerate(requests):
+        cid = item.get("custom_id") if isinstance(item, dict) else None
+        if not isinstance(cid, str) or not _CUSTOM_ID.fullmatch(cid):
+            return ctx.error(400, f"requests.{i}.custom_id: must match ^[a-zA-Z0-9_-]{{1,64}}$, got {cid!r}")
+        if cid in seen:
+            return ctx.error(400, f"requests.{i}.custom_id: {cid!r} is used more than once in this batch")
+        if not isinstance(item.get("params"), dict):
+            return ctx.error(400, f"requests.{i}.params: must be an object")
+        seen.add(cid)
+        rows.append((cid, item["params"]))
+    batch = AnthropicBatch(id=new_id("msgbatch_"), requests=rows, created_at=state.now())
+    state.anthropic_batches[batch.id] = batch
+    state.batches_created["anthropic"] += 1
+    return json_response(batch.wire(ctx.base_url))
+
+
+def _row_result(state: State, cid: str, params: Any) -> dict[str, Any]:
+    problem = validate_message(params)
+    rule = state.row_failure("anthropic", cid, params) if problem is None else None
+    if problem is None and rule is None:
+        return {"type": "succeeded", "message": message(state, params, tier="batch")}
+    status, text = (400, problem) if rule is None else (rule.status, rule.message)
+    error = {"type": anthropic_error_type(status), "message": text}
+    return {"type": "errored", "error": {"type": "error", "error": error, "request_id": new_id("req_")}}
+
+
+def advance(state: State, batch: AnthropicBatch) -> None:
+    """One poll: after ``polls_per_state`` polls the batch ends (canceled rows if a cancel was asked)."""
+    batch.polls += 1
+    if batch.status == "ended":
+        return
+    batch.polls_in_state += 1
+    if batch.polls_in_state < state.polls_per_state:
+        return
+    if batch.status == "canceling":
+        batch.results = [{"custom_id": cid, "result": {"type": "canceled"}} for cid, _ in batch.requests]
+    else:
+        batch.results = [
+            {"custom_id": cid, "result": _row_result(state, cid, p)} for cid, p in batch.requests
+        ]
+    batch.status, batch.ended_at = "ended", state.now()
+
+
+def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
+    batch = state.anthropic_batches.get(m["id"])
+    if batch is None:
+        return ctx.error(404, f"message batch {m['id']!r} not found")
+    action = m["action"]
+    if ctx.method == "DELETE":
+        if batch.status != "ended":
+            return ctx.error(
+                409, "a batch can be deleted only after it has ended; cancel it first", retry=False
+            )
+        del state.anthropic_batches[batch.id]
+        return json_response({"id": batch.id, "type": "message_batch_deleted"})
+    if action == "/results":
+        if batch.results is None:
+            return ctx.error(404, f"results of {batch.id} are not ready: it has not ended")
+        return HttpResponse(status=200, body=jsonl(batch.results), content_type="application/x-jsonl")
+    if action == "/cancel":
+        if batch.status == "ended":
+            return ctx.error(409, f"batch {batch.id} has already ended and cannot be canceled", retry=False)
+        if batch.status == "in_progress":
+            batch.status, batch.polls_in_state, batch.cancel_initiated_at = "canceling", 0, state.now()
+    else:
+        advance(state, batch)
+    return json_response(batch.wire(ctx.base_url))
+
+
+def _list_batches(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
+    ordered = list(reversed(state.anthropic_batches.values()))
+    ids = [b.id for b in ordered]
+    try:
+        limit = int(ctx.query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        return ctx.error(400, "limit must be an integer between 1 and 1000")
+    after, before = ctx.query.get("after_id"), ctx.query.get("before_id")
+    if before:
+        newer = ordered[: ids.index(before)] if before in ids else []
+        page, has_more = newer[-limit:], len(newer) > limit
+    else:
+        older = ordered[ids.index(after) + 1 :] if after and after in ids else ([] if after else ordered)
+        page, has_more = older[:limit], len(older) > limit
+    data = [b.wire(ctx.base_url) for b in page]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return json_response({"data": data, "has_more": has_more, "first_id": first, "last_id": last})
+
+
+ROUTES: list[Route] = [
+    Route("POST", re.compile(r"/v1/messages"), _messages, generation=True),
+    Route("POST", re.compile(r"/v1/messages/batches"), _create_batch),
+    Route("GET", re.compile(r"/v1/messages/batches"), _list_batches),
+    Route("GET", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>/results)?"), _batch),
+    Route("POST", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>/cancel)"), _batch),
+    Route("DELETE", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>)"), _batch),
+]

@@ -1,0 +1,326 @@
+"""Shared state, records and wire helpers of the fake provider server.
+
+Everything mutable lives in :class:`State`, guarded by one re-entrant lock, because it is written by the
+server thread and read (meters, records, batch states) or configured (faults) from the test's thread. Handlers
+run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen outside it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from ._fake_provider_http import HttpResponse
+
+Provider = Literal["openai", "anthropic", "openrouter"]
+PROVIDERS: tuple[Provider, ...] = ("openai", "anthropic", "openrouter")
+ReplyFn = Callable[[dict[str, Any]], str]
+RowPredicate = Callable[[str, dict[str, Any]], bool]
+
+_SECRET_HINTS = ("auth", "key", "token", "secret", "cookie")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the server saw it; credentials are redacted before the record is made.
+
+    ``status`` is None while the request is in flight (or if the client hung up before a response).
+    ``time`` is ``time.monotonic()`` at arrival, so records can be compared with each other.
+    ``connection`` identifies the TCP connection (equal ids: a kept-alive connection was reused).
+    """
+
+    provider: Provider
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    json: Any
+    time: float
+    authenticated: bool
+    connection: int
+    status: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSnapshot:
+    """A provider batch as held by the server (a copy: later polls do not change it)."""
+
+    id: str
+    provider: Provider
+    status: str
+    custom_ids: tuple[str, ...]
+    polls: int
+    """GETs of this batch so far (each one may advance its state)."""
+
+
+@dataclass(slots=True)
+class Fault:
+    kind: Literal["fail", "timeout", "malformed"]
+    remaining: int
+    provider: Provider | None
+    path: str | None
+    status: int = 500
+    headers: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    content_type: str = "application/json"
+    message: str = ""
+
+    def matches(self, provider: Provider, path: str) -> bool:
+        import fnmatch
+
+        if self.provider is not None and self.provider != provider:
+            return False
+        return self.path is None or self.path == path or fnmatch.fnmatchcase(path, self.path)
+
+
+@dataclass(frozen=True, slots=True)
+class RowRule:
+    predicate: RowPredicate
+    status: int
+    message: str
+    provider: Provider | None
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    truncated: bool
+
+
+def count_tokens(text: str) -> int:
+    """The fake's token count: whitespace-separated words. Stable, so tests can predict usage exactly."""
+    return len(text.split())
+
+
+def content_text(content: Any) -> str:
+    """Plain text of a message ``content`` (a string, or a list of OpenAI/Anthropic text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return " ".join(texts)
+    return ""
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """All prompt text of a chat/messages body (Anthropic ``system`` included), for token counting."""
+    parts = [content_text(body.get("system"))]
+    for msg in body.get("messages") or []:
+        if isinstance(msg, dict):
+            parts.append(content_text(msg.get("content")))
+    return " ".join(p for p in parts if p)
+
+
+def default_reply(body: dict[str, Any]) -> str:
+    """The default reply: names the last user message and hashes the whole prompt.
+
+    Deterministic, and different for every distinct conversation history, so a test can check that each
+    result landed on the conversation that asked for it: ``default_reply(request_body)`` gives the expected
+    text.
+    """
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    users = [m for m in messages if m.get("role") == "user"] or messages
+    last = " ".join(content_text(users[-1].get("content")).split()) if users else ""
+    canon = json.dumps({"system": body.get("system"), "messages": messages}, sort_keys=True, default=str)
+    digest = hashlib.sha256(canon.encode()).hexdigest()[:8]
+    return f"reply to {last[:40]} [{digest}]"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def rfc3339(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def redact(headers: dict[str, str]) -> dict[str, str]:
+    """Copy of ``headers`` with every credential-looking value replaced, keeping the auth scheme visible."""
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        if any(h in name for h in _SECRET_HINTS):
+            scheme, sep, _ = value.partition(" ")
+            out[name] = f"{scheme} ***" if sep and scheme.lower() in ("bearer", "basic") else "***"
+        else:
+            out[name] = value
+    return out
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> HttpResponse:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return HttpResponse(status=status, body=body, headers=dict(headers or {}))
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    """JSONL with a newline after every line and never a blank line (a blank line breaks the SDK decoder)."""
+    return "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+
+
+_OPENAI_TYPES = {401: "invalid_request_error", 403: "invalid_request_error", 429: "requests"}
+_OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def openai_error_type(status: int) -> str:
+    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(provider: Provider, status: int, message: str, request_id: str) -> dict[str, Any]:
+    """The error envelope each provider really uses (the SDKs read different parts of it)."""
+    if provider == "anthropic":
+        return {
+            "type": "error",
+            "error": {"type": anthropic_error_type(status), "message": message},
+            "request_id": request_id,
+        }
+    if provider == "openrouter":
+        return {"error": {"code": status, "message": message, "metadata": {}}}
+    code = _OPENAI_CODES.get(status)
+    return {"error": {"message": message, "type": openai_error_type(status), "param": None, "code": code}}
+
+
+def error_response(
+    provider: Provider,
+    status: int,
+    message: str,
+    request_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    retry: bool | None = None,
+) -> HttpResponse:
+    hdrs = dict(headers or {})
+    if retry is not None:
+        hdrs.setdefault("x-should-retry", "true" if retry else "false")
+    return json_response(error_body(provider, status, message, request_id), status, hdrs)
+
+
+def check_positive(name: str, value: float, *, allow_zero: bool = True, upper: float | None = None) -> float:
+    """Validate a duration-like number early, with a message that says what to pass instead."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper} (keep tests bounded), got {value!r}")
+    return float(value)
+
+
+class State:
+    """All mutable server state; every method is called with ``lock`` held or takes it itself."""
+
+    def __init__(self, *, latency: float, polls_per_state: int, reply: ReplyFn | None) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.latency = latency
+        self.polls_per_state = polls_per_state
+        self.reply: ReplyFn = reply or default_reply
+        self.records: list[RequestRecord] = []
+        self.in_flight: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
+        self.max_in_flight: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
+        self.max_total = 0
+        self.batches_created: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
+        self.faults: list[Fault] = []
+        self.row_rules: list[RowRule] = []
+        self.errors: list[str] = []
+        # Provider resources; the provider modules own their shapes.
+        self.files: dict[str, Any] = {}
+        self.openai_batches: dict[str, Any] = {}
+        self.anthropic_batches: dict[str, Any] = {}
+
+    def begin(self, record: RequestRecord) -> None:
+        with self.changed:
+            self.records.append(record)
+            p = record.provider
+            self.in_flight[p] += 1
+            self.max_in_flight[p] = max(self.max_in_flight[p], self.in_flight[p])
+            self.max_total = max(self.max_total, sum(self.in_flight.values()))
+            self.changed.notify_all()
+
+    def end(self, record: RequestRecord, status: int | None) -> None:
+        with self.changed:
+            record.status = status
+            self.in_flight[record.provider] -= 1
+            self.changed.notify_all()
+
+    def take_fault(self, provider: Provider, path: str) -> Fault | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault.remaining > 0 and fault.matches(provider, path):
+                    fault.remaining -= 1
+                    self.faults = [f for f in self.faults if f.remaining > 0]
+                    return fault
+            return None
+
+    def row_failure(self, provider: Provider, custom_id: str, body: dict[str, Any]) -> RowRule | None:
+        for rule in self.row_rules:
+            if (rule.provider is None or rule.provider == provider) and rule.predicate(custom_id, body):
+                return rule
+        return None
+
+    def generate(self, body: dict[str, Any], max_tokens: Any) -> Generation:
+        """Run the reply function and apply ``max_tokens`` (truncating to that many words)."""
+        text = self.reply(body)
+        if not isinstance(text, str):
+            raise TypeError(f"reply function must return str, got {type(text).__name__}")
+        words = text.split()
+        truncated = isinstance(max_tokens, int) and 0 < max_tokens < len(words)
+        if truncated:
+            text = " ".join(words[:max_tokens])
+        return Generation(text, count_tokens(prompt_text(body)), count_tokens(text), truncated)
+
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    """One request being handled: what the provider modules need besides the state."""
+
+    provider: Provider
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+    json: Any
+    request_id: str
+    base_url: str
+    """``http://<Host header>``: URLs the server hands out point back at itself, as the client reached it."""
+
+    def error(self, status: int, message: str, *, retry: bool | None = None) -> HttpResponse:
+        return error_response(self.provider, status, message, self.request_id, retry=retry)
+
+
+class Route(NamedTuple):
+    """One endpoint: ``pattern`` must match the whole path; ``generation`` routes get latency and holds."""
+
+    method: str
+    pattern: re.Pattern[str]
+    handler: Callable[[State, Ctx, re.Match[str]], HttpResponse]
+    generation: bool = False

@@ -1,0 +1,218 @@
+"""The coalescing batcher of one device: concurrent turns for one model become ONE batched generate.
+
+Requests queue per engine. One batch runs at a time on the device (the dispatcher is a single loop, which
+is the device lock); when the device is free the dispatcher serves the engine with the most queued
+requests, as soon as one of these holds:
+
+- QUIESCENCE: every live job of the worker is blocked on a generation (nothing else can add to the queue,
+  so waiting longer cannot make the batch bigger);
+- a queue holds a full batch (``max_batch_size``);
+- ``max_wait`` seconds have passed since the oldest queued request arrived (for jobs awaiting something the
+  scheduler cannot see, such as a file or an un-instrumented API call);
+- DETERMINISTIC mode: every request is its own batch, served at once.
+
+A batch that runs out of memory is split in halves and retried, down to single requests; only a request
+that fails alone gets the error. Any other exception from ``generate_batch`` fails every caller of that
+batch. An Exception instance returned in place of a result is raised to its caller only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
+
+from ._errors import BatchResultError
+from ._protocols import BatchCancelled, Engine, ExecutionMode
+from ._signals import Notifier
+from ._threads import run_in_thread
+
+__all__ = ["Batcher", "Waiter", "is_out_of_memory"]
+
+_OOM_PHRASES = ("out of memory", "can't allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (recognised by name, so torch is never imported here) or its kin."""
+    if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc).lower() for p in _OOM_PHRASES)
+
+
+class Waiter(Protocol):
+    """Whoever awaits a generation (a job's context): counts its undelivered requests."""
+
+    outstanding: int
+
+
+class _Request:
+    __slots__ = ("done", "enqueued_at", "error", "in_flight", "owner", "payload", "result")
+
+    def __init__(self, owner: Waiter, payload: Any, now: float) -> None:
+        self.owner = owner
+        self.payload = payload
+        self.enqueued_at = now
+        self.done = anyio.Event()
+        self.in_flight = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Queue:
+    __slots__ = ("engine", "requests")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.requests: deque[_Request] = deque()
+
+
+class Batcher:
+    """Queues and dispatches the generations of one device. Run :meth:`serve` in the worker's task group."""
+
+    def __init__(
+        self,
+        *,
+        mode: ExecutionMode,
+        max_batch_size: int,
+        max_wait: float,
+        quiescent: Callable[[], bool],
+        changed: Notifier,
+    ) -> None:
+        self._mode = mode
+        self._max = 1 if mode is ExecutionMode.DETERMINISTIC else max_batch_size
+        self._max_wait = max_wait
+        self._quiescent = quiescent
+        self._changed = changed  # shared with the worker: job starts/ends and blocking also wake us
+        self._queues: dict[Hashable, _Queue] = {}
+        self._queued = 0
+        self._blocked = 0
+        # Our own thread token, not one of anyio's shared 40: jobs that block threads of their own (a sync
+        # analyzer waiting on a generation) must never be able to starve the batch they wait for.
+        self._limiter = anyio.CapacityLimiter(1)
+
+    @property
+    def blocked(self) -> int:
+        """How many waiters have a request queued or in flight whose result is not delivered yet.
+
+        A waiter stops counting the moment its result is delivered, not when its task next runs: otherwise
+        the jobs of the batch that just ended would still look blocked, and the next batch would leave
+        before they could join it.
+        """
+        return self._blocked
+
+    async def submit(self, key: Hashable, engine: Engine, payload: Any, *, owner: Waiter) -> Any:
+        """Queue one request for ``engine`` and wait for its result (or its own error)."""
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue(engine)
+        req = _Request(owner, payload, anyio.current_time())
+        queue.requests.append(req)
+        self._queued += 1
+        owner.outstanding += 1
+        if owner.outstanding == 1:
+            self._blocked += 1
+        self._changed.notify()
+        try:
+            await req.done.wait()
+        except BaseException:
+            if not req.in_flight and not req.done.is_set():  # cancelled while queued: withdraw it
+                queue.requests.remove(req)
+                self._queued -= 1
+                self._release(owner)
+            raise
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _release(self, owner: Waiter) -> None:
+        owner.outstanding -= 1
+        if owner.outstanding == 0:
+            self._blocked -= 1
+        self._changed.notify()
+
+    async def serve(self) -> None:
+        """Dispatch batches forever (until the worker's task group is cancelled)."""
+        while True:
+            engine, batch = await self._next_batch()
+            results = await self._generate(engine, [r.payload for r in batch])
+            for req, res in zip(batch, results, strict=True):
+                if isinstance(res, Exception):
+                    req.error = res
+                else:
+                    req.result = res
+                req.done.set()
+                self._release(req.owner)
+
+    def _ready(self) -> bool:
+        if self._mode is ExecutionMode.DETERMINISTIC or self._quiescent():
+            return True
+        return any(len(q.requests) >= self._max for q in self._queues.values())
+
+    async def _next_batch(self) -> tuple[Engine, list[_Request]]:
+        while True:
+            event = self._changed.event()
+            if self._queued == 0:
+                await event.wait()
+                continue
+            oldest = min(q.requests[0].enqueued_at for q in self._queues.values() if q.requests)
+            remaining = oldest + self._max_wait - anyio.current_time()
+            if remaining <= 0 or self._ready():
+                return self._take()
+            with anyio.move_on_after(remaining):
+                await event.wait()
+
+    def _take(self) -> tuple[Engine, list[_Request]]:
+        queue = max(
+            (q for q in self._queues.values() if q.requests),
+            key=lambda q: (len(q.requests), -q.requests[0].enqueued_at),  # most queued, then oldest
+        )
+        batch = [queue.requests.popleft() for _ in range(min(self._max, len(queue.requests)))]
+        for req in batch:
+            req.in_flight = True
+        self._queued -= len(batch)
+        return queue.engine, batch
+
+    async def _generate(self, engine: Engine, payloads: Sequence[Any]) -> list[Any]:
+        """One result (or Exception) per payload; halves an out-of-memory batch down to single rows."""
+        try:
+            results = await _generate_in_thread(engine, payloads, self._mode, self._limiter)
+        except Exception as exc:
+            if is_out_of_memory(exc) and len(payloads) > 1:
+                mid = len(payloads) // 2
+                first = await self._generate(engine, payloads[:mid])
+                return first + await self._generate(engine, payloads[mid:])
+            return [exc] * len(payloads)
+        if (
+            not isinstance(results, Sequence)
+            or isinstance(results, str | bytes)
+            or len(results) != len(payloads)
+        ):
+            got = f"{len(results)} results" if isinstance(results, Sequence) else type(results).__name__
+            err = BatchResultError(
+                f"{type(engine).__name__}.generate_batch returned {got} for {len(payloads)} requests; it "
+                "must return a list with one result (or Exception) per request, in order"
+            )
+            return [err] * len(payloads)
+        return list(results)
+
+
+async def _generate_in_thread(
+    engine: Engine, payloads: Sequence[Any], mode: ExecutionMode, limiter: anyio.CapacityLimiter
+) -> Any:
+    """Run ``generate_batch`` in a thread; if we are cancelled meanwhile, set its ``cancelled`` event.
+
+    The engine stops within a decode step and raises :class:`BatchCancelled`; the cancellation then
+    surfaces here, so the device is never left to a batch still running behind our back.
+    """
+    cancelled = threading.Event()
+    call = partial(engine.generate_batch, list(payloads), mode=mode, cancelled=cancelled)
+    try:
+        return await run_in_thread(call, limiter=limiter, cancelled=cancelled)
+    except BatchCancelled:
+        await anyio.lowlevel.checkpoint()  # if we were cancelled, the cancellation surfaces here
+        raise  # otherwise the engine gave up on its own: an ordinary batch failure

@@ -1,0 +1,182 @@
+"""The recorder of a run with ``out_dir``: every state change goes to the SQLite ledger (``interlens.store``).
+
+The parent process is the ledger's only writer; workers route ``record_turn`` back here. Nothing about a
+finished job stays in memory: the :class:`RunOutcome` reads from the ledger (paged), so a million-job run
+does not hold a million conversations. The only per-run memory is the resume scan (ids already done, which
+the ledger hands over as a set) and the ids of live jobs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from interlens.store import JobRecord, Ledger, LedgerReader, StoreError
+
+from ._errors import DuplicateJobError
+from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
+from ._protocols import JobSpec, LineupSpec
+
+__all__ = ["LedgerRecorder"]
+
+
+class LedgerRecorder:
+    """Writes a run's state through :class:`interlens.store.Ledger`."""
+
+    value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError, StoreError)
+
+    def __init__(self, ledger: Ledger, *, run_id: int, lineups: Sequence[str]) -> None:
+        self._ledger = ledger
+        self._run_id = run_id
+        self._lineups = tuple(lineups)
+        self._live: set[str] = set()  # O(concurrency): catches a job id pulled twice while both are live
+
+    @classmethod
+    async def open(
+        cls,
+        out_dir: str | os.PathLike[str],
+        *,
+        lineups: Sequence[LineupSpec],
+        resume: bool,
+        versions: Mapping[str, str],
+    ) -> LedgerRecorder:
+        """Open (lock) the ledger and begin the run; refuses a changed recipe before anything runs."""
+        ledger = await Ledger.open(out_dir, fresh=not resume)
+        try:
+            run_id = await ledger.begin_run(
+                {lineup.name: lineup.fingerprint for lineup in lineups},
+                versions=versions,
+                describe={lineup.name: dict(lineup.describe) for lineup in lineups},
+            )
+        except BaseException:
+            await ledger.close()
+            raise
+        return cls(ledger, run_id=run_id, lineups=[lineup.name for lineup in lineups])
+
+    @property
+    def ledger_path(self) -> Path:
+        return self._ledger.path
+
+    async def begin(self) -> set[str]:
+        await self._ledger.requeue_running()  # left by a run that crashed or was interrupted
+        return await self._ledger.done_job_ids()
+
+    async def add(self, spec: JobSpec) -> None:
+        if spec.job_id in self._live:
+            raise _duplicate(spec.job_id)
+        await self._ledger.add_jobs([JobRecord(spec.job_id, spec.lineup, spec.seed, spec.row_index)])
+        self._live.add(spec.job_id)
+
+    async def start(self, job_id: str, *, device: str) -> int:
+        try:
+            return await self._ledger.start_job(job_id, device=device)
+        except StoreError as exc:  # done ids were skipped at the start: it finished earlier in this run
+            raise _duplicate(job_id) from exc
+
+    async def committed_turns(self, job_id: str) -> list[dict[str, Any]]:
+        return await self._ledger.committed_turns(job_id)
+
+    async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None:
+        await self._ledger.record_turn(job_id, index, turn)
+
+    async def finish(self, job_id: str, outcome: AttemptOutcome) -> None:
+        await self._ledger.finish_job(
+            job_id,
+            conversation=outcome.conversation or {},
+            analysis=outcome.analysis,
+            tokens_generated=outcome.tokens_generated,
+        )
+        self._live.discard(job_id)
+
+    async def fail(self, job_id: str, outcome: AttemptOutcome) -> None:
+        error = outcome.error or ErrorInfo("UnknownError", "the job failed without an error", "")
+        await self._ledger.fail_job(
+            job_id,
+            error_type=error.type,
+            message=error.message,
+            traceback=error.traceback,
+            conversation=outcome.conversation,
+            tokens_generated=outcome.tokens_generated,
+        )
+        self._live.discard(job_id)
+
+    async def retry(self, job_id: str) -> None:
+        await self._ledger.return_to_pending(job_id)
+
+    async def end(self, status: str) -> None:
+        await self._ledger.end_run(status)
+
+    async def close(self) -> None:
+        await self._ledger.close()
+
+    def outcome(self, *, counts: Mapping[str, int], skipped: list[str]) -> RunOutcome:
+        source = _LedgerSource(self._ledger.path, run_id=self._run_id, lineups=self._lineups, skipped=skipped)
+        return RunOutcome(
+            ledger_path=self._ledger.path, counts=dict(counts), _source=source, _skipped=skipped
+        )
+
+
+def _duplicate(job_id: str) -> DuplicateJobError:
+    return DuplicateJobError(
+        f"job id {job_id!r} occurs twice in this run; job ids must be unique across all lineups of a run"
+    )
+
+
+class _LedgerSource:
+    """Per-job outcomes of one run, read from the ledger on demand (nothing cached)."""
+
+    def __init__(self, path: Path, *, run_id: int, lineups: Sequence[str], skipped: Sequence[str]) -> None:
+        self._path = path
+        self._run_id = run_id
+        self._lineups = lineups
+        self._skipped = frozenset(skipped)
+
+    def _mine(self, job: JobRecord) -> bool:
+        return job.run_id == self._run_id or job.job_id in self._skipped
+
+    def job_ids(self, state: JobState | None = None) -> list[str]:
+        with LedgerReader(self._path) as reader:
+            if state is not None:  # done/failed by this run; skipped jobs are listed by RunOutcome.skipped
+                return reader.job_ids(state=state, run=self._run_id)
+            ran = set(reader.job_ids(run=self._run_id))
+            return [
+                job_id
+                for lineup in self._lineups
+                for job_id in reader.job_ids(lineup=lineup)
+                if job_id in ran or job_id in self._skipped
+            ]
+
+    def outcome(self, job_id: str) -> JobOutcome:
+        with LedgerReader(self._path) as reader:
+            job = reader.job(job_id)
+            if job is None or not self._mine(job):
+                raise KeyError(f"job {job_id!r} is not part of this run (run {self._run_id} of {self._path})")
+            return self._outcome(job, reader.result(job_id))
+
+    def outcomes(self) -> Iterator[JobOutcome]:
+        with LedgerReader(self._path) as reader:
+            for job, result in reader.iter_results(states=("done", "failed")):
+                if self._mine(job) and job.lineup in self._lineups:
+                    yield self._outcome(job, result)
+
+    def _outcome(self, job: JobRecord, result: dict[str, Any] | None) -> JobOutcome:
+        failed = job.state != "done"
+        error = None
+        if failed:
+            error = ErrorInfo(job.error_type or "UnknownError", job.error_message or "", job.traceback or "")
+        return JobOutcome(
+            job_id=job.job_id,
+            lineup=job.lineup,
+            row_index=job.row_index,
+            seed=job.seed,
+            state="failed" if failed else "done",
+            conversation=None if result is None else result["conversation"],
+            analysis=None if result is None or failed else result["analysis"],
+            tokens_generated=job.tokens_generated,
+            error=error,
+            device=job.device,
+            attempts=job.attempts,
+            skipped=job.job_id in self._skipped,
+        )

@@ -1,0 +1,228 @@
+"""Workers: the places where jobs run, next to the engines they use.
+
+:class:`Worker` is the placement seam. Today every worker is an :class:`InProcessWorker`; a subprocess
+worker over pipes (issue #5) implements the same interface: it receives a picklable :class:`JobSpec` plus
+the committed turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only
+ledger writer) and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``admit``/``leave``,
+``load``) lives on the parent side of that seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ._batcher import Batcher
+from ._engines import EngineCache
+from ._errors import NoDeviceError
+from ._outcome import AttemptOutcome, ErrorInfo
+from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
+from ._signals import Notifier
+
+__all__ = ["HOST_DEVICE", "InProcessWorker", "RecordTurn", "Worker"]
+
+#: The ``device`` of jobs that need no local model (scripted or API-only): they run in the host worker.
+HOST_DEVICE = "host"
+
+RecordTurn = Callable[[int, Mapping[str, Any]], Awaitable[None]]
+
+
+class Worker(Protocol):
+    """Where jobs run. In-process now; a spawned process over a pipe later, with the same interface."""
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def capacity(self) -> int:
+        """How many jobs may be live on this worker at once."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """How many jobs are live on this worker now (admitted and not yet left)."""
+        ...
+
+    def admit(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+    async def run_attempt(
+        self,
+        spec: JobSpec,
+        *,
+        attempt: int,
+        committed_turns: Sequence[Mapping[str, Any]],
+        record_turn: RecordTurn,
+    ) -> AttemptOutcome:
+        """Run one attempt of ``spec.job``; never raises for a failure of the job itself."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None: ...
+
+
+class InProcessWorker:
+    """Runs its jobs' coroutines in this event loop and hosts the engines of one device.
+
+    ``device=None`` makes the host worker for jobs with ``needs_device=False``: it has no engines, and such a
+    job calling ``ctx.generate`` gets :class:`NoDeviceError`.
+    """
+
+    def __init__(
+        self,
+        device: str | None,
+        *,
+        capacity: int,
+        mode: ExecutionMode,
+        max_batch_size: int,
+        max_batch_wait: float,
+    ) -> None:
+        self._device = device
+        self._capacity = capacity
+        self._mode = mode
+        self._max_batch_size = max_batch_size
+        self._max_batch_wait = max_batch_wait
+        self._live = 0
+        self._changed = Notifier()
+        self._tg: TaskGroup | None = None
+        self._engines: EngineCache | None = None
+        self._batcher: Batcher | None = None
+
+    @property
+    def device(self) -> str:
+        return HOST_DEVICE if self._device is None else self._device
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def load(self) -> int:
+        return self._live
+
+    def admit(self) -> None:
+        self._live += 1
+        self._changed.notify()
+
+    def leave(self) -> None:
+        self._live -= 1
+        self._changed.notify()
+
+    async def __aenter__(self) -> Self:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        if self._device is not None:
+            self._engines = EngineCache(self._device, task_group=self._tg)
+            self._batcher = Batcher(
+                mode=self._mode,
+                max_batch_size=self._max_batch_size,
+                max_wait=self._max_batch_wait,
+                quiescent=self._quiescent,
+                changed=self._changed,
+            )
+            self._tg.start_soon(self._batcher.serve)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()  # the dispatcher and engine loads are only ever stopped, never awaited
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    async def run_attempt(
+        self,
+        spec: JobSpec,
+        *,
+        attempt: int,
+        committed_turns: Sequence[Mapping[str, Any]],
+        record_turn: RecordTurn,
+    ) -> AttemptOutcome:
+        ctx = _Context(self, spec, attempt=attempt, committed_turns=committed_turns, record_turn=record_turn)
+        job = spec.job
+        try:
+            result = await job.run(ctx)
+            if not isinstance(result, JobResult):
+                raise TypeError(
+                    f"{type(job).__name__}.run returned {type(result).__name__}; it must return a JobResult"
+                )
+            tokens = result.tokens_generated
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+                raise TypeError(f"JobResult.tokens_generated must be an int >= 0, got {tokens!r}")
+        except Exception as exc:  # the job's own failure; cancellation (a BaseException) propagates
+            return AttemptOutcome(error=ErrorInfo.from_exception(exc), transient=_is_transient(job, exc))
+        error = None if result.analysis_error is None else ErrorInfo.from_exception(result.analysis_error)
+        return AttemptOutcome(
+            conversation=result.conversation,
+            analysis=result.analysis,
+            tokens_generated=tokens,
+            error=error,
+        )
+
+    def _quiescent(self) -> bool:
+        """Every live job is blocked on a generation: nothing else can join the queue, so dispatch now.
+
+        (When the API gateway lands, jobs blocked on a provider call will count here too.)
+        """
+        assert self._batcher is not None
+        return self._batcher.blocked >= self._live
+
+    async def generate(self, ctx: _Context, engine: EngineSpec, request: Any) -> Any:
+        if self._engines is None or self._batcher is None:
+            raise NoDeviceError(
+                f"job {ctx.job_id!r} declared needs_device=False but called ctx.generate; a job with a local "
+                "model participant must set needs_device=True so it is placed on a device worker"
+            )
+        key, loaded = await self._engines.get(engine)
+        return await self._batcher.submit(key, loaded, request, owner=ctx)
+
+
+class _Context:
+    """The in-process :class:`JobContext`."""
+
+    def __init__(
+        self,
+        worker: InProcessWorker,
+        spec: JobSpec,
+        *,
+        attempt: int,
+        committed_turns: Sequence[Mapping[str, Any]],
+        record_turn: RecordTurn,
+    ) -> None:
+        self._worker = worker
+        self._record_turn = record_turn
+        self.outstanding = 0  # undelivered generations (the batcher's quiescence count)
+        self.job_id = spec.job_id
+        self.seed = spec.seed
+        self.device = worker.device
+        self.mode = worker._mode
+        self.attempt = attempt
+        self.committed_turns: Sequence[Mapping[str, Any]] = tuple(committed_turns)
+
+    def __repr__(self) -> str:
+        return f"JobContext(job_id={self.job_id!r}, device={self.device!r}, attempt={self.attempt})"
+
+    async def generate(self, engine: EngineSpec, request: Any) -> Any:
+        return await self._worker.generate(self, engine, request)
+
+    async def record_turn(self, index: int, turn: Mapping[str, Any]) -> None:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"record_turn index must be an int >= 0, got {index!r}")
+        if not isinstance(turn, Mapping):
+            raise TypeError(f"record_turn takes the turn as a JSON mapping, got {type(turn).__name__}")
+        await self._record_turn(index, turn)
+
+
+def _is_transient(job: Any, exc: BaseException) -> bool:
+    try:
+        return bool(job.is_transient(exc))
+    except Exception:  # a broken classifier must not turn one failure into two: do not retry
+        return False

@@ -1,0 +1,63 @@
+"""JSON encoding for everything the ledger stores, with a guard against storing credentials.
+
+JSON and never pickle, so that opening a run directory cannot execute code. ``json.dumps`` runs with no
+``default=``: a value that is not plain JSON fails in the caller's task, before anything is queued, with an
+error naming the job and the field, rather than being silently stringified.
+
+The secret guard is the last line of the "no key in the ledger" promise: the values of credential-looking
+environment variables (``*_API_KEY``, ``*TOKEN*``, ``*SECRET*``, ...) are collected when the ledger opens,
+and any payload containing one is refused with an error naming the variable, never its value. A leaked key
+in a transcript or a batch's metadata therefore fails one write loudly instead of landing on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ._errors import StoreError
+
+__all__ = ["SecretGuard", "dumps"]
+
+_SECRET_NAME: Final = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)
+_MIN_SECRET_LEN: Final = 12  # shorter values ("true", "1", a short username) would flag innocent text
+
+
+class SecretGuard:
+    """Refuses payloads that contain the value of a credential-looking environment variable."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self._secrets: tuple[tuple[str, str], ...] = tuple(
+            (name, value)
+            for name, value in env.items()
+            if _SECRET_NAME.search(name) and len(value.strip()) >= _MIN_SECRET_LEN
+        )
+
+    def check(self, payload: str, *, what: str) -> None:
+        for name, value in self._secrets:
+            if value in payload:
+                raise StoreError(
+                    f"refusing to store {what}: it contains the value of the environment variable {name}, "
+                    f"which looks like a credential. The ledger never stores secrets; find where the key "
+                    f"leaked into this value (a participant's repr, a prompt, request metadata) and remove "
+                    f"it."
+                )
+
+
+def dumps(value: Any, *, what: str, guard: SecretGuard) -> str:
+    """Encode ``value`` as JSON, or raise a TypeError/ValueError naming ``what`` ("the analysis of job x")."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except TypeError as exc:
+        raise TypeError(
+            f"{what} is not JSON-serializable ({exc}). The ledger stores JSON only, never pickle: use dicts, "
+            f"lists, str, int, float, bool and None (convert numpy values with .item()/.tolist())."
+        ) from exc
+    except ValueError as exc:  # a circular reference
+        raise ValueError(f"{what} cannot be stored as JSON ({exc}).") from exc
+    guard.check(text, what=what)
+    return text

@@ -1,0 +1,276 @@
+"""The read side of the ledger: synchronous, read-only, safe to use while a run is writing.
+
+Reports and the CLI read through here (plain ``sqlite3``, ``mode=ro``), so a report over a million jobs
+streams rows instead of holding every conversation in memory. WAL mode lets this read a consistent snapshot
+while the writer commits; a read never blocks the writer. Every query is an indexed lookup or a keyset-paged
+scan, and :meth:`LedgerReader.iter_results` reads page by page in short read transactions, so an abandoned
+iterator holds nothing open and never pins the WAL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ._errors import LedgerNotFoundError
+from ._records import (
+    JOB_COLUMNS,
+    JOB_STATES,
+    TERMINAL_BATCH_STATES,
+    BatchRecord,
+    JobRecord,
+    TurnRecord,
+    job_from_row,
+)
+from ._schema import LEDGER_FILENAME, SCHEMA_VERSION, check_existing, ro_uri
+
+__all__ = ["LedgerReader"]
+
+_J_COLUMNS = ", ".join(f"j.{c.strip()}" for c in JOB_COLUMNS.split(","))
+
+
+def _states(states: Iterable[str]) -> tuple[str, ...]:
+    chosen = tuple(states)
+    bad = [s for s in chosen if s not in JOB_STATES]
+    if bad or not chosen:
+        raise ValueError(f"states must be a non-empty selection of {JOB_STATES}, got {chosen!r}")
+    return chosen
+
+
+class LedgerReader:
+    """Read-only view of a ledger: ``LedgerReader(out_dir)`` or ``LedgerReader(path/to/ledger.sqlite)``.
+
+    Use as a context manager or call :meth:`close`. One reader may be used from any thread, but not from two
+    threads at once.
+    """
+
+    def __init__(self, path_or_out_dir: str | os.PathLike[str]) -> None:
+        path = Path(path_or_out_dir)
+        if path.is_dir():
+            path = path / LEDGER_FILENAME
+        if not path.is_file():
+            raise LedgerNotFoundError(
+                f"no ledger at {path}: point LedgerReader at a run's out_dir or its {LEDGER_FILENAME}"
+            )
+        if not check_existing(path, deep=False):
+            raise LedgerNotFoundError(f"{path} is empty: no run has written to it yet")
+        self.path = path
+        self._conn = sqlite3.connect(ro_uri(path), uri=True, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA busy_timeout = 5000")
+        self._conn.execute("PRAGMA query_only = ON")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> LedgerReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        return self._conn.execute(sql, tuple(params)).fetchall()
+
+    # ------------------------------------------------------------------------------------------------ jobs
+
+    def done_job_ids(self) -> set[str]:
+        """Ids of every done job (an index-only scan)."""
+        return {r[0] for r in self._all("SELECT job_id FROM jobs WHERE state = 'done'")}
+
+    def counts(self) -> dict[str, int]:
+        """Number of jobs per state; every state is present."""
+        rows = self._all("SELECT state, count(*) FROM jobs GROUP BY state")
+        return {state: 0 for state in JOB_STATES} | {s: int(n) for s, n in rows}
+
+    def job_ids(
+        self,
+        *,
+        state: str | None = None,
+        lineup: str | None = None,
+        run: int | None = None,
+        before_run: int | None = None,
+    ) -> list[str]:
+        """Job ids in job order (the order they were added), filtered by any of:
+
+        ``state``; ``lineup``; ``run``: finished/failed by that run; ``before_run``: finished/failed by a run
+        older than that one — with ``state="done"``, the jobs a run skipped because they were already done.
+        """
+        where: list[str] = []
+        params: list[Any] = []
+        if state is not None:
+            where.append("state = ?")
+            params.append(_states([state])[0])
+        if lineup is not None:
+            where.append("lineup = ?")
+            params.append(lineup)
+        if run is not None:
+            where.append("run_id = ?")
+            params.append(run)
+        if before_run is not None:
+            where.append("run_id < ?")
+            params.append(before_run)
+        sql = "SELECT job_id FROM jobs" + (f" WHERE {' AND '.join(where)}" if where else "") + " ORDER BY seq"
+        return [r[0] for r in self._all(sql, params)]
+
+    def job(self, job_id: str) -> JobRecord | None:
+        """The job row (state, attempts, device, timings, tokens, error fields), or None if unknown."""
+        rows = self._all(f"SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,))
+        return job_from_row(rows[0]) if rows else None
+
+    def result(self, job_id: str) -> dict[str, Any] | None:
+        """``{"conversation", "analysis", "tokens_generated"}`` of a finished job (or a failed one whose
+        conversation was kept), else None."""
+        rows = self._all(
+            "SELECT r.conversation_json, r.analysis_json, j.tokens_generated FROM results r "
+            "JOIN jobs j ON j.job_id = r.job_id WHERE r.job_id = ?",
+            (job_id,),
+        )
+        return _result(*rows[0]) if rows else None
+
+    def iter_results(
+        self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256
+    ) -> Iterator[tuple[JobRecord, dict[str, Any] | None]]:
+        """Lazily yield ``(job, result or None)`` in job order for jobs in ``states``.
+
+        Reads ``page_size`` rows per short read transaction, so memory stays flat and rows committed while
+        iterating may appear in later pages.
+        """
+        chosen = _states(states)
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        marks = ", ".join("?" * len(chosen))
+        sql = (
+            f"SELECT j.seq, {_J_COLUMNS}, r.conversation_json, r.analysis_json FROM jobs j "
+            f"LEFT JOIN results r ON r.job_id = j.job_id WHERE j.seq > ? AND +j.state IN ({marks}) "
+            f"ORDER BY j.seq LIMIT ?"
+        )
+        # "+j.state" keeps SQLite off the state index: walking the rowid (job order) from the last key makes
+        # each page cost O(page), where the index would re-sort every matching row for every page.
+        last = -1
+        while True:
+            rows = self._all(sql, (last, *chosen, page_size))
+            for row in rows:
+                job = job_from_row(row[1:-2])
+                conversation, analysis = row[-2], row[-1]
+                yield (
+                    job,
+                    None if conversation is None else _result(conversation, analysis, job.tokens_generated),
+                )
+            if len(rows) < page_size:
+                return
+            last = rows[-1][0]
+
+    def turns(self, job_id: str) -> list[dict[str, Any]]:
+        """The committed turns of a job, in index order."""
+        rows = self._all("SELECT turn_json FROM turns WHERE job_id = ? ORDER BY idx", (job_id,))
+        return [json.loads(r[0]) for r in rows]
+
+    def turn_records(self, job_id: str) -> list[TurnRecord]:
+        """Like :meth:`turns`, with index and commit time."""
+        rows = self._all(
+            "SELECT idx, turn_json, committed_at FROM turns WHERE job_id = ? ORDER BY idx", (job_id,)
+        )
+        return [TurnRecord(job_id, idx, json.loads(turn), at) for idx, turn, at in rows]
+
+    # ------------------------------------------------------------------------------------------ runs, batches
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run, oldest first: id, times, status, pid, host, versions and its lineups' fingerprints."""
+        fingerprints: dict[int, dict[str, str]] = {}
+        for run_id, lineup, fp in self._all("SELECT run_id, lineup, fingerprint FROM run_lineups"):
+            fingerprints.setdefault(run_id, {})[lineup] = fp
+        rows = self._all(
+            "SELECT run_id, started_at, ended_at, status, pid, host, versions_json FROM runs ORDER BY run_id"
+        )
+        return [
+            {
+                "run_id": run_id,
+                "started_at": started,
+                "ended_at": ended,
+                "status": status,
+                "pid": pid,
+                "host": host,
+                "versions": json.loads(versions),
+                "lineups": fingerprints.get(run_id, {}),
+            }
+            for run_id, started, ended, status, pid, host, versions in rows
+        ]
+
+    def batches(self, *, open_only: bool = False) -> list[BatchRecord]:
+        """Recorded provider batches (only those not yet terminal with ``open_only``), oldest first."""
+        rows = self._all(
+            "SELECT provider, batch_id, state, meta_json, created_at, updated_at FROM batches "
+            "ORDER BY created_at, provider, batch_id"
+        )
+        out = []
+        for provider, batch_id, state, meta_json, created, updated in rows:
+            if open_only and state in TERMINAL_BATCH_STATES:
+                continue
+            reqs = self._all(
+                "SELECT custom_id, job_id, turn_index FROM batch_requests "
+                "WHERE provider = ? AND batch_id = ?",
+                (provider, batch_id),
+            )
+            requests = {cid: (job, int(turn)) for cid, job, turn in reqs}
+            out.append(
+                BatchRecord(provider, batch_id, state, requests, json.loads(meta_json), created, updated)
+            )
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Totals for a report header, read in one consistent snapshot."""
+        self._conn.execute("BEGIN")
+        try:
+            by_lineup: dict[str, dict[str, Any]] = {}
+            for name, fp in self._all("SELECT name, fingerprint FROM lineups ORDER BY name"):
+                by_lineup[name] = {"fingerprint": fp, "counts": {s: 0 for s in JOB_STATES}}
+            for lineup, state, n in self._all(
+                "SELECT lineup, state, count(*) FROM jobs GROUP BY lineup, state"
+            ):
+                entry = by_lineup.setdefault(
+                    lineup, {"fingerprint": None, "counts": {s: 0 for s in JOB_STATES}}
+                )
+                entry["counts"][state] = int(n)
+            failures = dict(
+                self._all(
+                    "SELECT coalesce(error_type, '?'), count(*) FROM jobs WHERE state = 'failed' "
+                    "GROUP BY 1 ORDER BY 2 DESC"
+                )
+            )
+            tokens = self._all("SELECT coalesce(sum(tokens_generated), 0) FROM jobs")[0][0]
+            runs = self.runs()
+            open_batches = len(self.batches(open_only=True))
+            counts = self.counts()
+        finally:
+            self._conn.execute("COMMIT")
+        return {
+            "path": str(self.path),
+            "schema_version": SCHEMA_VERSION,
+            "jobs": sum(counts.values()),
+            "counts": counts,
+            "tokens_generated": int(tokens),
+            "lineups": by_lineup,
+            "failures_by_type": failures,
+            "runs": len(runs),
+            "last_run": runs[-1] if runs else None,
+            "open_batches": open_batches,
+        }
+
+    def integrity_check(self) -> str:
+        """``"ok"``, or SQLite's description of the damage (``PRAGMA integrity_check``; reads every page)."""
+        return "; ".join(r[0] for r in self._all("PRAGMA integrity_check(20)"))
+
+
+def _result(conversation_json: str, analysis_json: str | None, tokens: int) -> dict[str, Any]:
+    return {
+        "conversation": json.loads(conversation_json),
+        "analysis": None if analysis_json is None else json.loads(analysis_json),
+        "tokens_generated": int(tokens),
+    }

@@ -1,0 +1,139 @@
+"""The plain records the ledger takes and gives back.
+
+They are frozen dataclasses of JSON-able values rather than ORM objects so that a report over a million jobs
+can stream them without holding a session, and so that nothing read from a run directory can execute code.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "JOB_STATES",
+    "RUN_STATUSES",
+    "TERMINAL_BATCH_STATES",
+    "BatchRecord",
+    "JobRecord",
+    "TurnRecord",
+]
+
+#: Every state a job row can be in. pending → running → done | failed; running → pending when requeued.
+JOB_STATES: Final = ("pending", "running", "done", "failed")
+
+#: What ``end_run`` accepts. "running" is what a run is while live; "crashed" is written by the next
+#: ``begin_run`` for a run whose process died without ending it.
+RUN_STATUSES: Final = ("completed", "interrupted", "failed")
+
+#: Provider batch states after which there is nothing left to re-attach to (OpenAI and Anthropic names, plus
+#: "collected" for a batch whose results the scheduler has already written back).
+TERMINAL_BATCH_STATES: Final = frozenset(
+    {"completed", "failed", "expired", "cancelled", "ended", "collected"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """One job row. Pass the first four fields to ``Ledger.add_jobs``; the rest are filled by the ledger."""
+
+    job_id: str
+    lineup: str
+    seed: int
+    row_index: int | None = None
+    state: str = "pending"
+    attempts: int = 0
+    device: str | None = None
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    tokens_generated: int = 0
+    error_type: str | None = None
+    error_message: str | None = None
+    traceback: str | None = None
+    run_id: int | None = None  # the run that last finished or failed this job
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise ValueError(f"JobRecord.job_id must be a non-empty str, got {self.job_id!r}")
+        if not isinstance(self.lineup, str):
+            raise ValueError(f"JobRecord.lineup of job {self.job_id!r} must be a str, got {self.lineup!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"JobRecord.seed of job {self.job_id!r} must be an int, got {self.seed!r}")
+        if self.row_index is not None and (
+            not isinstance(self.row_index, int) or isinstance(self.row_index, bool)
+        ):
+            raise ValueError(f"JobRecord.row_index of job {self.job_id!r} must be an int or None")
+        if self.state not in JOB_STATES:
+            raise ValueError(
+                f"JobRecord.state of job {self.job_id!r} must be one of {JOB_STATES}, got {self.state!r}"
+            )
+
+    @property
+    def duration_s(self) -> float | None:
+        """Wall time of the last attempt, when it has finished."""
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """One committed turn of a job, as stored."""
+
+    job_id: str
+    index: int
+    turn: dict[str, Any]
+    committed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """An in-flight provider batch: enough to re-attach to it after a crash instead of paying for it twice.
+
+    ``requests`` maps each request's custom id to the ``(job_id, turn_index)`` it answers. ``meta`` holds
+    provider details worth keeping (model, endpoint, input file id) as JSON — never a credential.
+    """
+
+    provider: str
+    batch_id: str
+    state: str
+    requests: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+    updated_at: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("provider", "batch_id", "state"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"BatchRecord.{name} must be a non-empty str, got {value!r}")
+        for custom_id, target in self.requests.items():
+            ok = (
+                isinstance(custom_id, str)
+                and isinstance(target, tuple | list)
+                and len(target) == 2
+                and isinstance(target[0], str)
+                and isinstance(target[1], int)
+            )
+            if not ok:
+                raise ValueError(
+                    f"BatchRecord {self.batch_id!r}: requests must map a str custom id to (job_id: str, "
+                    f"turn_index: int), got {custom_id!r}: {target!r}"
+                )
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_BATCH_STATES
+
+
+JOB_COLUMNS: Final = (
+    "job_id, lineup, seed, row_index, state, attempts, device, created_at, started_at, finished_at, "
+    "tokens_generated, error_type, error_message, error_traceback, run_id"
+)
+
+
+def job_from_row(row: sqlite3.Row | tuple[Any, ...]) -> JobRecord:
+    """Build a JobRecord from a row selected with :data:`JOB_COLUMNS` (same order)."""
+    return JobRecord(*row)

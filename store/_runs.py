@@ -1,0 +1,92 @@
+"""Starting a run: the recipe-fingerprint check that keeps two recipes from mixing under one job id.
+
+A lineup's fingerprint is recorded the first time a run uses it. A later run that brings the same lineup
+with another fingerprint is refused before anything is written, with the differences of the two recipe
+summaries (``describe``) spelled out, because a silent mix of results from two recipes would corrupt every
+statistic computed over the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._diff import mismatch_line
+from ._errors import FingerprintMismatchError
+from ._group import Op
+from ._json import SecretGuard, dumps
+
+if TYPE_CHECKING:
+    import aiosqlite
+
+__all__ = ["begin_run_op"]
+
+
+def begin_run_op(
+    lineups: Mapping[str, str],
+    versions: Mapping[str, str],
+    describe: Mapping[str, Any] | None,
+    *,
+    path: Path,
+    guard: SecretGuard,
+) -> Op:
+    """The operation behind ``Ledger.begin_run``; validates its arguments now, in the caller."""
+    for name, fingerprint in lineups.items():
+        if not isinstance(name, str) or not isinstance(fingerprint, str) or not fingerprint:
+            raise ValueError(
+                "lineups must map lineup names to non-empty fingerprint strings, "
+                f"got {name!r}: {fingerprint!r}"
+            )
+    describe = dict(describe or {})
+    unknown = sorted(set(describe) - set(lineups))
+    if unknown:
+        raise ValueError(f"describe has entries for lineups not in this run: {unknown}")
+    versions_json = dumps(dict(versions), what="the run's versions", guard=guard)
+    describe_json = {
+        name: dumps(describe.get(name, {}), what=f"the recipe summary of lineup {name!r}", guard=guard)
+        for name in lineups
+    }
+
+    async def apply(conn: aiosqlite.Connection) -> int:
+        rows = await conn.execute_fetchall("SELECT name, fingerprint, describe_json FROM lineups")
+        recorded = {name: (fp, desc) for name, fp, desc in rows}
+        problems = []
+        for name, fingerprint in lineups.items():
+            if name in recorded and recorded[name][0] != fingerprint:
+                old_fp, old_desc = recorded[name]
+                problems.append(
+                    mismatch_line(name, old_fp, fingerprint, json.loads(old_desc), describe.get(name))
+                )
+        if problems:
+            raise FingerprintMismatchError(
+                f"This run's recipe differs from the one recorded in {path} for the same job ids:\n"
+                + "\n".join(problems)
+                + "\nResuming would mix results of two different recipes. To start over, pass "
+                "resume=False (Ledger.open(..., fresh=True)) to start a fresh ledger: the old one is "
+                f"kept, moved aside to {path.parent}/ledger.<UTC timestamp>.sqlite. To keep both, use "
+                "another out_dir or give the changed conversation a new name()."
+            )
+        now = time.time()
+        await conn.execute("UPDATE runs SET status = 'crashed' WHERE status = 'running'")
+        run_rows = await conn.execute_fetchall(
+            "INSERT INTO runs (started_at, status, pid, host, versions_json) "
+            "VALUES (?, 'running', ?, ?, ?) RETURNING run_id",
+            (now, os.getpid(), socket.gethostname(), versions_json),
+        )
+        run_id = int(next(iter(run_rows))[0])
+        await conn.executemany(
+            "INSERT OR IGNORE INTO lineups (name, fingerprint, describe_json, first_run) VALUES (?, ?, ?, ?)",
+            [(name, fp, describe_json[name], run_id) for name, fp in lineups.items()],
+        )
+        await conn.executemany(
+            "INSERT INTO run_lineups (run_id, lineup, fingerprint) VALUES (?, ?, ?)",
+            [(run_id, name, fp) for name, fp in lineups.items()],
+        )
+        return run_id
+
+    return Op("begin_run", apply=apply)

@@ -1,0 +1,174 @@
+"""The ledger's SQLite schema, and the check that a file is a ledger this code may open.
+
+The check runs on a read-only connection BEFORE any writable one exists, because merely opening a file
+read-write can change it (WAL recovery, a checkpoint on close): a corrupt file or one from a newer version
+must be reported and left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Final
+
+from ._errors import LedgerCorruptError, LedgerSchemaError
+
+__all__ = ["APPLICATION_ID", "LEDGER_FILENAME", "SCHEMA", "SCHEMA_VERSION", "check_existing", "ro_uri"]
+
+LEDGER_FILENAME: Final = "ledger.sqlite"
+
+#: ``PRAGMA user_version``. Bump it with every schema change and teach :func:`check_existing` the migration.
+SCHEMA_VERSION: Final = 1
+
+#: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
+APPLICATION_ID: Final = 0x494C4E53
+
+_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
+
+_TABLES: Final = frozenset(
+    {"runs", "lineups", "run_lineups", "jobs", "turns", "results", "batches", "batch_requests"}
+)
+
+# Text columns holding JSON are named *_json. Times are UNIX seconds (REAL). Job order is jobs.seq, the
+# rowid, i.e. the order add_jobs inserted them — not the lexical order of the ids. turns and results are
+# rowid tables on purpose: their rows are KBs of JSON, and WITHOUT ROWID b-trees spill rows over ~1/20 of a
+# page into an overflow page each (measured: ~3x the file size).
+SCHEMA: Final = f"""
+CREATE TABLE runs (
+    run_id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at  REAL NOT NULL,
+    ended_at    REAL,
+    status      TEXT NOT NULL,
+    pid         INTEGER NOT NULL,
+    host        TEXT NOT NULL,
+    versions_json TEXT NOT NULL
+);
+CREATE TABLE lineups (
+    name        TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    describe_json TEXT NOT NULL,
+    first_run   INTEGER NOT NULL REFERENCES runs(run_id)
+);
+CREATE TABLE run_lineups (
+    run_id      INTEGER NOT NULL REFERENCES runs(run_id),
+    lineup      TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    PRIMARY KEY (run_id, lineup)
+) WITHOUT ROWID;
+CREATE TABLE jobs (
+    seq         INTEGER PRIMARY KEY,
+    job_id      TEXT NOT NULL UNIQUE,
+    lineup      TEXT NOT NULL,
+    seed        INTEGER NOT NULL,
+    row_index   INTEGER,
+    state       TEXT NOT NULL CHECK (state IN ('pending', 'running', 'done', 'failed')),
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    device      TEXT,
+    created_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    tokens_generated INTEGER NOT NULL DEFAULT 0,
+    error_type  TEXT,
+    error_message TEXT,
+    error_traceback TEXT,
+    run_id      INTEGER REFERENCES runs(run_id)
+);
+-- Covers the resume scan (done ids) and per-state listings without touching the table.
+CREATE INDEX jobs_by_state ON jobs(state, job_id);
+CREATE TABLE turns (
+    job_id      TEXT NOT NULL REFERENCES jobs(job_id),
+    idx         INTEGER NOT NULL,
+    turn_json   TEXT NOT NULL,
+    committed_at REAL NOT NULL,
+    PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE results (
+    job_id      TEXT PRIMARY KEY REFERENCES jobs(job_id),
+    conversation_json TEXT NOT NULL,
+    analysis_json TEXT
+);
+CREATE TABLE batches (
+    provider    TEXT NOT NULL,
+    batch_id    TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    meta_json   TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    PRIMARY KEY (provider, batch_id)
+) WITHOUT ROWID;
+CREATE TABLE batch_requests (
+    provider    TEXT NOT NULL,
+    batch_id    TEXT NOT NULL,
+    custom_id   TEXT NOT NULL,
+    job_id      TEXT NOT NULL,
+    turn_index  INTEGER NOT NULL,
+    PRIMARY KEY (provider, batch_id, custom_id),
+    FOREIGN KEY (provider, batch_id) REFERENCES batches(provider, batch_id)
+) WITHOUT ROWID;
+PRAGMA application_id = {APPLICATION_ID};
+PRAGMA user_version = {SCHEMA_VERSION};
+"""
+
+
+def ro_uri(path: Path) -> str:
+    """A read-only SQLite URI for ``path`` (percent-escaping what URIs reserve)."""
+    from urllib.parse import quote
+
+    return f"file:{quote(str(path.resolve()))}?mode=ro"
+
+
+def check_existing(path: Path, *, deep: bool) -> bool:
+    """Validate an existing ledger file without writing to it; return False when it is new/empty.
+
+    Raises :class:`LedgerCorruptError` for a file that is not SQLite, is damaged, or is some other
+    application's database, and :class:`LedgerSchemaError` for a ledger written by a newer schema.
+    ``deep`` adds ``PRAGMA quick_check`` (reads every page): the writer does it once per run, so a damaged
+    file is refused at open rather than half-way through a run; readers skip it to open fast.
+    """
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    fix = (
+        f"It was left untouched. Move it away (or pass fresh=True / resume=False to have it moved aside) "
+        f"to start a new ledger in {path.parent}."
+    )
+    with path.open("rb") as fh:
+        header = fh.read(len(_SQLITE_MAGIC))
+    if header != _SQLITE_MAGIC:
+        raise LedgerCorruptError(f"{path} is not an SQLite database (its header is {header[:16]!r}). {fix}")
+    try:
+        conn = sqlite3.connect(ro_uri(path), uri=True)
+    except sqlite3.Error as exc:
+        raise LedgerCorruptError(f"{path} cannot be opened as SQLite: {exc}. {fix}") from exc
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if app_id == 0 and version == 0 and not tables:
+            return False  # an empty SQLite file: nothing to protect, initialise it
+        if app_id != APPLICATION_ID:
+            raise LedgerCorruptError(
+                f"{path} is an SQLite database but not an interlens ledger (application_id {app_id:#x}, "
+                f"tables {sorted(tables)[:8]}). {fix}"
+            )
+        if version > SCHEMA_VERSION:
+            raise LedgerSchemaError(
+                f"{path} was written by a newer interlens (ledger schema version {version}; this version "
+                f"understands up to {SCHEMA_VERSION}). Upgrade interlens to resume it, or use another "
+                f"out_dir (or fresh=True / resume=False, which moves it aside) to start over. It was left "
+                f"untouched."
+            )
+        missing = _TABLES - tables
+        if version < 1 or missing:
+            raise LedgerCorruptError(
+                f"{path} is an incomplete interlens ledger (schema version {version}, missing tables "
+                f"{sorted(missing)}). {fix}"
+            )
+        if deep:
+            problems = [r[0] for r in conn.execute("PRAGMA quick_check(20)")]
+            if problems != ["ok"]:
+                raise LedgerCorruptError(f"{path} is damaged: {'; '.join(problems)}. {fix}")
+    except sqlite3.DatabaseError as exc:
+        raise LedgerCorruptError(f"{path} is not a readable SQLite ledger: {exc}. {fix}") from exc
+    finally:
+        conn.close()
+    return True
