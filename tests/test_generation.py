@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -53,6 +54,13 @@ def _alone(engine: LocalEngine, request: GenerationRequest) -> GenerationResult:
     return _ok(engine.generate_batch([request]))[0]
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _check_counts(result: GenerationResult, request: GenerationRequest) -> None:
     assert result.n_tokens == len(result.token_ids) >= 1
     assert result.prompt_tokens == len(request.prompt_ids)
@@ -93,8 +101,12 @@ def test_batched_rows_equal_rows_run_alone(engine: LocalEngine) -> None:
         GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[0]), max_new_tokens=5, temperature=0),
         GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=20, temperature=0.9, seed=7),
         GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[2]), max_new_tokens=12, temperature=0),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=16, temperature=1.3, seed=11),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=9, temperature=0.8, top_p=0.7, seed=3),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=16, temperature=1.3, seed=11
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=9, temperature=0.8, top_p=0.7, seed=3
+        ),
     ]
     assert len({len(r.prompt_ids) for r in requests}) >= 3
     batched = _ok(engine.generate_batch(requests))
@@ -105,10 +117,10 @@ def test_batched_rows_equal_rows_run_alone(engine: LocalEngine) -> None:
         assert result.text == alone.text
         assert result.batch_size == len(requests)
         _check_counts(result, request)
-    assert [r.n_tokens for r in batched if r.finish_reason == "length"] == [
-        q.max_new_tokens for q, r in zip(requests, batched, strict=True) if r.finish_reason == "length"
-    ]
-    assert batched[0].n_tokens <= 5 and batched[1].n_tokens <= 20
+    assert {r.n_tokens for r in batched if r.finish_reason == "length"} >= {
+        5,
+        12,
+    }  # greedy rows ran to their cap
 
 
 def test_deterministic_mode_runs_every_row_alone(engine: LocalEngine) -> None:
@@ -143,7 +155,9 @@ def test_temperature_and_top_p_are_honoured_per_row(engine: LocalEngine) -> None
 
 def test_seeds_make_sampling_reproducible_and_unseeded_rows_use_the_global_rng(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[1])
-    seeded = [GenerationRequest(prompt_ids=prompt, max_new_tokens=12, temperature=1.0, seed=s) for s in (5, 5, 6)]
+    seeded = [
+        GenerationRequest(prompt_ids=prompt, max_new_tokens=12, temperature=1.0, seed=s) for s in (5, 5, 6)
+    ]
     a, b, c = _ok(engine.generate_batch(seeded))
     assert a.token_ids == b.token_ids != c.token_ids
 
@@ -187,7 +201,9 @@ def test_stop_string_ends_the_row_and_is_cut_from_the_text(engine: LocalEngine) 
 def test_eos_ends_a_row_and_is_kept_in_token_ids(engine: LocalEngine) -> None:
     # Random weights emit an end-of-turn token now and then; 48 seeded rows x 48 tokens find some.
     prompt = _prompt(engine, _TOPICS[0])
-    requests = [GenerationRequest(prompt_ids=prompt, max_new_tokens=48, temperature=1.0, seed=s) for s in range(48)]
+    requests = [
+        GenerationRequest(prompt_ids=prompt, max_new_tokens=48, temperature=1.0, seed=s) for s in range(48)
+    ]
     results = _ok(engine.generate_batch(requests))
     ended = [(q, r) for q, r in zip(requests, results, strict=True) if r.finish_reason == "eos"]
     assert ended, "no row produced an end-of-turn token; choose more seeds"
@@ -248,14 +264,18 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     key = ("job-1", "speaker")
     messages = [{"role": "user", "content": _TOPICS[3]}]
     first_prompt = _prompt(engine, _TOPICS[3])
-    first = _alone(engine, GenerationRequest(prompt_ids=first_prompt, max_new_tokens=8, temperature=0, reuse_key=key))
+    first = _alone(
+        engine, GenerationRequest(prompt_ids=first_prompt, max_new_tokens=8, temperature=0, reuse_key=key)
+    )
     assert first.reused_prefix_tokens == 0
 
     # The next turn re-renders the conversation: the old prompt, the reply as text, a new user message.
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3 + 3?"}]
-    second_prompt = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    second_prompt = tuple(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    )
     kept = list(first_prompt) + first.token_ids[:-1]
-    common = next((i for i, (a, b) in enumerate(zip(kept, second_prompt)) if a != b), min(len(kept), len(second_prompt)))
+    common = _common_prefix(kept, second_prompt)
     second = _alone(
         engine, GenerationRequest(prompt_ids=second_prompt, max_new_tokens=10, temperature=0, reuse_key=key)
     )
@@ -265,17 +285,27 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
 
     # A prompt that strictly extends everything kept: all of it is reused.
     third_prompt = (*second_prompt, *second.token_ids, *tokenizer("more", add_special_tokens=False).input_ids)
-    third = _alone(engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0, reuse_key=key))
+    third = _alone(
+        engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0, reuse_key=key)
+    )
     assert third.reused_prefix_tokens == len(second_prompt) + second.n_tokens - 1
-    assert third.token_ids == _alone(engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0)).token_ids
+    assert (
+        third.token_ids
+        == _alone(
+            engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0)
+        ).token_ids
+    )
 
-    # An unrelated prompt on the same stream starts fresh.
-    other = _prompt(engine, "Completely different.")
-    unrelated = _alone(engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key))
-    assert unrelated.reused_prefix_tokens == 0 if other[0] != third_prompt[0] else unrelated.reused_prefix_tokens >= 0
+    # A prompt sharing nothing with the stream starts fresh; release() frees the stream.
+    other = tuple(tokenizer("Completely different.", add_special_tokens=False).input_ids)
+    assert other[0] != third_prompt[0]
+    unrelated = _alone(
+        engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key)
+    )
+    assert unrelated.reused_prefix_tokens == 0
+    assert key in engine._reuse
     engine.release(key)
-    again = _alone(engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key))
-    assert again.reused_prefix_tokens == 0 and again.token_ids == unrelated.token_ids
+    assert key not in engine._reuse
 
 
 def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
@@ -289,16 +319,25 @@ def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
     )
     # Rolling back past the window is impossible: the engine must start fresh rather than fail or drift.
     shorter = long_prompt[:-3]
-    rolled = _alone(engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0, reuse_key="s"))
+    rolled = _alone(
+        engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0, reuse_key="s")
+    )
     fresh = _alone(engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0))
     assert rolled.reused_prefix_tokens == 0 and rolled.token_ids == fresh.token_ids
     extended = (*shorter, *rolled.token_ids, 5)
-    grown = _alone(engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0, reuse_key="s"))
+    grown = _alone(
+        engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0, reuse_key="s")
+    )
     assert grown.reused_prefix_tokens == len(shorter) + rolled.n_tokens - 1
-    assert grown.token_ids == _alone(engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0)).token_ids
+    assert (
+        grown.token_ids
+        == _alone(engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0)).token_ids
+    )
     assert first.n_tokens >= 1
     for key in ("a", "b", "c"):
-        _alone(engine, GenerationRequest(prompt_ids=long_prompt, max_new_tokens=2, temperature=0, reuse_key=key))
+        _alone(
+            engine, GenerationRequest(prompt_ids=long_prompt, max_new_tokens=2, temperature=0, reuse_key=key)
+        )
     assert list(engine._reuse) == ["b", "c"]  # least recently used streams are evicted
 
 
@@ -323,11 +362,15 @@ def test_cancellation_stops_within_one_decode_step(engine: LocalEngine) -> None:
         calls.clear()
         cancelled.clear()
         with pytest.raises(BatchCancelled):
-            engine.generate_batch([GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=50, reuse_key="k")], cancelled=cancelled)
+            engine.generate_batch(
+                [GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=50, reuse_key="k")],
+                cancelled=cancelled,
+            )
         assert "k" not in engine._reuse  # a cancelled stream keeps no half-updated cache
     finally:
         handle.remove()
-    assert _alone(engine, GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=3)).n_tokens == 3
+    after = _alone(engine, GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=3, temperature=0))
+    assert 1 <= after.n_tokens <= 3  # the engine is usable again: the lock was released
 
 
 def test_a_bad_row_fails_alone(engine: LocalEngine) -> None:
