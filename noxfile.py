@@ -21,7 +21,9 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "interlens", "scheduler", "store", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run(
+        "ruff", "check", "interlens", "scheduler", "store", "tests", "benchmarks", "examples", "noxfile.py"
+    )
 
 
 @nox.session

@@ -37,7 +37,8 @@ def resolve_analyzer(analyzer: Callable[[Conversation], Any] | str) -> Callable[
         return _REGISTRY[analyzer]
     except KeyError:
         raise UnknownAnalyzerError(
-            f"no analyzer registered as {analyzer!r}; call register_analyzer({analyzer!r}, fn) at import time "
+            f"no analyzer registered as {analyzer!r}; call register_analyzer({analyzer!r}, fn) at import "
+            "time "
             f"of your module. Registered: {sorted(_REGISTRY)}"
         ) from None
 
@@ -67,7 +68,8 @@ async def run_analyzer(analyzer: Callable[[Conversation], Any] | str, conv: Conv
         json.dumps(value)
     except (TypeError, ValueError) as exc:
         raise AnalyzerError(
-            f"the analyzer returned a value that is not JSON-serializable ({exc}); return plain dicts, lists, "
+            f"the analyzer returned a value that is not JSON-serializable ({exc}); return plain dicts, "
+            "lists, "
             "strings, numbers, booleans or None (convert tensors with .tolist() or float(...))"
         ) from None
     return value

@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import ConfigurationError, SchemaVersionError, UnknownParticipantError, UnrunConversationError
+from ._exceptions import (
+    ConfigurationError,
+    SchemaVersionError,
+    UnknownParticipantError,
+    UnrunConversationError,
+)
 from ._message import MODERATOR, Message, Transcript
 from ._participant import GenerationOptions, Participant, View, ViewMessage, participant_from_json
 from ._stop import MaxTurns, StopCondition, ambient_conditions, condition_from_json, turn_cap
@@ -82,7 +87,9 @@ class Conversation:
         stop: Sequence[StopCondition] = (),
     ) -> None:
         recipe = _Recipe(
-            participants=tuple(participants) if not isinstance(participants, Participant) else (participants,),
+            participants=tuple(participants)
+            if not isinstance(participants, Participant)
+            else (participants,),
             shared_context=shared_context,
             shared_system_prompt=shared_system_prompt,
             turns=turns,
@@ -159,8 +166,8 @@ class Conversation:
     def data(self, rows: Any) -> Conversation:
         """A copy that expands to one conversation per row of ``rows`` in a rollout.
 
-        ``rows`` may be a ``datasets.Dataset``, a streaming ``IterableDataset``, a list of dicts or any iterable
-        (a bare generator included). It is streamed, never materialized.
+        ``rows`` may be a ``datasets.Dataset``, a streaming ``IterableDataset``, a list of dicts or any
+        iterable (a bare generator included). It is streamed, never materialized.
         """
         return self._copy(data=rows)
 
@@ -263,8 +270,9 @@ class Conversation:
         if is_templated(self._recipe.shared_context) and self.row is None:
             resolve(self._recipe.shared_context, None, field="shared_context")  # raises the clear error
 
-    def _options(self, conditions: Sequence[StopCondition], participant: Participant, *,
-                 ephemeral: bool = False) -> GenerationOptions:
+    def _options(
+        self, conditions: Sequence[StopCondition], participant: Participant, *, ephemeral: bool = False
+    ) -> GenerationOptions:
         from ._rollout import turn_seed  # the per-turn seed rule lives with the execution modes
 
         return GenerationOptions(
@@ -278,8 +286,9 @@ class Conversation:
         """Generate one turn (by ``speaker``, default the next in round-robin) and append it."""
         self._check_ready()
         participant = self.participant(speaker) if speaker is not None else self.next_speaker()
-        message = await participant.agenerate(self.view(participant),
-                                              self._options(self._conditions(), participant))
+        message = await participant.agenerate(
+            self.view(participant), self._options(self._conditions(), participant)
+        )
         self.transcript.append(message)
         return message
 
@@ -305,7 +314,9 @@ class Conversation:
             )
         while not self._should_stop(conditions):
             participant = self.next_speaker()
-            message = await participant.agenerate(self.view(participant), self._options(conditions, participant))
+            message = await participant.agenerate(
+                self.view(participant), self._options(conditions, participant)
+            )
             self.transcript.append(message)
         return self.transcript
 
@@ -324,7 +335,9 @@ class Conversation:
         participant = self.participant(speaker)
         view = self.view(participant)
         if prompt is not None:
-            view = dataclasses.replace(view, messages=(*view.messages, ViewMessage("user", prompt, MODERATOR)))
+            view = dataclasses.replace(
+                view, messages=(*view.messages, ViewMessage("user", prompt, MODERATOR))
+            )
         return await participant.agenerate(
             view, self._options(list(ambient_conditions()), participant, ephemeral=True)
         )
@@ -424,8 +437,10 @@ class Conversation:
         for item in recipe.get("stop", []):
             condition = condition_from_json(item)
             if condition is None:
-                raise ConfigurationError(f"cannot rebuild custom stop condition {item} from JSON; "
-                                         "re-attach it with .run_until(...) after loading")
+                raise ConfigurationError(
+                    f"cannot rebuild custom stop condition {item} from JSON; "
+                    "re-attach it with .run_until(...) after loading"
+                )
             stop.append(condition)
         conv = cls(
             [participant_from_json(p) for p in recipe["participants"]],
@@ -444,8 +459,10 @@ class Conversation:
     def __repr__(self) -> str:
         names = ", ".join(p.name for p in self._recipe.participants)
         label = f" {self._recipe.name!r}" if self._recipe.name else ""
-        return (f"<Conversation{label} [{names}] turns={self._recipe.turns} "
-                f"transcript={len(self.transcript)} messages>")
+        return (
+            f"<Conversation{label} [{names}] turns={self._recipe.turns} "
+            f"transcript={len(self.transcript)} messages>"
+        )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -454,26 +471,35 @@ def _validate(recipe: _Recipe) -> None:
         raise ConfigurationError("a Conversation needs at least one participant")
     for p in recipe.participants:
         if not isinstance(p, Participant):
-            raise ConfigurationError(f"participants must be Participant objects, got {type(p).__name__}: {p!r}")
+            raise ConfigurationError(
+                f"participants must be Participant objects, got {type(p).__name__}: {p!r}"
+            )
     names = [p.name for p in recipe.participants]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"participant names must be unique, got {names}")
     check_template(recipe.shared_context, field="shared_context")
     check_template(recipe.shared_system_prompt, field="shared_system_prompt")
-    if recipe.turns is not None and (not isinstance(recipe.turns, int) or isinstance(recipe.turns, bool)
-                                     or recipe.turns < 0):
+    if recipe.turns is not None and (
+        not isinstance(recipe.turns, int) or isinstance(recipe.turns, bool) or recipe.turns < 0
+    ):
         raise ConfigurationError(f".turns(n) needs a non-negative int or None, got {recipe.turns!r}")
     for cond in recipe.stop:
         if not isinstance(cond, StopCondition):
             raise ConfigurationError(f"run_until() needs StopCondition objects, got {cond!r}")
     if recipe.analyzer is not None and not (callable(recipe.analyzer) or isinstance(recipe.analyzer, str)):
-        raise ConfigurationError(f".analyzer() needs a callable(conv) or a registered name, got {recipe.analyzer!r}")
-    if recipe.name is not None and (not isinstance(recipe.name, str) or not recipe.name or "/" in recipe.name):
-        raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
-    if recipe.data is not None and (isinstance(recipe.data, str | bytes | Mapping)
-                                    or not isinstance(recipe.data, Iterable)):
         raise ConfigurationError(
-            f".data() needs an iterable of rows (a datasets.Dataset, an IterableDataset, a list of dicts or a "
+            f".analyzer() needs a callable(conv) or a registered name, got {recipe.analyzer!r}"
+        )
+    if recipe.name is not None and (
+        not isinstance(recipe.name, str) or not recipe.name or "/" in recipe.name
+    ):
+        raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
+    if recipe.data is not None and (
+        isinstance(recipe.data, str | bytes | Mapping) or not isinstance(recipe.data, Iterable)
+    ):
+        raise ConfigurationError(
+            f".data() needs an iterable of rows (a datasets.Dataset, an IterableDataset, a list of dicts or "
+            "a "
             f"generator), got {type(recipe.data).__name__}"
         )
 

@@ -20,14 +20,16 @@ The hierarchy::
         ├── LedgerSchemaError           the ledger was written by a newer interlens
         └── LedgerCorruptError          the file is not a readable SQLite ledger (left untouched)
 
-Errors from the ledger package (``interlens.store``) are raised there as its own classes, because the store
-imports nothing from interlens; :func:`translate` turns them into the classes above at the boundary, and
-the classes above also inherit from the store's, so ``except interlens.store.LedgerLockedError`` keeps
-working on a translated error.
+Errors from the ledger (``interlens.store``) and the engine (``interlens.scheduler``) are raised there as
+their own classes, because those packages import nothing from interlens; :func:`translate` turns them into
+the classes above at the boundary (a scheduler configuration error becomes a ``ConfigurationError``), and
+the classes above also inherit from the foreign ones where they correspond, so
+``except interlens.store.LedgerLockedError`` keeps working on a translated error.
 """
 
 from __future__ import annotations
 
+from interlens.scheduler import _errors as _scheduler_errors
 from interlens.store import _errors as _store_errors
 
 __all__ = [
@@ -84,7 +86,7 @@ class UnknownAnalyzerError(ConfigurationError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class DeviceError(ConfigurationError):
+class DeviceError(ConfigurationError, _scheduler_errors.DeviceError):
     """A device string that does not exist on this machine."""
 
 
@@ -129,6 +131,8 @@ class LedgerCorruptError(LedgerError, _store_errors.LedgerCorruptError):
 
 
 _TRANSLATION: dict[type[BaseException], type[InterlensError]] = {
+    _scheduler_errors.DeviceError: DeviceError,
+    _scheduler_errors.SchedulerConfigError: ConfigurationError,
     _store_errors.LedgerLockedError: LedgerLockedError,
     _store_errors.FingerprintMismatchError: FingerprintMismatchError,
     _store_errors.LedgerSchemaError: LedgerSchemaError,

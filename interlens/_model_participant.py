@@ -63,7 +63,9 @@ class ChatEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
 
-    def generate_batch(self, requests: Sequence[ChatRequest], *, mode: Any = None, cancelled: Any = None) -> list[Any]:
+    def generate_batch(
+        self, requests: Sequence[ChatRequest], *, mode: Any = None, cancelled: Any = None
+    ) -> list[Any]:
         from interlens.scheduler import ExecutionMode
 
         from ._chat_template import render_view
@@ -74,16 +76,24 @@ class ChatEngine:
             try:
                 text = render_view(self.tokenizer, req.view)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                prepared.append(GenerationRequest(
-                    prompt_ids=tuple(ids), max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                    top_p=req.top_p, stop=req.stop, seed=req.seed, reuse_key=req.reuse_key,
-                ))
+                prepared.append(
+                    GenerationRequest(
+                        prompt_ids=tuple(ids),
+                        max_new_tokens=req.max_new_tokens,
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        stop=req.stop,
+                        seed=req.seed,
+                        reuse_key=req.reuse_key,
+                    )
+                )
             except Exception as exc:  # a view the template cannot render fails its own row only
                 prepared.append(GenerationError(f"cannot render the view of {req.view.speaker!r}: {exc}"))
         rows = [p for p in prepared if not isinstance(p, Exception)]
         results = iter(
             self.engine.generate_batch(rows, mode=mode or ExecutionMode.BATCHED, cancelled=cancelled)
-            if rows else []
+            if rows
+            else []
         )
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
@@ -153,13 +163,23 @@ class ModelParticipant(Participant):
 
     # ---------------------------------------------------------------- generation
     def request(self, view: View, options: GenerationOptions) -> ChatRequest:
-        cap = self.max_new_tokens if options.max_new_tokens is None else min(self.max_new_tokens,
-                                                                             options.max_new_tokens)
+        cap = (
+            self.max_new_tokens
+            if options.max_new_tokens is None
+            else min(self.max_new_tokens, options.max_new_tokens)
+        )
         reuse = None
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None:
             reuse = (options.stream_id, self.name)
-        return ChatRequest(view=view, max_new_tokens=cap, temperature=self.temperature, top_p=self.top_p,
-                           stop=self.stop, seed=options.seed, reuse_key=reuse)
+        return ChatRequest(
+            view=view,
+            max_new_tokens=cap,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=options.seed,
+            reuse_key=reuse,
+        )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
         import anyio

@@ -85,6 +85,12 @@ class Participant:
         """Produce this speaker's next turn for ``view``."""
         raise NotImplementedError
 
+    def generate(self, view: View, options: GenerationOptions | None = None) -> Message:
+        """Sync twin of :meth:`agenerate`, for scripts and notebooks (works inside a running loop)."""
+        from interlens.scheduler import run_sync
+
+        return run_sync(self.agenerate, view, options)
+
     def replace(self, **changes: Any) -> Participant:
         """A copy with some settings changed (used to resolve templates per data row)."""
         clone = object.__new__(type(self))
@@ -131,7 +137,9 @@ class ScriptedParticipant(Participant):
             )
         if not callable(replies):
             if not replies or not all(isinstance(r, str) for r in replies):
-                raise ConfigurationError(f"ScriptedParticipant({name!r}) needs a non-empty list of str replies")
+                raise ConfigurationError(
+                    f"ScriptedParticipant({name!r}) needs a non-empty list of str replies"
+                )
             replies = tuple(replies)
         self.replies = replies
 
@@ -140,7 +148,9 @@ class ScriptedParticipant(Participant):
         if callable(self.replies):
             text = self.replies(view)
             if not isinstance(text, str):
-                raise GenerationError(f"{self.name}: the replies callable returned {type(text).__name__}, not str")
+                raise GenerationError(
+                    f"{self.name}: the replies callable returned {type(text).__name__}, not str"
+                )
         else:
             text = self.replies[view.own_turns % len(self.replies)]
         finish = "stop"
@@ -157,13 +167,21 @@ class ScriptedParticipant(Participant):
                 replies = {"$callable": callable_path(self.replies, what="replies")}
             except ConfigurationError:  # a closure: the dialogue still saves, the replies cannot
                 replies = {"$unsaved": _describe_callable(self.replies)}
-        return {"kind": self.kind, "name": self.name, "system_prompt": _template_json(self.system_prompt),
-                "replies": replies}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "system_prompt": _template_json(self.system_prompt),
+            "replies": replies,
+        }
 
     def describe(self) -> dict[str, Any]:
         replies = _describe_callable(self.replies) if callable(self.replies) else list(self.replies)
-        return {"kind": self.kind, "name": self.name, "system_prompt": _describe_template(self.system_prompt),
-                "replies": replies}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "system_prompt": _describe_template(self.system_prompt),
+            "replies": replies,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ScriptedParticipant:
@@ -231,4 +249,3 @@ def participant_from_json(data: Mapping[str, Any]) -> Participant:
     if loader is None:
         raise ConfigurationError(f"unknown participant kind {data.get('kind')!r} in saved recipe")
     return loader(data)
-

@@ -133,7 +133,9 @@ class RunReport:
 
     def analyses(self) -> dict[str, Any]:
         """Job id → analyzer value, for jobs whose analyzer succeeded."""
-        return {jid: r.analysis for jid, r in self.results.items() if r.error is None and r._state is not None}
+        return {
+            jid: r.analysis for jid, r in self.results.items() if r.error is None and r._state is not None
+        }
 
     def conversations(self) -> dict[str, Conversation]:
         """Job id → finished Conversation (live: ``sample()`` works on it)."""
@@ -146,5 +148,7 @@ class RunReport:
 
     def __repr__(self) -> str:
         c = self._outcome.counts
-        return (f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
-                f"skipped={c.get('skipped', 0)}>")
+        return (
+            f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
+            f"skipped={c.get('skipped', 0)}>"
+        )

@@ -75,7 +75,9 @@ class ConversationJob:
             conditions = conv._conditions()
             while not conv._should_stop(conditions):
                 participant = conv.next_speaker()
-                message = await participant.agenerate(conv.view(participant), conv._options(conditions, participant))
+                message = await participant.agenerate(
+                    conv.view(participant), conv._options(conditions, participant)
+                )
                 conv.transcript.append(message)
                 await ctx.record_turn(conv.generated_turns - 1, message.to_json())
             analysis, analysis_error = None, None
@@ -86,8 +88,12 @@ class ConversationJob:
                     analysis_error = exc
         finally:
             CURRENT_JOB.reset(token)
-        return JobResult(conversation=conv.to_json(), tokens_generated=conv.tokens_generated,
-                         analysis=analysis, analysis_error=analysis_error)
+        return JobResult(
+            conversation=conv.to_json(),
+            tokens_generated=conv.tokens_generated,
+            analysis=analysis,
+            analysis_error=analysis_error,
+        )
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
@@ -117,7 +123,11 @@ def _template_columns(conv: Conversation) -> set[str]:
             for interp in value.interpolations:
                 visit(interp.value)
 
-    for value in (conv.shared_context, conv.shared_system_prompt, *(p.system_prompt for p in conv.participants)):
+    for value in (
+        conv.shared_context,
+        conv.shared_system_prompt,
+        *(p.system_prompt for p in conv.participants),
+    ):
         visit(value)
     return columns
 
@@ -129,7 +139,8 @@ def _expand_one(base: Conversation, row: Any, index: int | None, seed: int) -> C
     row_dict = dict(row) if row is not None else None
     participants = tuple(
         p.replace(system_prompt=resolve(p.system_prompt, row_dict, field=f"{p.name}.system_prompt"))
-        if is_templated(p.system_prompt) else p
+        if is_templated(p.system_prompt)
+        else p
         for p in base.participants
     )
     system = resolve(base.shared_system_prompt, row_dict, field="shared_system_prompt")
@@ -139,8 +150,15 @@ def _expand_one(base: Conversation, row: Any, index: int | None, seed: int) -> C
     return conv
 
 
-def lineup_spec(conv: Conversation, n: int | None, *, seed: int, prefix: str | None, single_job_id: str | None,
-                lineup: str) -> LineupSpec:
+def lineup_spec(
+    conv: Conversation,
+    n: int | None,
+    *,
+    seed: int,
+    prefix: str | None,
+    single_job_id: str | None,
+    lineup: str,
+) -> LineupSpec:
     """Expand ``conv`` into a lazily generated stream of jobs."""
     from interlens.scheduler import JobSpec, LineupSpec
 
@@ -176,12 +194,25 @@ def lineup_spec(conv: Conversation, n: int | None, *, seed: int, prefix: str | N
                     job = ConversationJob(base, needs_device, error=exc)
                 yield JobSpec(job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=i)
 
-        return LineupSpec(name=lineup, fingerprint=conv.fingerprint(), jobs=jobs(), n_jobs=total,
-                          describe=conv.recipe_json(strict=False))
-    if any(is_templated(v) for v in (conv.shared_context, conv.shared_system_prompt,
-                                    *(p.system_prompt for p in conv.participants))):
-        raise TemplateError(f"lineup {lineup!r} is templated with dataset_field/callables but has no data: "
-                            "attach rows with .data(...)")
+        return LineupSpec(
+            name=lineup,
+            fingerprint=conv.fingerprint(),
+            jobs=jobs(),
+            n_jobs=total,
+            describe=conv.recipe_json(strict=False),
+        )
+    if any(
+        is_templated(v)
+        for v in (
+            conv.shared_context,
+            conv.shared_system_prompt,
+            *(p.system_prompt for p in conv.participants),
+        )
+    ):
+        raise TemplateError(
+            f"lineup {lineup!r} is templated with dataset_field/callables but has no data: "
+            "attach rows with .data(...)"
+        )
     count = 1 if n is None else n
     if not isinstance(count, int) or count < 0:
         raise ConfigurationError(f"n must be a non-negative int, got {n!r}")
@@ -189,11 +220,20 @@ def lineup_spec(conv: Conversation, n: int | None, *, seed: int, prefix: str | N
     def samples() -> Iterator[JobSpec]:
         for i in range(count):
             job_id = single_job_id if single_job_id is not None and count == 1 else f"{prefix}rollout_{i:04d}"
-            yield JobSpec(job_id=job_id, lineup=lineup, seed=seed + i,
-                          job=ConversationJob(_expand_one(conv, None, None, seed + i), needs_device))
+            yield JobSpec(
+                job_id=job_id,
+                lineup=lineup,
+                seed=seed + i,
+                job=ConversationJob(_expand_one(conv, None, None, seed + i), needs_device),
+            )
 
-    return LineupSpec(name=lineup, fingerprint=conv.fingerprint(), jobs=samples(), n_jobs=count,
-                      describe=conv.recipe_json(strict=False))
+    return LineupSpec(
+        name=lineup,
+        fingerprint=conv.fingerprint(),
+        jobs=samples(),
+        n_jobs=count,
+        describe=conv.recipe_json(strict=False),
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -208,9 +248,15 @@ def _versions() -> dict[str, str]:
     return out
 
 
-async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], *, devices: Sequence[str] | None,
-                   out_dir: str | os.PathLike[str] | None, resume: bool, batched: bool,
-                   **scheduler_options: Any) -> RunReport:
+async def _execute(
+    lineups: Sequence[tuple[Conversation, LineupSpec]],
+    *,
+    devices: Sequence[str] | None,
+    out_dir: str | os.PathLike[str] | None,
+    resume: bool,
+    batched: bool,
+    **scheduler_options: Any,
+) -> RunReport:
     from interlens.scheduler import ExecutionMode, available_devices, run_jobs
 
     from ._report import RunReport
@@ -223,7 +269,11 @@ async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], *, device
         outcome = await run_jobs(
             [spec for _, spec in lineups],
             devices=list(devices),
-            out_dir=out_dir, resume=resume, mode=mode, versions=_versions(), **scheduler_options,
+            out_dir=out_dir,
+            resume=resume,
+            mode=mode,
+            versions=_versions(),
+            **scheduler_options,
         )
     except Exception as exc:
         raise translate(exc) from exc.__cause__
@@ -239,29 +289,54 @@ def _lineups(conversations: Iterable[Conversation], seed: int) -> list[tuple[Con
     out = []
     for i, conv in enumerate(convs):
         if not isinstance(conv, Conversation):
-            raise ConfigurationError(f"run() takes Conversation objects, got {type(conv).__name__} at index {i}")
+            raise ConfigurationError(
+                f"run() takes Conversation objects, got {type(conv).__name__} at index {i}"
+            )
         name = conv.name() or f"conv{i}"
         single = name if conv.data_source is None else None
-        out.append((conv, lineup_spec(conv, None, seed=seed, prefix=f"{name}/", single_job_id=single,
-                                      lineup=name)))
+        out.append(
+            (conv, lineup_spec(conv, None, seed=seed, prefix=f"{name}/", single_job_id=single, lineup=name))
+        )
     names = [spec.name for _, spec in out]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ConfigurationError(f"two lineups share the name(s) {duplicates}: give each a distinct .name(...)")
+        raise ConfigurationError(
+            f"two lineups share the name(s) {duplicates}: give each a distinct .name(...)"
+        )
     return out
 
 
-async def arun(conversations: Iterable[Conversation], *, devices: Sequence[str] | None = None,
-               out_dir: str | os.PathLike[str] | None = None, resume: bool = True, seed: int = 0,
-               batched: bool = True, **options: Any) -> RunReport:
+async def arun(
+    conversations: Iterable[Conversation],
+    *,
+    devices: Sequence[str] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    seed: int = 0,
+    batched: bool = True,
+    **options: Any,
+) -> RunReport:
     """Run many lineups in one pool; see :func:`run`."""
-    return await _execute(_lineups(conversations, seed), devices=devices, out_dir=out_dir, resume=resume,
-                          batched=batched, **options)
+    return await _execute(
+        _lineups(conversations, seed),
+        devices=devices,
+        out_dir=out_dir,
+        resume=resume,
+        batched=batched,
+        **options,
+    )
 
 
-def run(conversations: Iterable[Conversation], *, devices: Sequence[str] | None = None,
-        out_dir: str | os.PathLike[str] | None = None, resume: bool = True, seed: int = 0, batched: bool = True,
-        **options: Any) -> RunReport:
+def run(
+    conversations: Iterable[Conversation],
+    *,
+    devices: Sequence[str] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    seed: int = 0,
+    batched: bool = True,
+    **options: Any,
+) -> RunReport:
     """Run many lineups in one pool under one ``out_dir``/resume namespace.
 
     Each conversation expands to its own jobs (one per ``.data()`` row, else a single job), namespaced by its
@@ -271,23 +346,57 @@ def run(conversations: Iterable[Conversation], *, devices: Sequence[str] | None 
     """
     from interlens.scheduler import run_sync
 
-    return run_sync(arun, conversations, devices=devices, out_dir=out_dir, resume=resume, seed=seed,
-                    batched=batched, **options)
+    return run_sync(
+        arun,
+        conversations,
+        devices=devices,
+        out_dir=out_dir,
+        resume=resume,
+        seed=seed,
+        batched=batched,
+        **options,
+    )
 
 
-async def arollout(conv: Conversation, n: int | None = None, *, devices: Sequence[str] | None = None,
-                   out_dir: str | os.PathLike[str] | None = None, seed: int = 0, batched: bool = True,
-                   resume: bool = True, **options: Any) -> RunReport:
+async def arollout(
+    conv: Conversation,
+    n: int | None = None,
+    *,
+    devices: Sequence[str] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    batched: bool = True,
+    resume: bool = True,
+    **options: Any,
+) -> RunReport:
     lineup = conv.name() or "rollout"
     spec = lineup_spec(conv, n, seed=seed, prefix="", single_job_id=None, lineup=lineup)
-    return await _execute([(conv, spec)], devices=devices, out_dir=out_dir, resume=resume, batched=batched,
-                          **options)
+    return await _execute(
+        [(conv, spec)], devices=devices, out_dir=out_dir, resume=resume, batched=batched, **options
+    )
 
 
-def rollout(conv: Conversation, n: int | None = None, *, devices: Sequence[str] | None = None,
-            out_dir: str | os.PathLike[str] | None = None, seed: int = 0, batched: bool = True,
-            resume: bool = True, **options: Any) -> RunReport:
+def rollout(
+    conv: Conversation,
+    n: int | None = None,
+    *,
+    devices: Sequence[str] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    batched: bool = True,
+    resume: bool = True,
+    **options: Any,
+) -> RunReport:
     from interlens.scheduler import run_sync
 
-    return run_sync(arollout, conv, n, devices=devices, out_dir=out_dir, seed=seed, batched=batched,
-                    resume=resume, **options)
+    return run_sync(
+        arollout,
+        conv,
+        n,
+        devices=devices,
+        out_dir=out_dir,
+        seed=seed,
+        batched=batched,
+        resume=resume,
+        **options,
+    )

@@ -93,7 +93,9 @@ class TokenBudget(StopCondition):
     def __init__(self, per_conversation: int | None = None, per_turn: int | None = None) -> None:
         for label, value in (("per_conversation", per_conversation), ("per_turn", per_turn)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigurationError(f"TokenBudget({label}=...) must be a positive int or None, got {value!r}")
+                raise ConfigurationError(
+                    f"TokenBudget({label}=...) must be a positive int or None, got {value!r}"
+                )
         if per_conversation is None and per_turn is None:
             raise ConfigurationError("TokenBudget needs per_conversation=, per_turn= or both")
         self.per_conversation = per_conversation

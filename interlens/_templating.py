@@ -1,4 +1,4 @@
-"""Per-row templates for ``shared_context``, ``shared_system_prompt`` and each participant's ``system_prompt``.
+"""Per-row templates: ``shared_context``, ``shared_system_prompt`` and each ``system_prompt``.
 
 A template value is one of:
 
@@ -22,8 +22,15 @@ from typing import Any, TypeAlias
 
 from ._exceptions import ConfigurationError, MissingColumnError, TemplateError
 
-__all__ = ["DatasetField", "Template", "dataset_field", "is_templated", "resolve", "template_from_json",
-           "template_to_json"]
+__all__ = [
+    "DatasetField",
+    "Template",
+    "dataset_field",
+    "is_templated",
+    "resolve",
+    "template_from_json",
+    "template_to_json",
+]
 
 Template: TypeAlias = Any  # str | DatasetField | Callable[[Mapping], str] | tuple[Template, ...] | t-string
 
@@ -71,7 +78,8 @@ def check_template(value: Template, *, field: str) -> None:
             check_template(part, field=field)
         return
     raise ConfigurationError(
-        f"{field} must be a str, dataset_field('col'), a callable(row) -> str, a tuple of those, or a t-string; "
+        f"{field} must be a str, dataset_field('col'), a callable(row) -> str, a tuple of those, or a "
+        "t-string; "
         f"got {type(value).__name__}: {value!r}"
     )
 
@@ -101,8 +109,9 @@ def resolve(value: Template, row: Mapping[str, Any] | None, *, field: str = "tem
     if callable(value):
         result = value(row)
         if not isinstance(result, str):
-            raise TemplateError(f"{field}: the template callable {value!r} returned "
-                                f"{type(result).__name__}, not str")
+            raise TemplateError(
+                f"{field}: the template callable {value!r} returned {type(result).__name__}, not str"
+            )
         return result
     raise TemplateError(f"{field}: cannot resolve template value {value!r}")
 
@@ -144,7 +153,7 @@ def import_callable(path: str) -> Callable[..., Any]:
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def template_to_json(value: Template, *, field: str = "template") -> Any:
@@ -160,8 +169,11 @@ def template_to_json(value: Template, *, field: str = "template") -> Any:
         strings = list(value.strings)
         for i, interp in enumerate(value.interpolations):
             parts.append(strings[i])
-            parts.append(template_to_json(interp.value, field=field) if is_templated(interp.value)
-                         else str(interp.value))
+            parts.append(
+                template_to_json(interp.value, field=field)
+                if is_templated(interp.value)
+                else str(interp.value)
+            )
         parts.append(strings[-1] if len(strings) > len(value.interpolations) else "")
         return {"$concat": parts}
     if callable(value):

@@ -1,4 +1,4 @@
-"""The Conversation API with scripted participants: views, modifiers, live use, budgets, templates, save/load."""
+"""The Conversation API with scripted participants: views, modifiers, live use, budgets, save/load."""
 
 from __future__ import annotations
 
@@ -74,15 +74,33 @@ def test_step_with_explicit_speaker_and_next_speaker():
 
 def test_copy_on_write_modifiers_leave_original_untouched():
     conv = debate()
-    before = (conv.turns(), conv.name(), conv.data_source, conv.analyzer_fn, conv.stop_conditions,
-              conv.participants, len(conv.transcript))
+    before = (
+        conv.turns(),
+        conv.name(),
+        conv.data_source,
+        conv.analyzer_fn,
+        conv.stop_conditions,
+        conv.participants,
+        len(conv.transcript),
+    )
     variants = [
-        conv.turns(6), conv.name("x"), conv.data([{"q": 1}]), conv.analyzer(len),
-        conv.run_until(TokenBudget(per_conversation=10)), conv.set(shared_context="Other."),
+        conv.turns(6),
+        conv.name("x"),
+        conv.data([{"q": 1}]),
+        conv.analyzer(len),
+        conv.run_until(TokenBudget(per_conversation=10)),
+        conv.set(shared_context="Other."),
         conv.set(participants=[ScriptedParticipant("solo", ["hi"])]),
     ]
-    assert (conv.turns(), conv.name(), conv.data_source, conv.analyzer_fn, conv.stop_conditions,
-            conv.participants, len(conv.transcript)) == before
+    assert (
+        conv.turns(),
+        conv.name(),
+        conv.data_source,
+        conv.analyzer_fn,
+        conv.stop_conditions,
+        conv.participants,
+        len(conv.transcript),
+    ) == before
     assert variants[0].turns() == 6 and variants[1].name() == "x"
     assert variants[5].transcript[0].content == "Other."
     assert conv.transcript[0].content == "Debate: tabs vs spaces."
@@ -116,7 +134,9 @@ def test_never_stopping_conversation_is_refused():
 
 def test_token_budget_caps_turns_and_stops():
     long = ScriptedParticipant("long", ["one two three four five six seven eight nine ten"])
-    conv = Conversation(participants=[long]).turns(None).run_until(TokenBudget(per_conversation=25, per_turn=8))
+    conv = (
+        Conversation(participants=[long]).turns(None).run_until(TokenBudget(per_conversation=25, per_turn=8))
+    )
     conv.run()
     counts = [m.n_tokens for m in conv.transcript]
     assert counts == [8, 8, 8, 1]  # per_turn caps at 8; the last turn is capped to what is left
@@ -165,7 +185,9 @@ def test_templating_str_field_callable_tuple():
 
 
 def test_missing_column_names_column_and_available_columns():
-    conv = Conversation(participants=[ScriptedParticipant("s", ["x"])], shared_context=dataset_field("qestion"))
+    conv = Conversation(
+        participants=[ScriptedParticipant("s", ["x"])], shared_context=dataset_field("qestion")
+    )
     from interlens._rollout import _expand_one
 
     with pytest.raises(MissingColumnError) as info:
@@ -261,3 +283,10 @@ async def test_sync_run_works_inside_running_loop():
     conv = debate()
     conv.run(turns=2)  # a helper thread runs its own loop: no nest_asyncio
     assert conv.generated_turns == 2
+
+
+def test_participant_sync_generate_on_a_view():
+    conv = debate()
+    conv.run(turns=1)
+    msg = conv.participant("b").generate(conv.view("b"))
+    assert msg.author == "b" and msg.content == "b saw 2"

@@ -27,11 +27,15 @@ def family(request):
 
 
 def _debate(path: str, **settings):
-    a = AutoModelParticipant.from_pretrained(path, name="a", system_prompt="Argue for tabs.", max_new_tokens=6,
-                                             **settings)
-    b = AutoModelParticipant.from_pretrained(path, name="b", system_prompt="Argue for spaces.", max_new_tokens=6,
-                                             **settings)
-    return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.", shared_system_prompt="Be kind.")
+    a = AutoModelParticipant.from_pretrained(
+        path, name="a", system_prompt="Argue for tabs.", max_new_tokens=6, **settings
+    )
+    b = AutoModelParticipant.from_pretrained(
+        path, name="b", system_prompt="Argue for spaces.", max_new_tokens=6, **settings
+    )
+    return Conversation(
+        participants=[a, b], shared_context="Debate: tabs vs spaces.", shared_system_prompt="Be kind."
+    )
 
 
 def test_three_families_available():
@@ -76,7 +80,6 @@ def test_live_debate_generates_with_honest_token_counts(family):
     conv = _debate(path, temperature=0.0)
     conv.run(turns=3)
     assert [m.author for m in conv.transcript] == ["moderator", "a", "b", "a"]
-    engine = conv.participants[0].live_engine()
     for m in conv.transcript[1:]:
         assert 1 <= m.n_tokens <= 6
         assert m.metadata["finish_reason"] in {"eos", "length"}
@@ -122,8 +125,9 @@ def test_pickled_lazy_participant_is_small(qwen2_path):
 
 
 def test_token_budget_caps_model_turns(qwen2_path):
-    p = AutoModelParticipant.from_pretrained(qwen2_path, name="solo", max_new_tokens=50, temperature=0.0,
-                                             stop=())
+    p = AutoModelParticipant.from_pretrained(
+        qwen2_path, name="solo", max_new_tokens=50, temperature=0.0, stop=()
+    )
     conv = Conversation(participants=[p], shared_context="Count.").turns(None)
     conv = conv.run_until(TokenBudget(per_conversation=7, per_turn=3))
     conv.run()
@@ -141,7 +145,7 @@ def test_mixed_scripted_and_model(qwen2_path):
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         AutoModelParticipant.from_pretrained(str(tmp_path), name="x")
     p = ModelParticipant(str(tmp_path / "nowhere"), name="x")
     with pytest.raises(ModelLoadError):

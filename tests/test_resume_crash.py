@@ -13,9 +13,15 @@ from interlens.store import LedgerReader
 CHILD = Path(__file__).parent / "scripts" / "rollout_child.py"
 
 
-def _run_child(out_dir: Path, *, n_jobs: int, turns: int, tag: str, kill_after: int | None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(out_dir), str(n_jobs), str(turns), tag],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run_child(
+    out_dir: Path, *, n_jobs: int, turns: int, tag: str, kill_after: int | None
+) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), str(out_dir), str(n_jobs), str(turns), tag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     if kill_after is not None:
         seen = 0
@@ -39,8 +45,13 @@ def test_sigkilled_rollout_resumes_without_losing_committed_turns(tmp_path):
     assert len(done_before) < n_jobs, "the kill landed after the run finished"
 
     # the rerun (same recipe, a new process) resumes
-    rerun = subprocess.run([sys.executable, str(CHILD), str(tmp_path), str(n_jobs), str(turns), "second"],
-                           capture_output=True, text=True, timeout=120, check=True)
+    rerun = subprocess.run(
+        [sys.executable, str(CHILD), str(tmp_path), str(n_jobs), str(turns), "second"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     lines = rerun.stdout.splitlines()
     assert lines[-1] == f"DONE {n_jobs} 0"
     n_committed = sum(len(t) for t in committed.values())
@@ -52,10 +63,11 @@ def test_sigkilled_rollout_resumes_without_losing_committed_turns(tmp_path):
             generated = reader.turns(job)
             assert len(generated) == turns
             assert generated[: len(turns_before)] == turns_before  # every committed turn survived as it was
-            assert all("by second" in m["content"] for m in generated[len(turns_before):])
+            assert all("by second" in m["content"] for m in generated[len(turns_before) :])
             result = reader.result(job)
             assert [m["content"] for m in result["conversation"]["transcript"][1:]] == [
-                m["content"] for m in generated]
+                m["content"] for m in generated
+            ]
     with LedgerReader(tmp_path) as reader:
         assert reader.counts()["done"] == n_jobs and sum(reader.counts().values()) == n_jobs
         assert len(reader.job_ids()) == n_jobs  # no duplicate job

@@ -1,4 +1,4 @@
-"""Rollouts end to end with scripted participants: ids, seeds, data streaming, analyzers, resume, isolation."""
+"""Rollouts end to end with scripted participants: ids, seeds, data, analyzers, resume, isolation."""
 
 from __future__ import annotations
 
@@ -59,15 +59,23 @@ def grade(conv):
 
 def _data_conv():
     solver = ScriptedParticipant("solver", lambda view: "Final answer: 4")
-    return (Conversation(participants=[solver], shared_context=("Solve this problem.\n\n", dataset_field("question")))
-            .turns(1).analyzer(grade))
+    return (
+        Conversation(
+            participants=[solver], shared_context=("Solve this problem.\n\n", dataset_field("question"))
+        )
+        .turns(1)
+        .analyzer(grade)
+    )
 
 
 def test_data_rollout_over_dataset_iterable_dataset_and_generator():
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list(gsm_rows(5)).map(lambda r: {"gold": int(r["answer"])})
-    streaming = datasets.Dataset.from_list(gsm_rows(5)).to_iterable_dataset().map(
-        lambda r: {"gold": int(r["answer"])})
+    streaming = (
+        datasets.Dataset.from_list(gsm_rows(5))
+        .to_iterable_dataset()
+        .map(lambda r: {"gold": int(r["answer"])})
+    )
 
     def generator():
         for row in gsm_rows(5):
@@ -97,8 +105,12 @@ def test_missing_column_in_dataset_fails_before_running():
 def test_bad_row_fails_alone():
     rows = [{"question": "ok 1"}, {"oops": "no question"}, {"question": "ok 3"}]
     solver = ScriptedParticipant("solver", ["done"])
-    report = (Conversation(participants=[solver], shared_context=dataset_field("question"))
-              .turns(1).data(iter(rows)).rollout())
+    report = (
+        Conversation(participants=[solver], shared_context=dataset_field("question"))
+        .turns(1)
+        .data(iter(rows))
+        .rollout()
+    )
     assert report.failed == ["row_00001"]
     err = report.results["row_00001"].error
     assert err.type == "MissingColumnError" and "'question'" in err.message
@@ -174,8 +186,11 @@ def test_token_budget_matched_compute():
     pair_report = pair.rollout(n=2)
     pair_spend = pair_report.results["rollout_0000"].tokens_generated
     assert pair_spend == 42
-    solo = pair.set(participants=[talk("solver")]).turns(None).run_until(
-        TokenBudget(per_conversation=pair_spend, per_turn=5))
+    solo = (
+        pair.set(participants=[talk("solver")])
+        .turns(None)
+        .run_until(TokenBudget(per_conversation=pair_spend, per_turn=5))
+    )
     solo_report = solo.rollout(n=3)
     for res in solo_report.results.values():
         assert res.tokens_generated == pair_spend

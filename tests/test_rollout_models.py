@@ -90,8 +90,9 @@ def test_mixed_lineups_share_one_pool(qwen2_path, llama_path):
     qa = model_debate(qwen2_path).turns(2).name("qwen_pair")
     la = model_debate(llama_path).turns(2).name("llama_pair")
     host = ScriptedParticipant("host", ["Go on."])
-    mixed = Conversation(participants=[host, AutoModelParticipant.from_pretrained(qwen2_path, name="guest",
-                                                                                     max_new_tokens=4)]).turns(2)
+    mixed = Conversation(
+        participants=[host, AutoModelParticipant.from_pretrained(qwen2_path, name="guest", max_new_tokens=4)]
+    ).turns(2)
     report = interlens.run([qa, la, mixed.name("mixed")], devices=["cpu"])
     assert sorted(report.results) == ["llama_pair", "mixed", "qwen_pair"]
     assert report.failed == []

@@ -1,4 +1,4 @@
-"""A 100,000-row streaming rollout keeps memory flat: the scheduler pulls rows lazily, the ledger holds results."""
+"""A 100,000-row streaming rollout keeps memory flat: rows are pulled lazily, results live in the ledger."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ def test_100k_row_streaming_rollout_has_flat_memory(tmp_path):
                 samples[i] = tracemalloc.get_traced_memory()[0]
             yield {"q": f"question {i}"}
 
-    conv = (Conversation(participants=[ScriptedParticipant("s", ["ok"])], shared_context=dataset_field("q"))
-            .turns(1).data(rows()))
+    conv = (
+        Conversation(participants=[ScriptedParticipant("s", ["ok"])], shared_context=dataset_field("q"))
+        .turns(1)
+        .data(rows())
+    )
     tracemalloc.start()
     try:
         report = conv.rollout(out_dir=tmp_path, progress=False)

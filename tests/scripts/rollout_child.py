@@ -21,7 +21,9 @@ def reply(view):
     return f"{view.speaker} turn {view.own_turns} by {tag}"
 
 
-conv = Conversation(participants=[ScriptedParticipant("a", reply), ScriptedParticipant("b", reply)],
-                    shared_context="Resume me.").turns(turns)
+conv = Conversation(
+    participants=[ScriptedParticipant("a", reply), ScriptedParticipant("b", reply)],
+    shared_context="Resume me.",
+).turns(turns)
 report = conv.rollout(n=n_jobs, out_dir=out_dir, max_concurrency=8, progress=False)
 print("DONE", len(report.results), len(report.failed), flush=True)
