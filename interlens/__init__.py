@@ -10,7 +10,7 @@ Importing interlens is cheap: torch, transformers, datasets and the provider SDK
 
 from interlens.scheduler import ExecutionMode, available_devices
 
-from ._analyzers import register_analyzer
+from ._analyzers import register_analyzer, register_worker_init
 from ._conversation import Conversation
 from ._exceptions import (
     AnalyzerError,
@@ -78,5 +78,6 @@ __all__ = [
     "available_devices",
     "dataset_field",
     "register_analyzer",
+    "register_worker_init",
     "run",
 ]

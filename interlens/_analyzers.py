@@ -1,14 +1,18 @@
 """Analyzers: functions run on each finished conversation while its models are still resident.
 
-A callable works wherever the job runs in this process. A NAME registered with :func:`register_analyzer` at
-import time works everywhere, including spawned device workers, which import the user's main module.
+A callable works wherever the job runs: in this process, and in spawned device workers too, where it travels
+with the job by value (cloudpickle), closures included. A NAME registered with :func:`register_analyzer`
+works everywhere: workers import the user's main module (as multiprocessing's spawn does), and the names a
+run uses are also installed in each worker at start, so a name registered in a notebook or in a module the
+main script never imports works as well. :func:`register_worker_init` adds set-up run once per worker.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import AnalyzerError, ConfigurationError, UnknownAnalyzerError
@@ -16,9 +20,18 @@ from ._exceptions import AnalyzerError, ConfigurationError, UnknownAnalyzerError
 if TYPE_CHECKING:
     from ._conversation import Conversation
 
-__all__ = ["check_analyzer", "register_analyzer", "resolve_analyzer", "run_analyzer"]
+__all__ = [
+    "check_analyzer",
+    "check_shippable",
+    "register_analyzer",
+    "register_worker_init",
+    "resolve_analyzer",
+    "run_analyzer",
+    "worker_hooks",
+]
 
 _REGISTRY: dict[str, Callable[[Conversation], Any]] = {}
+_WORKER_INIT: list[Callable[[], Any]] = []
 
 
 def register_analyzer(name: str, fn: Callable[[Conversation], Any]) -> None:
@@ -28,6 +41,77 @@ def register_analyzer(name: str, fn: Callable[[Conversation], Any]) -> None:
     if not callable(fn):
         raise ConfigurationError(f"register_analyzer({name!r}, ...) needs a callable(conv), got {fn!r}")
     _REGISTRY[name] = fn
+
+
+def register_worker_init(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn()`` once in each worker before its first job, e.g. to load a probe once per GPU.
+
+    Call at import time. In a multi-device run ``fn`` is sent to every worker process (a module-level function
+    by reference, a closure by value), so it must pickle; with one device it runs once in this process at the
+    start of each run. Registering the same function twice keeps one. Returns ``fn`` (usable as a decorator).
+    """
+    if not callable(fn):
+        raise ConfigurationError(f"register_worker_init() needs a callable taking no arguments, got {fn!r}")
+    if fn not in _WORKER_INIT:
+        _WORKER_INIT.append(fn)
+    return fn
+
+
+def worker_hooks(analyzers: Iterable[Callable[[Conversation], Any] | str | None]) -> list[Callable[[], Any]]:
+    """What each worker runs before its first job: install the registered analyzers named in ``analyzers``,
+    then every :func:`register_worker_init` function, in registration order."""
+    names = sorted({a for a in analyzers if isinstance(a, str)})
+    entries = {name: fn for name in names if _pickles(fn := resolve_analyzer(name))}
+    hooks: list[Callable[[], Any]] = [partial(_install_analyzers, entries)] if entries else []
+    return hooks + list(_WORKER_INIT)
+
+
+def _install_analyzers(entries: Mapping[str, Callable[[Conversation], Any]]) -> None:
+    for name, fn in entries.items():
+        _REGISTRY.setdefault(name, fn)  # one the worker registered itself (importing main) is kept
+
+
+def check_shippable(analyzer: Callable[[Conversation], Any] | str | None, *, lineup: str) -> None:
+    """Fail before any job starts when ``analyzer`` cannot reach a worker process, saying why and the fix."""
+    if analyzer is None:
+        return
+    fn = resolve_analyzer(analyzer)
+    if isinstance(analyzer, str) and _importable_main(fn):
+        return  # registered by the main script, which each worker imports: it need not travel
+    try:
+        _pickles(fn, strict=True)
+    except Exception as exc:
+        what = f"analyzer {analyzer!r}" if isinstance(analyzer, str) else f"the analyzer {_name(fn)}"
+        raise ConfigurationError(
+            f"{what} of lineup {lineup!r} cannot be sent to the worker processes ({type(exc).__name__}: "
+            f"{exc}). A closure over something that does not pickle (a lock, an open file, a loaded model) "
+            "cannot cross a process boundary: define the function at module level, register it with "
+            "register_analyzer(name, fn) and use .analyzer(name); load heavy state in each worker with "
+            "register_worker_init(fn)"
+        ) from exc
+
+
+def _pickles(fn: Callable[..., Any], *, strict: bool = False) -> bool:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(fn)
+    except Exception:
+        if strict:
+            raise
+        return False
+    return True
+
+
+def _importable_main(fn: Callable[..., Any]) -> bool:
+    import sys
+
+    main = sys.modules.get("__main__")
+    return getattr(fn, "__module__", None) == "__main__" and getattr(main, "__file__", None) is not None
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def resolve_analyzer(analyzer: Callable[[Conversation], Any] | str) -> Callable[[Conversation], Any]:

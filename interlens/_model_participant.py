@@ -153,7 +153,10 @@ class ModelParticipant(Participant):
     def load_engine(self, device: str) -> ChatEngine:
         from ._model_cache import load_engine
 
-        return ChatEngine(load_engine(self.model_id, device=device, dtype=self.dtype, revision=self.revision))
+        engine = load_engine(
+            self.model_id, device=device, dtype=self.dtype, revision=self.revision, allow_download=True
+        )
+        return ChatEngine(engine)
 
     def live_engine(self) -> ChatEngine:
         """The engine used outside rollouts: on ``device=`` or the first available device."""
@@ -305,6 +308,9 @@ class AutoModelParticipant:
     @staticmethod
     def from_pretrained(id_or_path: str | Path, *, name: str, **settings: Any) -> ModelParticipant:
         """A lazy participant for ``id_or_path``; reads only the config, never the weights.
+
+        Weights load on first use (a hub id downloads then, as with transformers; set ``HF_HUB_OFFLINE=1``
+        to forbid it), once per process and device, shared by every participant with the same load recipe.
 
         Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
         ``kv_reuse`` ("auto" | True | False), ``device``, ``dtype``, ``revision``.

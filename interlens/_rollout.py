@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._analyzers import check_analyzer, run_analyzer
+from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
 from ._exceptions import ConfigurationError, InterlensError, TemplateError, translate
 from ._model_participant import CURRENT_JOB
 from ._participant import Participant
@@ -265,14 +265,20 @@ async def _execute(
     if devices is None:  # only local models need a device: don't import torch to run scripted or API jobs
         local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
         devices = available_devices() if local else ["cpu"]
+    devices = devices if isinstance(devices, str) else list(devices)  # the scheduler explains a bare str
+    if not isinstance(devices, str) and len(devices) > 1:  # local-model jobs run in worker processes
+        for conv, spec in lineups:
+            if any(p.needs_device for p in conv.participants):
+                check_shippable(conv.analyzer_fn, lineup=spec.name)
     try:
         outcome = await run_jobs(
             [spec for _, spec in lineups],
-            devices=list(devices),
+            devices=devices,
             out_dir=out_dir,
             resume=resume,
             mode=mode,
             versions=_versions(),
+            worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
             **scheduler_options,
         )
     except Exception as exc:

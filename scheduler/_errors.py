@@ -8,7 +8,12 @@ The hierarchy::
     │   └── DuplicateJobError       two lineups with one name, or one job id pulled twice in a run
     ├── EngineLoadError             ``EngineSpec.load_engine`` raised; fails the jobs that needed it
     ├── BatchResultError            ``Engine.generate_batch`` returned the wrong number of results
-    └── NoDeviceError               a job with ``needs_device=False`` called ``ctx.generate``
+    ├── NoDeviceError               a job with ``needs_device=False`` called ``ctx.generate``
+    ├── NoServiceError              ``ctx.call_parent`` named a service the run does not have
+    ├── WorkerStartError            a worker process could not start (bad device, import error, init hook)
+    ├── WorkerLostError             a job's worker process died under it (recorded on the job, not raised)
+    ├── JobPickleError              a job cannot be sent to (or rebuilt in) a worker process
+    └── ParentCallError             ``ctx.call_parent`` failed in the parent in a way that cannot be re-raised
 
 The scheduler never imports interlens, so these are its own classes; interlens translates them at its
 boundary (``DeviceError`` here corresponds to ``interlens.DeviceError``).
@@ -21,9 +26,14 @@ __all__ = [
     "DeviceError",
     "DuplicateJobError",
     "EngineLoadError",
+    "JobPickleError",
     "NoDeviceError",
+    "NoServiceError",
+    "ParentCallError",
     "SchedulerConfigError",
     "SchedulerError",
+    "WorkerLostError",
+    "WorkerStartError",
 ]
 
 
@@ -53,3 +63,23 @@ class BatchResultError(SchedulerError):
 
 class NoDeviceError(SchedulerError):
     """A job declared ``needs_device=False`` but asked for a local-model generation."""
+
+
+class WorkerStartError(SchedulerError):
+    """A worker process could not start: it died, timed out, or its set-up (imports, init hooks) raised."""
+
+
+class WorkerLostError(SchedulerError):
+    """A worker process died while running a job. Stored as the job's error type when it fails for good."""
+
+
+class JobPickleError(SchedulerError):
+    """A job could not be pickled for a worker process, or could not be unpickled there."""
+
+
+class ParentCallError(SchedulerError):
+    """A ``call_parent`` service raised an exception that could not be sent back as itself."""
+
+
+class NoServiceError(SchedulerError, LookupError):
+    """``ctx.call_parent(kind, ...)`` named a service that this run was not given."""

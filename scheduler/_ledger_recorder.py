@@ -2,8 +2,23 @@
 
 The parent process is the ledger's only writer; workers route ``record_turn`` back here. Nothing about a
 finished job stays in memory: the :class:`RunOutcome` reads from the ledger (paged), so a million-job run
-does not hold a million conversations. The only per-run memory is the resume scan (ids already done, which
-the ledger hands over as a set) and the ids of live jobs.
+does not hold a million conversations. The only per-run memory is the resume scan (ids already done, and
+ids an earlier run left unfinished) and the ids of live jobs.
+
+Cost per job, and what the SIGKILL promise needs (a run of short jobs is bound by ledger round trips):
+
+- ``add``: jobs are inserted a chunk per transaction, ahead of their start (see ``_run``). A crash leaves
+  the inserted-but-not-started ones pending, which is what a rerun would do with them anyway.
+- ``committed_turns``: read only for a job that may have some: one an earlier run left unfinished (the set
+  is read once at the start) or one that recorded a turn in this run (a retry). Any other job was inserted
+  fresh by this run, so it has none, and the read is skipped.
+- ``start``, ``record_turn``, ``finish`` stay one awaited write each. Concurrent jobs share transactions
+  (group commit), so what a job costs is the operation, not a transaction. ``record_turn`` stays durable
+  before the job goes on, as the ``JobContext`` contract says: resume only needs the committed turns to be
+  a prefix (group commit keeps submission order, so a write-behind turn would still be one), but a turn
+  that is paid for (an API call) or seen by the user's code must not be lost to a crash after it was
+  acknowledged. Not awaiting ``start`` saves no operation (it would still be one write per job), so it is
+  awaited too: the attempt number it returns is then the ledger's, across runs.
 """
 
 from __future__ import annotations
@@ -12,6 +27,8 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from interlens.store import JobRecord, Ledger, LedgerReader, StoreError
 
@@ -32,6 +49,10 @@ class LedgerRecorder:
         self._run_id = run_id
         self._lineups = tuple(lineups)
         self._live: set[str] = set()  # O(concurrency): catches a job id pulled twice while both are live
+        # Ids an earlier run left pending/running/failed (the only ones that may have committed turns) and
+        # live jobs of this run that recorded a turn. The first is at most the size of the resume scan.
+        self._unfinished: set[str] = set()
+        self._has_turns: set[str] = set()
 
     @classmethod
     async def open(
@@ -61,13 +82,23 @@ class LedgerRecorder:
 
     async def begin(self) -> set[str]:
         await self._ledger.requeue_running()  # left by a run that crashed or was interrupted
-        return await self._ledger.done_job_ids()
+        done = await self._ledger.done_job_ids()
+        self._unfinished = await anyio.to_thread.run_sync(_unfinished_ids, self._ledger.path)
+        return done
 
-    async def add(self, spec: JobSpec) -> None:
-        if spec.job_id in self._live:
-            raise _duplicate(spec.job_id)
-        await self._ledger.add_jobs([JobRecord(spec.job_id, spec.lineup, spec.seed, spec.row_index)])
-        self._live.add(spec.job_id)
+    async def add_many(self, specs: Sequence[JobSpec]) -> None:
+        ids = [spec.job_id for spec in specs]
+        for job_id in ids:
+            if job_id in self._live:
+                raise _duplicate(job_id)
+            self._live.add(job_id)
+        try:
+            await self._ledger.add_jobs(
+                JobRecord(spec.job_id, spec.lineup, spec.seed, spec.row_index) for spec in specs
+            )
+        except BaseException:
+            self._live.difference_update(ids)
+            raise
 
     async def start(self, job_id: str, *, device: str) -> int:
         try:
@@ -76,9 +107,15 @@ class LedgerRecorder:
             raise _duplicate(job_id) from exc
 
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]:
+        # Only a job an earlier run left unfinished, or one that recorded a turn in this run (a retry), can
+        # have committed turns: every other job was inserted fresh by this run. Skipping the read for those
+        # saves a ledger round trip per job, which is most of the cost of a run of short jobs.
+        if job_id not in self._unfinished and job_id not in self._has_turns:
+            return []
         return await self._ledger.committed_turns(job_id)
 
     async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None:
+        self._has_turns.add(job_id)  # before the write: a failed write may still have committed
         await self._ledger.record_turn(job_id, index, turn)
 
     async def finish(self, job_id: str, outcome: AttemptOutcome) -> None:
@@ -89,6 +126,7 @@ class LedgerRecorder:
             tokens_generated=outcome.tokens_generated,
         )
         self._live.discard(job_id)
+        self._has_turns.discard(job_id)
 
     async def fail(self, job_id: str, outcome: AttemptOutcome) -> None:
         error = outcome.error or ErrorInfo("UnknownError", "the job failed without an error", "")
@@ -101,6 +139,9 @@ class LedgerRecorder:
             tokens_generated=outcome.tokens_generated,
         )
         self._live.discard(job_id)
+        if job_id in self._has_turns:  # a duplicate id pulled later must still replay them
+            self._unfinished.add(job_id)
+        self._has_turns.discard(job_id)
 
     async def retry(self, job_id: str) -> None:
         await self._ledger.return_to_pending(job_id)
@@ -116,6 +157,13 @@ class LedgerRecorder:
         return RunOutcome(
             ledger_path=self._ledger.path, counts=dict(counts), _source=source, _skipped=skipped
         )
+
+
+def _unfinished_ids(path: Path) -> set[str]:
+    """Ids of every job in the ledger that is not done (read-only snapshot, taken after the requeue)."""
+    with LedgerReader(path) as reader:
+        states = ("pending", "running", "failed")
+        return {job_id for state in states for job_id in reader.job_ids(state=state)}
 
 
 def _duplicate(job_id: str) -> DuplicateJobError:

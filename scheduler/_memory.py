@@ -8,7 +8,7 @@ ledger), turns are committed in index order, and attempts are counted.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,14 +58,15 @@ class MemoryRecorder:
     async def begin(self) -> set[str]:
         return set()  # nothing to resume without a ledger
 
-    async def add(self, spec: JobSpec) -> None:
-        if spec.job_id in self._jobs:
-            raise DuplicateJobError(
-                f"job id {spec.job_id!r} occurs twice in this run (lineups "
-                f"{self._jobs[spec.job_id].spec_lineup!r} and {spec.lineup!r}); job ids must be unique "
-                "across all lineups of a run"
-            )
-        self._jobs[spec.job_id] = _Job(spec.lineup, spec.row_index, spec.seed)
+    async def add_many(self, specs: Sequence[JobSpec]) -> None:
+        for spec in specs:
+            if spec.job_id in self._jobs:
+                raise DuplicateJobError(
+                    f"job id {spec.job_id!r} occurs twice in this run (lineups "
+                    f"{self._jobs[spec.job_id].spec_lineup!r} and {spec.lineup!r}); job ids must be unique "
+                    "across all lineups of a run"
+                )
+            self._jobs[spec.job_id] = _Job(spec.lineup, spec.row_index, spec.seed)
 
     async def start(self, job_id: str, *, device: str) -> int:
         job = self._jobs[job_id]

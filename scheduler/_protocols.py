@@ -107,6 +107,15 @@ class JobContext(Protocol):
         """Commit one finished turn; returns once it is durable (out_dir set) or recorded in memory."""
         ...
 
+    async def call_parent(self, kind: str, payload: Any) -> Any:
+        """Ask the parent process's service ``kind`` (``run_jobs(services=...)``) and await its answer.
+
+        The seam for what only the parent may do (it holds the API keys, the provider concurrency limits and
+        batch collectors): in-process it is a direct call, from a worker process a request over the pipe.
+        ``payload`` and the answer must pickle; the service's exception is raised here.
+        """
+        ...
+
 
 @dataclass
 class JobResult:

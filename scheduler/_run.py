@@ -9,23 +9,33 @@ the ledger; a job's failure is recorded on that job and never cancels another.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
 
+from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
+from ._pool import Service, WorkerInit, check_services, open_workers, refuse_while_bootstrapping
 from ._progress import Progress, progress_wanted
 from ._protocols import ExecutionMode, JobSpec, LineupSpec
 from ._signals import Notifier
-from ._worker import InProcessWorker, Worker
+from ._worker import Worker
 
 __all__ = ["run_jobs"]
+
+#: Jobs are added to the ledger this many at a time (one transaction), at most this many seconds of pulling
+#: apart: a per-job insert would cap a run of trivial jobs at the ledger's transaction rate.
+_ADD_CHUNK = 256
+_ADD_CHUNK_S = 0.05
 
 
 class Recorder(Protocol):
@@ -36,7 +46,7 @@ class Recorder(Protocol):
     value_errors: tuple[type[BaseException], ...]
 
     async def begin(self) -> set[str]: ...
-    async def add(self, spec: JobSpec) -> None: ...
+    async def add_many(self, specs: Sequence[JobSpec]) -> None: ...
     async def start(self, job_id: str, *, device: str) -> int: ...
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]: ...
     async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None: ...
@@ -61,19 +71,27 @@ async def run_jobs(
     progress: bool | None = None,
     versions: Mapping[str, str] | None = None,
     max_batch_wait: float = 0.05,
+    worker_init: Sequence[WorkerInit] = (),
+    services: Mapping[str, Service] | None = None,
+    worker_start_timeout: float = 300.0,
 ) -> RunOutcome:
     """Run every job of ``lineups`` and return how each ended.
 
-    ``devices``: one in-process worker per entry (a repeated entry means two workers sharing a device);
-    jobs with ``needs_device`` take one of ``max_batch_size`` slots on the least-loaded device worker, jobs
-    without run in the host worker, at most ``max_concurrency`` at once. ``out_dir``: the ledger directory
+    ``devices``: one worker per entry (a repeated entry means two workers sharing a device): in this process
+    for a single device, else one spawned worker process per entry. Jobs with ``needs_device`` take one of
+    ``max_batch_size`` slots on the least-loaded device worker and stay pinned to it; jobs without run in the
+    host worker (in this process), at most ``max_concurrency`` at once. ``out_dir``: the ledger directory
     (resumable: done jobs are skipped on a rerun unless ``resume=False``); None keeps everything in memory.
-    ``max_attempts``: attempts per job in this run when ``job.is_transient`` says a failure may pass.
+    ``max_attempts``: attempts per job in this run when ``job.is_transient`` says a failure may pass; also
+    how many times a job may lose its worker process before it is failed as the one that kills it.
+    ``worker_init``: picklable callables run once in each worker before its first job. ``services``: what
+    ``ctx.call_parent(name, payload)`` reaches, always in this process: ``await services[name](job_id,
+    payload)``. ``worker_start_timeout``: seconds a worker process has to report ready.
     ``max_batch_wait``: seconds a queued generation waits for more company when some live job is busy with
     something the scheduler cannot see. Cancelling this coroutine stops within seconds and leaves the
     ledger consistent (the run is marked interrupted; running jobs are requeued by the next run).
     """
-    _check_arguments(
+    check_arguments(
         lineups,
         mode=mode,
         max_batch_size=max_batch_size,
@@ -83,6 +101,10 @@ async def run_jobs(
         versions=versions,
         out_dir=out_dir,
     )
+    check_services(services)
+    if not isinstance(worker_start_timeout, int | float) or not worker_start_timeout > 0:
+        raise SchedulerConfigError(f"worker_start_timeout must be seconds > 0, got {worker_start_timeout!r}")
+    refuse_while_bootstrapping()
     devices = validate_devices(devices)
     recorder = await _open_recorder(lineups, out_dir=out_dir, resume=resume, versions=versions or {})
     run = _Run(
@@ -95,6 +117,9 @@ async def run_jobs(
         max_attempts=max_attempts,
         max_batch_wait=max_batch_wait,
         progress=progress_wanted(progress),
+        worker_init=tuple(worker_init),
+        services=services,
+        worker_start_timeout=float(worker_start_timeout),
     )
     status = "failed"
     try:
@@ -115,56 +140,6 @@ async def run_jobs(
             finally:
                 await recorder.close()
     return recorder.outcome(counts=run.counts(), skipped=run.skipped)
-
-
-def _check_arguments(
-    lineups: Sequence[LineupSpec],
-    *,
-    mode: ExecutionMode,
-    max_batch_size: int,
-    max_concurrency: int,
-    max_attempts: int,
-    max_batch_wait: float,
-    versions: Mapping[str, str] | None,
-    out_dir: object,
-) -> None:
-    """Refuse bad input before anything is opened or run, naming the problem and the fix."""
-    if isinstance(lineups, LineupSpec):
-        raise SchedulerConfigError("run_jobs takes a list of LineupSpec; wrap the single lineup: [lineup]")
-    if not isinstance(lineups, Sequence) or isinstance(lineups, str):
-        raise SchedulerConfigError(f"lineups must be a list of LineupSpec, got {type(lineups).__name__}")
-    seen: set[str] = set()
-    for lineup in lineups:
-        if not isinstance(lineup, LineupSpec):
-            raise SchedulerConfigError(f"every lineup must be a LineupSpec, got {type(lineup).__name__}")
-        if not isinstance(lineup.name, str) or not lineup.name:
-            raise SchedulerConfigError(f"a lineup name must be a non-empty str, got {lineup.name!r}")
-        if lineup.name in seen:
-            raise DuplicateJobError(
-                f"two lineups are named {lineup.name!r}; their job ids would collide. Give each lineup of a "
-                "run its own name"
-            )
-        seen.add(lineup.name)
-        if not isinstance(lineup.fingerprint, str):
-            raise SchedulerConfigError(f"lineup {lineup.name!r}: fingerprint must be a str")
-    if not isinstance(mode, ExecutionMode):
-        raise SchedulerConfigError(f"mode must be an ExecutionMode, got {mode!r}")
-    for name, value in (
-        ("max_batch_size", max_batch_size),
-        ("max_concurrency", max_concurrency),
-        ("max_attempts", max_attempts),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SchedulerConfigError(f"{name} must be an int >= 1, got {value!r}")
-    if not isinstance(max_batch_wait, int | float) or isinstance(max_batch_wait, bool) or max_batch_wait < 0:
-        raise SchedulerConfigError(f"max_batch_wait must be a number of seconds >= 0, got {max_batch_wait!r}")
-    if versions is not None and not (
-        isinstance(versions, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items())
-    ):
-        raise SchedulerConfigError(f"versions must map str to str (package → version), got {versions!r}")
-    if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
-        raise SchedulerConfigError(f"out_dir must be a path (str or os.PathLike) or None, got {out_dir!r}")
 
 
 async def _open_recorder(
@@ -195,8 +170,14 @@ class _Run:
         max_attempts: int,
         max_batch_wait: float,
         progress: bool,
+        worker_init: Sequence[WorkerInit] = (),
+        services: Mapping[str, Service] | None = None,
+        worker_start_timeout: float = 300.0,
     ) -> None:
         self._lineups = lineups
+        self._worker_init = worker_init
+        self._services = services
+        self._worker_start_timeout = worker_start_timeout
         self._rec = recorder
         self._devices = devices
         self._mode = mode
@@ -208,7 +189,14 @@ class _Run:
         if all(lineup.n_jobs is not None for lineup in lineups):
             total = sum(lineup.n_jobs or 0 for lineup in lineups)
         self._progress = Progress(enabled=progress, total=total)
-        self._slots = Notifier()
+        self._refill = Notifier()  # the buffer fell to its low-water mark
+        self._refilled = Notifier()  # the pull loop added a chunk to the buffer (or found the end)
+        self._buffer: deque[JobSpec] = deque()  # recorded as pending, not started yet
+        # No more than the pools hold at once, so the specs held ahead of their start stay O(concurrency); as
+        # many as that, so the runners of a full pool rarely find the buffer empty.
+        self._chunk = min(_ADD_CHUNK, max_concurrency + len(devices) * max_batch_size)
+        self._exhausted = False
+        self._pools: tuple[list[Worker], list[Worker]] = ([], [])  # (device workers, host workers)
         self._skipped: dict[str, None] = {}  # ordered set
         self._pulled = 0
         self._error: Exception | None = None
@@ -226,24 +214,17 @@ class _Run:
         try:
             done_ids = await self._rec.begin()
             async with AsyncExitStack() as stack:
-                device_workers: list[Worker] = []
-                for device in self._devices:
-                    worker = InProcessWorker(
-                        device,
-                        capacity=self._max_batch_size,
-                        mode=self._mode,
-                        max_batch_size=self._max_batch_size,
-                        max_batch_wait=self._max_batch_wait,
-                    )
-                    device_workers.append(await stack.enter_async_context(worker))
-                host = InProcessWorker(
-                    None,
-                    capacity=self._max_concurrency,
+                device_workers, host_workers = await open_workers(
+                    stack,
+                    devices=self._devices,
                     mode=self._mode,
                     max_batch_size=self._max_batch_size,
+                    max_concurrency=self._max_concurrency,
                     max_batch_wait=self._max_batch_wait,
+                    worker_init=self._worker_init,
+                    services=self._services,
+                    start_timeout=self._worker_start_timeout,
                 )
-                host_workers: list[Worker] = [await stack.enter_async_context(host)]
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
                     try:
@@ -265,9 +246,39 @@ class _Run:
     async def _pull(
         self, tg: TaskGroup, done_ids: set[str], device_workers: list[Worker], host_workers: list[Worker]
     ) -> None:
+        """Keep a small buffer of recorded-but-not-started jobs filled; start jobs while slots are free.
+
+        Jobs are added to the recorder a chunk at a time, ahead of their start: one ledger transaction per
+        chunk instead of one per job. The buffer never holds more than 1.5 chunks, a chunk being no bigger
+        than the pools (``max_concurrency`` + devices x ``max_batch_size``): memory stays O(concurrency).
+        Jobs added but not started are plain "pending" rows: a crash leaves them to the next run, exactly
+        like jobs not pulled yet. Starting is mostly done by the runners themselves (see :meth:`_runner`):
+        this loop wakes only to refill the buffer and to spawn runners for slots nobody is serving.
+        """
+        self._pools = (device_workers, host_workers)
+        specs = self._specs(done_ids)
+        while True:
+            refill = self._refill.event()
+            if len(self._buffer) <= self._chunk // 2:
+                chunk = _take_chunk(specs, limit=self._chunk, seconds=_ADD_CHUNK_S)
+                if not chunk:
+                    self._exhausted = True
+                    self._refilled.notify()
+                    self._fill(tg)
+                    return  # the runners start what is left in the buffer, then end
+                await self._rec.add_many(chunk)
+                self._buffer.extend(chunk)
+                self._refilled.notify()
+                self._fill(tg)
+                continue
+            self._fill(tg)
+            await refill.wait()
+
+    def _specs(self, done_ids: set[str]) -> Iterator[JobSpec]:
+        """Every job to run, pulled lazily from the lineups in order; done ones are skipped (and counted)."""
         for lineup in self._lineups:
             for spec in lineup.jobs:  # pulled lazily, one at a time
-                _check_spec(spec, lineup)
+                check_spec(spec, lineup)
                 self._pulled += 1
                 if spec.job_id in done_ids:
                     if spec.job_id in self._skipped:
@@ -278,23 +289,55 @@ class _Run:
                     self._skipped[spec.job_id] = None
                     self._progress.job_skipped()
                     continue
-                worker = await self._free_worker(device_workers if _needs_device(spec) else host_workers)
-                worker.admit()
-                try:
-                    await self._rec.add(spec)
-                except BaseException:
-                    worker.leave()
-                    raise
-                tg.start_soon(self._job, spec, worker, name=f"interlens job {spec.job_id}")
+                needs_device(spec)  # a malformed job is refused when pulled, before it is recorded
+                yield spec
 
-    async def _free_worker(self, pool: list[Worker]) -> Worker:
-        """The least-loaded worker of ``pool`` with a free slot, waiting for one if all are full."""
+    def _claim(self) -> tuple[JobSpec, Worker] | None:
+        """The next buffered job and a slot for it on the least-loaded worker of its pool, if one is free.
+
+        Jobs start in order: when the next one's pool is full, nothing starts (a later job of the other pool
+        does not overtake it), exactly as if one loop pulled and placed them.
+        """
+        if not self._buffer or self._error is not None:
+            return None
+        spec = self._buffer[0]
+        pool = self._pools[0] if needs_device(spec) else self._pools[1]
+        best: Worker | None = None
+        for w in pool:
+            if w.load < w.capacity and (best is None or w.load < best.load):
+                best = w
+        if best is None:
+            return None
+        self._buffer.popleft()
+        if len(self._buffer) <= self._chunk // 2 and not self._exhausted:
+            self._refill.notify()
+        best.admit()
+        return spec, best
+
+    def _fill(self, tg: TaskGroup) -> None:
+        """Spawn a runner for every job that can start now."""
+        while (claimed := self._claim()) is not None:
+            tg.start_soon(self._runner, *claimed, name="interlens job runner")
+
+    async def _runner(self, spec: JobSpec, worker: Worker) -> None:
+        """Run a job, then the next one that can start, until none can.
+
+        A finished job hands its runner straight to the next job: no task spawn and no wake-up of the pull
+        loop per job, which is most of the scheduler's own cost in a run of short jobs.
+        """
         while True:
-            changed = self._slots.event()
-            free = [w for w in pool if w.load < w.capacity]
-            if free:
-                return min(free, key=lambda w: w.load)
-            await changed.wait()
+            await self._job(spec, worker)
+            claimed = self._claim()
+            while claimed is None and not self._buffer and not self._exhausted and self._error is None:
+                # The buffer ran dry while the next chunk is being recorded: waiting for it is cheaper
+                # than ending this runner and spawning another one a moment later.
+                await self._refilled.wait()
+                claimed = self._claim()
+            if claimed is None:
+                return
+            spec, worker = claimed
+            if self._tg is not None:
+                self._fill(self._tg)  # the freed slot may serve a job of the other pool too
 
     async def _job(self, spec: JobSpec, worker: Worker) -> None:
         try:
@@ -303,7 +346,6 @@ class _Run:
             self._abort(exc)
         finally:
             worker.leave()
-            self._slots.notify()
 
     async def _drive(self, spec: JobSpec, worker: Worker) -> None:
         rec, job_id = self._rec, spec.job_id
@@ -311,13 +353,16 @@ class _Run:
         async def record_turn(index: int, turn: Mapping[str, Any]) -> None:
             await rec.record_turn(job_id, index, turn)
 
-        tries = 0
+        failures = deaths = 0
         while True:
-            tries += 1
             attempt = await rec.start(job_id, device=worker.device)
             committed = await rec.committed_turns(job_id)
             outcome = await worker.run_attempt(
-                spec, attempt=attempt, committed_turns=committed, record_turn=record_turn
+                spec,
+                attempt=attempt,
+                committed_turns=committed,
+                record_turn=record_turn,
+                exclusive=deaths > 0,  # alone after a worker death: who killed it becomes plain
             )
             if outcome.ok:
                 try:
@@ -332,7 +377,17 @@ class _Run:
                     return
                 self._progress.job_done(tokens=outcome.tokens_generated)
                 return
-            if outcome.transient and outcome.conversation is None and tries < self._max_attempts:
+            if outcome.worker_lost:
+                # Every job the worker was running lost it, so a death alone blames no one; the retry runs
+                # alone on a fresh worker. A job that still loses it then, each time, is the one killing it.
+                deaths += 1
+                if deaths < self._max_attempts:
+                    await rec.retry(job_id)
+                    continue
+                await self._fail(job_id, _killer(outcome, deaths))
+                return
+            failures += 1
+            if outcome.transient and outcome.conversation is None and failures < self._max_attempts:
                 await rec.retry(job_id)
                 continue
             await self._fail(job_id, outcome)
@@ -357,27 +412,22 @@ class _Run:
         self._progress.job_failed(tokens=outcome.tokens_generated)
 
 
-def _check_spec(spec: object, lineup: LineupSpec) -> None:
-    if not isinstance(spec, JobSpec):
-        raise SchedulerConfigError(
-            f"lineup {lineup.name!r} yielded {type(spec).__name__}; its jobs must be JobSpec instances"
-        )
-    if not isinstance(spec.job_id, str) or not spec.job_id:
-        raise SchedulerConfigError(
-            f"lineup {lineup.name!r} yielded a job with id {spec.job_id!r}; ids are non-empty str"
-        )
-    if spec.lineup != lineup.name:
-        raise SchedulerConfigError(
-            f"job {spec.job_id!r} says it belongs to lineup {spec.lineup!r} but came from lineup "
-            f"{lineup.name!r}; set JobSpec.lineup to the name of the lineup that yields it"
-        )
+def _killer(outcome: AttemptOutcome, deaths: int) -> AttemptOutcome:
+    assert outcome.error is not None
+    message = (
+        f"{outcome.error.message}. Its worker died on each of its {deaths} attempts, the last "
+        f"{deaths - 1} with this job alone on a fresh worker, so this job is what kills it (out of memory, a "
+        "crash in native code, os._exit): it is failed, the other jobs carry on"
+    )
+    return replace(outcome, error=ErrorInfo(outcome.error.type, message, outcome.error.traceback))
 
 
-def _needs_device(spec: JobSpec) -> bool:
-    try:
-        return bool(spec.job.needs_device)
-    except AttributeError:
-        raise SchedulerConfigError(
-            f"job {spec.job_id!r}: {type(spec.job).__name__} has no needs_device attribute (the Job "
-            "protocol); set it to True when the job uses a local model"
-        ) from None
+def _take_chunk(specs: Iterator[JobSpec], *, limit: int, seconds: float) -> list[JobSpec]:
+    """Up to ``limit`` specs, but stop after ``seconds`` so a slow data stream does not hold back its jobs."""
+    chunk: list[JobSpec] = []
+    deadline = time.monotonic() + seconds
+    for spec in specs:
+        chunk.append(spec)
+        if len(chunk) >= limit or time.monotonic() >= deadline:
+            break
+    return chunk

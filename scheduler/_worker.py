@@ -1,10 +1,11 @@
 """Workers: the places where jobs run, next to the engines they use.
 
-:class:`Worker` is the placement seam. Today every worker is an :class:`InProcessWorker`; a subprocess
-worker over pipes (issue #5) implements the same interface: it receives a picklable :class:`JobSpec` plus
-the committed turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only
-ledger writer) and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``admit``/``leave``,
-``load``) lives on the parent side of that seam.
+:class:`Worker` is the placement seam. An :class:`InProcessWorker` runs jobs in this event loop; a
+``SubprocessWorker`` (``_subprocess``) implements the same interface over a pipe to a spawned process, which
+runs an :class:`InProcessWorker` of its own: it receives a picklable :class:`JobSpec` plus the committed
+turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only ledger writer)
+and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``admit``/``leave``, ``load``) lives
+on the parent side of that seam.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from anyio.abc import TaskGroup
 
 from ._batcher import Batcher
 from ._engines import EngineCache
-from ._errors import NoDeviceError
+from ._errors import NoDeviceError, NoServiceError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
 from ._signals import Notifier
 
-__all__ = ["HOST_DEVICE", "InProcessWorker", "RecordTurn", "Worker"]
+__all__ = ["HOST_DEVICE", "CallParent", "InProcessWorker", "RecordTurn", "Worker"]
 
 #: The ``device`` of jobs that need no local model (scripted or API-only): they run in the host worker.
 HOST_DEVICE = "host"
 
 RecordTurn = Callable[[int, Mapping[str, Any]], Awaitable[None]]
+#: How a job reaches the parent's services: ``(job_id, kind, payload) -> answer`` (see ``JobContext``).
+CallParent = Callable[[str, str, Any], Awaitable[Any]]
 
 
 class Worker(Protocol):
@@ -51,6 +54,10 @@ class Worker(Protocol):
 
     def leave(self) -> None: ...
 
+    async def started(self) -> None:
+        """Return once the worker can take jobs; raise ``WorkerStartError`` if it cannot start."""
+        ...
+
     async def run_attempt(
         self,
         spec: JobSpec,
@@ -58,8 +65,13 @@ class Worker(Protocol):
         attempt: int,
         committed_turns: Sequence[Mapping[str, Any]],
         record_turn: RecordTurn,
+        exclusive: bool = False,
     ) -> AttemptOutcome:
-        """Run one attempt of ``spec.job``; never raises for a failure of the job itself."""
+        """Run one attempt of ``spec.job``; never raises for a failure of the job itself.
+
+        ``exclusive``: run it alone on the worker (a job whose worker died under it is retried alone, so a
+        job that kills its worker is told apart from the jobs that merely shared the worker with it).
+        """
         ...
 
     async def __aenter__(self) -> Self: ...
@@ -84,8 +96,10 @@ class InProcessWorker:
         mode: ExecutionMode,
         max_batch_size: int,
         max_batch_wait: float,
+        call_parent: CallParent | None = None,
     ) -> None:
         self._device = device
+        self._call_parent = call_parent
         self._capacity = capacity
         self._mode = mode
         self._max_batch_size = max_batch_size
@@ -116,6 +130,9 @@ class InProcessWorker:
         self._live -= 1
         self._changed.notify()
 
+    async def started(self) -> None:
+        pass  # nothing to wait for: this event loop is the worker
+
     async def __aenter__(self) -> Self:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -145,6 +162,7 @@ class InProcessWorker:
         attempt: int,
         committed_turns: Sequence[Mapping[str, Any]],
         record_turn: RecordTurn,
+        exclusive: bool = False,  # no worker process to lose here: nothing to isolate from
     ) -> AttemptOutcome:
         ctx = _Context(self, spec, attempt=attempt, committed_turns=committed_turns, record_turn=record_turn)
         job = spec.job
@@ -184,6 +202,14 @@ class InProcessWorker:
         key, loaded = await self._engines.get(engine)
         return await self._batcher.submit(key, loaded, request, owner=ctx)
 
+    async def call_parent(self, ctx: _Context, kind: str, payload: Any) -> Any:
+        if self._call_parent is None:
+            raise NoServiceError(
+                f"job {ctx.job_id!r} called ctx.call_parent({kind!r}, ...) but this run has no parent "
+                "services; pass services={name: async_fn(job_id, payload)} to run_jobs"
+            )
+        return await self._call_parent(ctx.job_id, kind, payload)
+
 
 class _Context:
     """The in-process :class:`JobContext`."""
@@ -212,6 +238,9 @@ class _Context:
 
     async def generate(self, engine: EngineSpec, request: Any) -> Any:
         return await self._worker.generate(self, engine, request)
+
+    async def call_parent(self, kind: str, payload: Any) -> Any:
+        return await self._worker.call_parent(self, kind, payload)
 
     async def record_turn(self, index: int, turn: Mapping[str, Any]) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens._exceptions import ConfigurationError, DeviceError, ModelLoadError
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
 from interlens._model_cache import clear_engine_cache, load_engine
 from interlens.scheduler import BatchCancelled, ExecutionMode
 from interlens.testing import TINY_FAMILIES, tiny_model
@@ -117,10 +117,39 @@ def test_batched_rows_equal_rows_run_alone(engine: LocalEngine) -> None:
         assert result.text == alone.text
         assert result.batch_size == len(requests)
         _check_counts(result, request)
-    assert {r.n_tokens for r in batched if r.finish_reason == "length"} >= {
-        5,
-        12,
-    }  # greedy rows ran to their cap
+
+
+def test_many_rows_of_very_different_lengths_equal_rows_run_alone(engine: LocalEngine) -> None:
+    """Enough rows of spread-out lengths that the prefill is split into length groups (where supported)."""
+    texts = [" ".join(["spaces"] * n) for n in (1, 40, 3, 25, 8, 60, 2, 15, 33, 5)]
+    requests = [
+        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=10, temperature=0.9 * (i % 2), seed=i)
+        for i, t in enumerate(texts)
+    ]
+    assert len(_prefill_groups([len(r.prompt_ids) for r in requests])) > 1
+    batched = _ok(engine.generate_batch(requests))
+    assert [r.token_ids for r in batched] == [_alone(engine, q).token_ids for q in requests]
+
+
+def test_long_prompts_past_the_sliding_window_match_hf_generate(engine: LocalEngine) -> None:
+    """Prompts longer than the tiny Gemma models' 64-token sliding window, left-padded in one batch."""
+    prompts = [_prompt(engine, " ".join(["tabs or spaces?"] * n)) for n in (12, 30, 5)]
+    assert max(len(p) for p in prompts) > 64 + 40
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=30, temperature=0) for p in prompts]
+    results = _ok(engine.generate_batch(requests))
+    eos = set(engine._eos_ids)
+    for prompt, result in zip(prompts, results, strict=True):
+        out = engine.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=30,
+            pad_token_id=engine._pad_id,
+        )
+        expected = out[0, len(prompt) :].tolist()
+        if any(t in eos for t in expected):
+            expected = expected[: next(i for i, t in enumerate(expected) if t in eos) + 1]
+        assert result.token_ids == expected
 
 
 def test_deterministic_mode_runs_every_row_alone(engine: LocalEngine) -> None:
@@ -175,16 +204,19 @@ def test_seeds_make_sampling_reproducible_and_unseeded_rows_use_the_global_rng(e
 
 def test_stop_string_ends_the_row_and_is_cut_from_the_text(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[1])
-    full = _alone(engine, GenerationRequest(prompt_ids=prompt, max_new_tokens=40, temperature=0))
+    row = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, temperature=1.0, seed=3)
+    full = _alone(engine, row)
     text = full.text
-    # A stop string taken from the middle of what greedy decoding writes, at its first occurrence.
+    # A stop string taken from the middle of what the (seeded) row writes, cut at its first occurrence.
     start = len(text) // 3
     stop = text[start : start + 2]
-    assert stop.strip(), f"greedy text too short or blank to pick a stop string from: {text!r}"
+    assert len(stop) == 2, f"text too short to pick a stop string from: {text!r}"
     cut = text.find(stop)
 
     requests = [
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=40, temperature=0, stop=("\x00never", stop)),
+        GenerationRequest(
+            prompt_ids=prompt, max_new_tokens=40, temperature=1.0, seed=3, stop=("\x00never", stop)
+        ),
         GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=10, temperature=0),
     ]
     stopped, other = _ok(engine.generate_batch(requests))
@@ -217,7 +249,7 @@ def test_eos_ends_a_row_and_is_kept_in_token_ids(engine: LocalEngine) -> None:
     assert _alone(engine, request).token_ids == result.token_ids  # finished rows were dropped cleanly
 
 
-# ---------------------------------------------------------------------------------------------- prefill sharing
+# ------------------------------------------------------------------------------------------ shared prefill
 
 
 def test_shared_prefill_gives_the_plain_path_tokens(engine: LocalEngine) -> None:

@@ -98,3 +98,19 @@ def test_mixed_lineups_share_one_pool(qwen2_path, llama_path):
     assert report.failed == []
     guest_turn = report.results["mixed"].transcript[-1]
     assert guest_turn.author == "guest" and guest_turn.metadata["model"] == qwen2_path
+
+
+def test_token_budget_on_the_batched_path(qwen2_path):
+    from interlens import TokenBudget
+
+    conv = model_debate(qwen2_path).turns(None)
+    with TokenBudget(per_conversation=10, per_turn=4):
+        report = conv.rollout(n=6, devices=["cpu"])
+    assert report.failed == []
+    for res in report.results.values():
+        turns = res.transcript[1:]
+        assert all(m.n_tokens <= 4 for m in turns)
+        assert res.tokens_generated == sum(m.n_tokens for m in turns)
+        # stops once ITS OWN spend reaches the budget; the last turn is capped to what was left
+        assert res.tokens_generated == 10
+        assert any(m.metadata["batched"] for m in turns)

@@ -7,7 +7,7 @@ import tracemalloc
 from interlens import Conversation, ScriptedParticipant, dataset_field
 from interlens.store import LedgerReader
 
-N_ROWS = 20_000
+N_ROWS = 100_000
 
 
 def test_100k_row_streaming_rollout_has_flat_memory(tmp_path):
@@ -15,7 +15,7 @@ def test_100k_row_streaming_rollout_has_flat_memory(tmp_path):
 
     def rows():
         for i in range(N_ROWS):
-            if i in (2_000, N_ROWS - 1):
+            if i in (10_000, N_ROWS - 1):
                 samples[i] = tracemalloc.get_traced_memory()[0]
             yield {"q": f"question {i}"}
 
@@ -29,7 +29,7 @@ def test_100k_row_streaming_rollout_has_flat_memory(tmp_path):
         report = conv.rollout(out_dir=tmp_path, progress=False)
     finally:
         tracemalloc.stop()
-    growth = samples[N_ROWS - 1] - samples[2_000]
+    growth = samples[N_ROWS - 1] - samples[10_000]
     # 90,000 more rows went through; O(rows) state would be tens of MB. Allow a little noise.
     assert growth < 8_000_000, f"memory grew by {growth / 1e6:.1f} MB over 90,000 rows"
     assert report.counts["done"] == N_ROWS

@@ -41,7 +41,7 @@ TINY_SIZES: tuple[str, ...] = ("tiny", "bench")
 """``"tiny"``: ~0.1 M parameters, for unit tests. ``"bench"``: ~25-30 M parameters, for benchmarks."""
 
 # Bump when anything below changes what a build produces: old cache entries are then simply not found.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 _WEIGHT_SEED = 20240601
 
 
@@ -469,7 +469,9 @@ def _random_model(spec: _Family, dims: _Size, tokenizer: Any) -> Any:
         "num_attention_heads": dims.heads,
         "num_key_value_heads": dims.kv_heads,
         "max_position_embeddings": dims.max_positions,
-        "tie_word_embeddings": True,
+        # Untied: with tied random embeddings the current token's own embedding dominates the output and
+        # greedy decoding repeats one token forever (badly so for Gemma, which scales embeddings up).
+        "tie_word_embeddings": False,
         # Wider than the usual 0.02 so the random logits are peaked: greedy decoding then has clear winners
         # instead of near-ties that float noise between batched and single runs could flip.
         "initializer_range": 0.2,

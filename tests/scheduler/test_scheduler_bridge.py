@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from interlens.scheduler import run_sync
 from interlens.store import LedgerReader
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from interlens.scheduler import DeviceError, LineupSpec, available_devices, run_jobs, validate_devices
 
 torch = pytest.importorskip("torch")
@@ -30,7 +31,7 @@ def test_available_devices_on_a_cpu_machine() -> None:
 )
 def test_bad_devices_are_refused_naming_the_device_and_what_exists(devices: object, message: str) -> None:
     with pytest.raises(DeviceError, match=message) as info:
-        validate_devices(devices)  # type: ignore[arg-type]
+        validate_devices(devices)
     if devices and isinstance(devices, list) and isinstance(devices[-1], str):
         assert str(available_devices()) in str(info.value)  # the fix: what does exist here
 
@@ -45,12 +46,12 @@ def test_cuda_and_mps_are_refused_without_a_gpu() -> None:
 
 def test_good_devices_pass_through() -> None:
     assert validate_devices(["cpu", "cpu"]) == ["cpu", "cpu"]
-    assert validate_devices([torch.device("cpu")]) == ["cpu"]  # type: ignore[list-item]
+    assert validate_devices([torch.device("cpu")]) == ["cpu"]
     assert validate_devices(available_devices()) == available_devices()
 
 
 async def test_run_refuses_a_bad_device_before_touching_the_ledger_or_the_data(tmp_path: Path) -> None:
-    def untouched():  # type: ignore[no-untyped-def]
+    def untouched():
         raise AssertionError("pulled a job")
         yield
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from scheduler_testkit import EchoSpec, TransientError, TurnsJob, lineup
+
 from interlens.scheduler import run_jobs
 from interlens.store import LedgerReader
-from scheduler_testkit import EchoSpec, TransientError, TurnsJob, lineup
 
 
 @pytest.fixture(params=["memory", "ledger"])
@@ -31,7 +32,7 @@ async def test_a_job_exception_fails_that_job_only(out_dir: Path | None) -> None
     if out_dir is not None:  # the turn committed before the failure is kept, for the next run to resume
         with LedgerReader(out_dir) as reader:
             assert [t["index"] for t in reader.turns("a/0007")] == [0]
-            assert reader.job("a/0007").error_type == "KeyError"  # type: ignore[union-attr]
+            assert reader.job("a/0007").error_type == "KeyError"
 
 
 async def test_transient_failure_is_retried_and_resumes_from_committed_turns(out_dir: Path | None) -> None:
@@ -45,12 +46,12 @@ async def test_transient_failure_is_retried_and_resumes_from_committed_turns(out
     # Attempts 2 and 3 start from the two turns attempt 1 committed instead of regenerating them.
     assert [len(s["committed"]) for s in flaky.seen] == [0, 2, 2]
     res = out.outcome("a/0000")
-    assert res.attempts == 3 and [t["index"] for t in res.conversation["turns"]] == [0, 1, 2]  # type: ignore[index]
+    assert res.attempts == 3 and [t["index"] for t in res.conversation["turns"]] == [0, 1, 2]
     requests = [r for batch in spec.engine.batches for r in batch if r.startswith("a/0000")]
     assert requests == ["a/0000:0", "a/0000:1", "a/0000:2"]  # every turn generated exactly once
     if out_dir is not None:
         with LedgerReader(out_dir) as reader:
-            assert reader.job("a/0000").attempts == 3  # type: ignore[union-attr]
+            assert reader.job("a/0000").attempts == 3
 
 
 async def test_retries_stop_at_max_attempts(out_dir: Path | None) -> None:
@@ -107,7 +108,7 @@ async def test_unstorable_result_fails_that_job_only(out_dir: Path | None) -> No
 
 async def test_run_returning_something_else_than_a_jobresult_is_a_clear_failure(out_dir: Path | None) -> None:
     class Sloppy(TurnsJob):
-        async def run(self, ctx):  # type: ignore[no-untyped-def]
+        async def run(self, ctx):
             return {"turns": []}
 
     out = await run_jobs([lineup("a", [Sloppy(needs_device=False)])], devices=["cpu"], out_dir=out_dir)
@@ -123,7 +124,7 @@ async def test_a_broken_is_transient_means_no_retry(out_dir: Path | None) -> Non
     job = Confused(needs_device=False, transient_failures=5)
     out = await run_jobs([lineup("a", [job])], devices=["cpu"], out_dir=out_dir)
     res = out.outcome("a/0000")
-    assert res.state == "failed" and res.attempts == 1 and res.error.type == "TransientError"  # type: ignore[union-attr]
+    assert res.state == "failed" and res.attempts == 1 and res.error.type == "TransientError"
 
 
 async def test_scripted_jobs_run_on_the_host_worker(out_dir: Path | None) -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import anyio
 import pytest
+from scheduler_testkit import EchoEngine, EchoSpec, TurnsJob, lineup
+
 from interlens.scheduler import ExecutionMode, run_jobs
 from interlens.store import FingerprintMismatchError, LedgerReader
-from scheduler_testkit import EchoEngine, EchoSpec, TurnsJob, lineup
 
 
 async def test_rerun_skips_done_jobs_and_resumes_committed_turns(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ async def test_rerun_skips_done_jobs_and_resumes_committed_turns(tmp_path: Path)
 
     skipped = out2.outcome("a/0001")
     assert skipped.skipped and skipped.state == "done" and skipped.attempts == 1
-    assert skipped.conversation["turns"][2]["text"] == "m(a/0001:2)"  # type: ignore[index]
+    assert skipped.conversation["turns"][2]["text"] == "m(a/0001:2)"
     resumed = out2.outcome("a/0004")
     assert not resumed.skipped and resumed.attempts == 2 and resumed.error is None
     assert [o.job_id for o in out2.outcomes()] == out2.job_ids

@@ -1,0 +1,357 @@
+"""The API gateway: where every hosted-model call of a run goes, in the parent process only.
+
+One :class:`Gateway` per run (or per event loop, for live use) holds one client per provider configuration,
+each behind an :class:`AdaptiveLimiter` (max in flight), retries failed calls with backoff, and gathers
+``batch`` requests into provider batches through a :class:`BatchCollector` per group. It is generic: a
+participant hands it an :class:`APISpec` (picklable, no secret) that opens a :class:`ProviderClient` (the
+SDK adapter, holding the key read from the environment) the first time it is needed, in the gateway's loop.
+
+Seams for the scheduler (the wiring):
+
+* ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id)``; from a
+  subprocess worker the (spec, request) pair crosses the pipe and the result or error comes back.
+* ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches.
+* ``Gateway(quiescent=probe)`` and :meth:`Gateway.poke`: a round is flushed when every live job is waiting
+  here (``gateway.waiting >= live jobs``; a job in a device batcher will still add to the round). Poke when
+  the probe's inputs change (a job ends). :attr:`Gateway.waiting` also tells a device batcher which of its
+  jobs are blocked on an API call, for its own quiescence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import anyio
+
+from ._errors import SchedulerError
+from ._gateway_batch import (
+    BatchLimits,
+    BatchPolicy,
+    BatchRowError,
+    BatchStatus,
+    BatchStore,
+    SubmittedBatch,
+    classify,
+    describe_error,
+)
+from ._gateway_collect import BatchBook, BatchCollector
+from ._gateway_limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+
+__all__ = [
+    "APISpec",
+    "AdaptiveLimiter",
+    "BatchLimits",
+    "BatchPolicy",
+    "BatchRowError",
+    "BatchStatus",
+    "BatchStore",
+    "Failure",
+    "Gateway",
+    "ProviderCallError",
+    "ProviderClient",
+    "RetryPolicy",
+    "SubmittedBatch",
+    "retry_after_seconds",
+]
+
+log = logging.getLogger("interlens.gateway")
+
+
+class ProviderCallError(SchedulerError):
+    """A provider call failed for good: not retryable, or out of attempts. Fails its conversation only."""
+
+    def __init__(self, message: str, attempts: int = 1, retryable: bool = False) -> None:
+        super().__init__(message, attempts, retryable)  # all in args: pickles across a worker pipe
+
+    @property
+    def attempts(self) -> int:
+        return int(self.args[1])
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@runtime_checkable
+class ProviderClient(Protocol):
+    """An SDK adapter, opened once per client key in the gateway's event loop; it may hold the API key."""
+
+    provider: str
+    batch_limits: BatchLimits
+
+    async def send(self, request: Any) -> Any:
+        """One request, one attempt (the SDK's own retries are off); raise on failure."""
+        ...
+
+    def classify(self, exc: BaseException) -> Failure:
+        """How the gateway should treat ``exc`` (retry? rate limited? retry-after?)."""
+        ...
+
+    def row_size(self, request: Any) -> int:
+        """Bytes ``request`` adds to a batch (for splitting at the provider's limit)."""
+        ...
+
+    async def submit_batch(self, rows: Sequence[tuple[str, Any]]) -> SubmittedBatch: ...
+
+    async def poll_batch(self, batch_id: str, meta: Mapping[str, Any]) -> BatchStatus: ...
+
+    async def batch_results(
+        self, batch_id: str, meta: Mapping[str, Any]
+    ) -> Mapping[str, Any | BaseException]:
+        """Every row's result by custom id, or an Exception in its place (a :class:`BatchRowError` says
+        whether to retry); a ``"*"`` entry answers every row without its own (a batch that failed whole)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class APISpec(Protocol):
+    """What a participant hands the gateway: picklable settings, never a secret."""
+
+    @property
+    def client_key(self) -> Hashable:
+        """Specs with equal keys share one client and one in-flight limit (e.g. provider, endpoint, limit)."""
+        ...
+
+    @property
+    def max_in_flight(self) -> int: ...
+
+    @property
+    def retry_policy(self) -> RetryPolicy: ...
+
+    @property
+    def batch_key(self) -> Hashable | None:
+        """None: concurrent single requests. Else the group whose requests share provider batches."""
+        ...
+
+    @property
+    def batch_policy(self) -> BatchPolicy: ...
+
+    @property
+    def model_id(self) -> str: ...
+
+    def open_client(self) -> ProviderClient:
+        """Build the SDK adapter (reads the key from the environment; a clear error when it is unset)."""
+        ...
+
+
+@dataclass
+class _Lane:
+    client: ProviderClient
+    limiter: AdaptiveLimiter
+    requests: int = 0
+    retries: int = 0
+    failures: int = 0
+
+
+class Gateway:
+    """All hosted-model calls of one run (or one event loop). Use as ``async with Gateway(...) as gw``.
+
+    It starts no task: every call does its own work in its caller's task, so cancelling a job cancels
+    exactly its own request (a batch submission in progress is shielded until it is recorded).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: BatchStore | None = None,
+        quiescent: Callable[[], bool] | None = None,
+    ) -> None:
+        self._lanes: dict[Hashable, _Lane] = {}
+        self._collectors: dict[Hashable, BatchCollector] = {}
+        self._book = BatchBook(store=store)
+        self._quiescent = quiescent
+        self._waiting = 0
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Callers blocked in the gateway right now (a job waiting on its API turn)."""
+        return self._waiting
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every client (their connection pools). Idempotent."""
+        self._closed = True
+        lanes, self._lanes = list(self._lanes.values()), {}
+        self._collectors.clear()
+        with anyio.CancelScope(shield=True):
+            for lane in lanes:
+                try:
+                    await lane.client.aclose()
+                except Exception as exc:  # a pool that fails to close must not hide the run's outcome
+                    log.warning("closing a %s client failed: %s", lane.client.provider, exc)
+
+    async def load_open_batches(self) -> int:
+        """Read the store's in-flight batches so that jobs asking again re-attach; returns rows re-attachable.
+
+        Called on the first batched call anyway; call it at run start to fail early on a broken store.
+        """
+        return await self._book.load_open()
+
+    def poke(self) -> None:
+        """The quiescence probe's inputs changed (a job blocked or ended): re-check pending rounds now."""
+        for collector in self._collectors.values():
+            collector.poke()
+
+    def stats(self) -> dict[str, Any]:
+        """Per client: limit, in flight, peak, lowest limit, rate-limited calls, retries; batch counts."""
+        lanes = [
+            {
+                "provider": lane.client.provider,
+                "max_in_flight": lane.limiter.max_in_flight,
+                "limit": lane.limiter.limit,
+                "lowest_limit": lane.limiter.lowest,
+                "in_flight": lane.limiter.in_flight,
+                "peak_in_flight": lane.limiter.peak,
+                "rate_limited": lane.limiter.rate_limited,
+                "requests": lane.requests,
+                "retries": lane.retries,
+                "failures": lane.failures,
+            }
+            for lane in self._lanes.values()
+        ]
+        return {
+            "clients": lanes,
+            "batches_submitted": self._book.submitted,
+            "rows_reattached": self._book.reattached,
+        }
+
+    def limiter(self, spec: APISpec) -> AdaptiveLimiter | None:
+        """The limiter serving ``spec``'s client, if that client is open."""
+        lane = self._lanes.get(spec.client_key)
+        return None if lane is None else lane.limiter
+
+    async def call(
+        self, spec: APISpec, request: Any, *, owner: str | None = None, turn: int | None = None
+    ) -> Any:
+        """Send ``request`` for ``spec`` and return the adapter's result; raise :class:`ProviderCallError`.
+
+        ``owner`` (the job id) and ``turn`` (default: ``request.turn``) name the request in the ledger's batch
+        map, so that a rerun can re-attach to the batch carrying it.
+        """
+        if self._closed:
+            raise SchedulerError("this gateway is closed; API calls need a live run (or event loop)")
+        if turn is None:
+            turn = getattr(request, "turn", None)
+        self._waiting += 1
+        try:
+            lane = self._lane(spec)
+            if spec.batch_key is None:
+                return await self._single(lane, spec.retry_policy, request)
+            return await self._batched(lane, spec, request, owner, turn)
+        finally:
+            self._waiting -= 1
+
+    def _lane(self, spec: APISpec) -> _Lane:
+        key = spec.client_key
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = _Lane(spec.open_client(), AdaptiveLimiter(spec.max_in_flight))
+            self._lanes[key] = lane
+        return lane
+
+    async def _single(self, lane: _Lane, policy: RetryPolicy, request: Any) -> Any:
+        attempt = 0
+        while True:
+            attempt += 1
+            lane.requests += 1
+            token = await lane.limiter.acquire()
+            outcome: Any = "error"
+            try:
+                result = await lane.client.send(request)
+                outcome = "ok"
+                return result
+            except Exception as exc:
+                failure = lane.client.classify(exc)
+                if failure.rate_limited:
+                    outcome = "rate_limited"
+                if not policy.should_retry(attempt, failure):
+                    lane.failures += 1
+                    raise _gave_up(lane.client.provider, exc, attempt, failure, policy) from exc
+                delay = policy.delay(attempt, failure.retry_after)
+                lane.retries += 1
+                log.info(
+                    "%s request failed (%s); attempt %d of %d, retrying in %.2f s",
+                    lane.client.provider,
+                    describe_error(exc),
+                    attempt,
+                    policy.max_attempts,
+                    delay,
+                )
+            except BaseException:
+                outcome = None  # cancelled: says nothing about the provider
+                raise
+            finally:
+                lane.limiter.release(token, outcome)
+            await anyio.sleep(delay)
+
+    async def _batched(
+        self, lane: _Lane, spec: APISpec, request: Any, owner: str | None, turn: int | None
+    ) -> Any:
+        client, policy, poll = lane.client, spec.retry_policy, spec.batch_policy
+        await self._book.load_open()
+        row = self._book.claim(client.provider, owner, turn, request)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if row is not None:  # re-attached: the batch is already paid for, wait for it
+                    result = await self._book.collect(client, policy, poll, row)
+                    row = None
+                else:
+                    result = await self._collector(lane, spec).request(request, owner=owner, turn=turn)
+                return result
+            except Exception as exc:
+                failure = classify(client, exc)
+                if not policy.should_retry(attempt, failure):
+                    raise _gave_up(client.provider, exc, attempt, failure, policy) from exc
+                delay = policy.delay(attempt, failure.retry_after)
+                log.info(
+                    "%s batch row failed (%s); resubmitting in %.2f s",
+                    client.provider,
+                    describe_error(exc),
+                    delay,
+                )
+            row = None
+            await anyio.sleep(delay)
+
+    def _collector(self, lane: _Lane, spec: APISpec) -> BatchCollector:
+        key = spec.batch_key
+        collector = self._collectors.get(key)
+        if collector is None:
+            collector = BatchCollector(
+                book=self._book,
+                client=lane.client,
+                policy=spec.batch_policy,
+                retry=spec.retry_policy,
+                model=spec.model_id,
+                quiescent=self._quiescent,
+            )
+            self._collectors[key] = collector
+        return collector
+
+
+def _gave_up(
+    provider: str, exc: BaseException, attempts: int, failure: Failure, policy: RetryPolicy
+) -> ProviderCallError:
+    if not failure.retryable:
+        why = "not retryable"
+    elif attempts >= policy.max_attempts:
+        why = f"gave up after {attempts} attempts"
+    else:
+        why = f"the provider asked to retry after {failure.retry_after} s, over max_retry_after_s"
+    return ProviderCallError(
+        f"{provider} call failed ({why}): {describe_error(exc)}", attempts, failure.retryable
+    )

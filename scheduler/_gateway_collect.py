@@ -1,0 +1,304 @@
+"""Provider batch rounds: many conversations' turns become ONE provider batch, which survives a crash.
+
+A :class:`BatchCollector` gathers the requests of one group (one provider, model and parameters) and flushes
+them as a batch when the round is complete: every live job is waiting (a quiescence probe the scheduler
+provides), or ``idle_s`` passed without a new request (the default probe), or a size or time bound is hit.
+A flush is split at the provider's limits (requests and bytes per batch).
+
+A batch is paid for when it is submitted, so its id and the custom id -> (job, turn) map go to the store
+BEFORE polling starts, and submission plus recording are shielded from cancellation. A rerun after a crash
+calls :meth:`BatchBook.load_open` and the job asking again for that (job, turn) waits on the batch already in
+flight instead of submitting it twice.
+
+There is no background task: the callers do the work. The first caller of a round drives the flush (and
+hands that role on if it is cancelled); afterwards the callers of a batch take turns polling it under a lock,
+so a cancelled poller is simply replaced by the next one. A row that errors or expires fails only its caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ._gateway_batch import (
+    Batch,
+    BatchClient,
+    BatchPolicy,
+    BatchRowError,
+    BatchStore,
+    Row,
+    describe_error,
+    retrying,
+)
+from ._gateway_limits import RetryPolicy
+from ._signals import Notifier
+
+__all__ = ["BatchBook", "BatchCollector"]
+
+log = logging.getLogger("interlens.gateway")
+
+
+class BatchBook:
+    """Submits, records, polls and re-attaches batches for every collector of one gateway."""
+
+    def __init__(self, *, store: BatchStore | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.clock = clock
+        self.submitted = 0
+        self.reattached = 0
+        self._open: dict[tuple[str, int], tuple[Batch, str]] = {}
+        self._loaded = store is None
+        self._load_lock = anyio.Lock()
+
+    async def load_open(self) -> int:
+        """Read the store's open batches (once); returns how many rows can be re-attached."""
+        async with self._load_lock:
+            if not self._loaded and self.store is not None:
+                for record in await self.store.open_batches():
+                    batch = Batch(record.provider, dict.fromkeys(record.requests), batch_id=record.batch_id)
+                    batch.state, batch.meta = record.state, dict(record.meta)
+                    batch.submitted.set()
+                    for custom_id, (job, turn) in record.requests.items():
+                        self._open[(job, int(turn))] = (batch, custom_id)
+                self._loaded = True
+        return len(self._open)
+
+    def claim(self, provider: str, owner: str | None, turn: int | None, request: Any) -> Row | None:
+        """A row attached to the open batch that already holds ``(owner, turn)``, or None."""
+        if owner is None or turn is None or not self._open:
+            return None
+        entry = self._open.get((owner, turn))
+        if entry is None or entry[0].provider != provider:
+            return None
+        del self._open[(owner, turn)]
+        batch, custom_id = entry
+        row = Row(request, owner, turn, 0)
+        row.batch, row.custom_id = batch, custom_id
+        batch.rows[custom_id] = row
+        if batch.results is not None:
+            row.resolve(batch.result_for(custom_id))
+        self.reattached += 1
+        log.info("%s batch %s re-attached for %s turn %d", provider, batch.batch_id, owner, turn)
+        return row
+
+    async def submit(
+        self, client: BatchClient, policy: RetryPolicy, poll: BatchPolicy, batch: Batch, model: str
+    ) -> None:
+        """Submit ``batch`` and record it; never raises (failures go to the batch's rows)."""
+        rows = [(cid, row.request) for cid, row in batch.rows.items() if row is not None]
+        try:
+            try:
+                submitted = await retrying(
+                    client, policy, "batch submission", lambda: client.submit_batch(rows)
+                )
+            except Exception as exc:  # retried as a whole already: its rows are not resubmitted one by one
+                batch.fail(
+                    BatchRowError(f"submitting an {client.provider} batch failed: {describe_error(exc)}")
+                )
+                return
+            batch.batch_id, batch.state = submitted.batch_id, submitted.state
+            batch.meta = {**submitted.meta, "model": model, "rows": len(rows)}
+            batch.interval = poll.poll_initial_s  # a fresh batch is never done at once: wait before polling
+            self.submitted += 1
+            if self.store is not None:
+                from interlens.store import BatchRecord
+
+                requests = {
+                    cid: (row.owner or "", -1 if row.turn is None else row.turn)
+                    for cid, row in batch.rows.items()
+                    if row is not None
+                }
+                record = BatchRecord(client.provider, batch.batch_id, batch.state, requests, batch.meta)
+                try:
+                    await self.store.record_batch(record)
+                except Exception as exc:
+                    batch.fail(
+                        BatchRowError(
+                            f"{client.provider} batch {batch.batch_id} was submitted but could not be "
+                            f"recorded ({type(exc).__name__}: {exc}); not polled, to avoid untracked charges"
+                        )
+                    )
+                    return
+            log.info(
+                "%s batch %s submitted: %d rows of %s", client.provider, batch.batch_id, len(rows), model
+            )
+        finally:
+            batch.submitted.set()
+
+    async def collect(self, client: BatchClient, policy: RetryPolicy, poll: BatchPolicy, row: Row) -> Any:
+        """Wait for ``row``'s result, polling its batch whenever no other caller is."""
+        batch = row.batch
+        assert batch is not None
+        await batch.submitted.wait()
+        while not row.done.is_set():
+            async with batch.poll_lock:
+                if row.done.is_set():
+                    break
+                await self._poll_once(client, policy, poll, batch)
+        return row.outcome()
+
+    async def _poll_once(
+        self, client: BatchClient, policy: RetryPolicy, poll: BatchPolicy, batch: Batch
+    ) -> None:
+        if batch.interval:
+            await anyio.sleep(batch.interval)
+        try:
+            status = await retrying(
+                client, policy, "batch poll", lambda: client.poll_batch(batch.batch_id, batch.meta)
+            )
+            # Re-attached batches are polled at once (they may be done); then the interval grows.
+            grown = poll.poll_initial_s if batch.interval is None else batch.interval * poll.poll_multiplier
+            batch.interval = min(grown, poll.poll_max_s)
+            if status.state != batch.state:
+                batch.state = status.state
+                if self.store is not None and not status.done:
+                    await self.store.update_batch(client.provider, batch.batch_id, state=status.state)
+            if not status.done:
+                return
+            results = await retrying(
+                client, policy, "batch results", lambda: client.batch_results(batch.batch_id, batch.meta)
+            )
+        except Exception as exc:  # polling gave up: never resubmit (that pays twice); a rerun re-attaches
+            batch.fail(
+                BatchRowError(
+                    f"lost track of {client.provider} batch {batch.batch_id} ({describe_error(exc)}); "
+                    "it stays open in the ledger and a rerun re-attaches to it"
+                )
+            )
+            return
+        if self.store is not None:
+            # Before any turn is committed from it: a crash from now on re-fetches, never resubmits.
+            try:
+                await self.store.update_batch(client.provider, batch.batch_id, state="collected")
+            except Exception as exc:  # the results are in hand; a rerun would merely fetch them again
+                log.warning("could not mark %s batch %s collected: %s", client.provider, batch.batch_id, exc)
+        log.info("%s batch %s %s: %d results", client.provider, batch.batch_id, batch.state, len(results))
+        batch.finish(results)
+
+
+class BatchCollector:
+    """Gathers one group's requests into rounds and flushes each round as provider batches."""
+
+    def __init__(
+        self,
+        *,
+        book: BatchBook,
+        client: BatchClient,
+        policy: BatchPolicy,
+        retry: RetryPolicy,
+        model: str,
+        quiescent: Callable[[], bool] | None,
+    ) -> None:
+        self._book = book
+        self._client = client
+        self._policy = policy
+        self._retry = retry
+        self._model = model
+        self._quiescent = quiescent
+        limits = client.batch_limits
+        self._max_rows = min(policy.max_rows or limits.max_requests, limits.max_requests)
+        self._max_bytes = limits.max_bytes
+        self._pending: list[Row] = []
+        self._driver: Row | None = None
+        self._first_at = 0.0
+        self._last_at = 0.0
+        self._arrived = Notifier()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def poke(self) -> None:
+        """Something the quiescence probe reads changed: let the round's driver re-check it."""
+        self._arrived.notify()
+
+    async def request(self, request: Any, *, owner: str | None, turn: int | None) -> Any:
+        """One try through a batch: the row's result, or its error raised (the caller decides on retries)."""
+        size = self._client.row_size(request)
+        if size > self._max_bytes:
+            raise BatchRowError(
+                f"one request is {size:,} bytes, over the {self._client.provider} batch limit of "
+                f"{self._max_bytes:,} bytes; shorten the conversation or use batch=False"
+            )
+        row = Row(request, owner, turn, size)
+        now = self._book.clock()
+        if not self._pending:
+            self._first_at = now
+        self._last_at = now
+        self._pending.append(row)
+        self._arrived.notify()
+        try:
+            await self._until_flushed(row)
+        finally:
+            if row.batch is None:  # cancelled while pending: leave the round, hand on the driver's role
+                self._pending.remove(row)
+                if self._driver is row:
+                    self._driver = None
+                    if self._pending and self._pending[0].wake is not None:
+                        self._pending[0].wake.set()
+        return await self._book.collect(self._client, self._retry, self._policy, row)
+
+    async def _until_flushed(self, row: Row) -> None:
+        while row.batch is None:
+            if self._driver is None:
+                self._driver = row
+            if self._driver is not row:
+                row.wake = anyio.Event()
+                await row.wake.wait()
+                continue
+            event = self._arrived.event()
+            now = self._book.clock()
+            if self._should_flush(now):
+                await self._flush()
+                continue
+            with anyio.move_on_after(max(0.0, self._deadline(now) - now)):
+                await event.wait()
+
+    def _should_flush(self, now: float) -> bool:
+        if len(self._pending) >= self._max_rows or now - self._first_at >= self._policy.max_wait_s:
+            return True
+        if self._quiescent is not None:
+            return self._quiescent()
+        return now - self._last_at >= self._policy.idle_s
+
+    def _deadline(self, now: float) -> float:
+        deadline = self._first_at + self._policy.max_wait_s
+        if self._quiescent is None:
+            deadline = min(deadline, self._last_at + self._policy.idle_s)
+        return deadline
+
+    async def _flush(self) -> None:
+        rows, self._pending, self._driver = self._pending, [], None
+        batches = []
+        for chunk in _split(rows, max_rows=self._max_rows, max_bytes=self._max_bytes):
+            batch = Batch(self._client.provider, {})
+            for i, row in enumerate(chunk):
+                row.batch, row.custom_id = batch, f"r{i}"
+                batch.rows[row.custom_id] = row
+                if row.wake is not None:
+                    row.wake.set()
+            batches.append(batch)
+        # Shielded: a batch the provider accepted must reach the store before a cancellation can stop us.
+        with anyio.CancelScope(shield=True):
+            for batch in batches:
+                await self._book.submit(self._client, self._retry, self._policy, batch, self._model)
+
+
+def _split(rows: list[Row], *, max_rows: int, max_bytes: int) -> list[list[Row]]:
+    """Consecutive chunks within the provider's request and byte limits."""
+    chunks: list[list[Row]] = []
+    current: list[Row] = []
+    size = 0
+    for row in rows:
+        if current and (len(current) >= max_rows or size + row.size > max_bytes):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(row)
+        size += row.size
+    if current:
+        chunks.append(current)
+    return chunks

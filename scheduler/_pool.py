@@ -1,0 +1,149 @@
+"""Building a run's workers: in-process for one device, one spawned process per device for several.
+
+Kept apart from ``_run`` (which places and drives jobs) because what it decides is where code runs: a
+single device keeps everything in this process (no pickling, no start-up cost); several devices get one
+worker process each, started concurrently, so a run fails fast, before any job starts, when one of them
+cannot start. Init hooks run once per worker before its first job: in each worker process, or here once
+for an in-process run.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+
+from ._errors import NoServiceError, SchedulerConfigError, WorkerStartError
+from ._protocols import ExecutionMode
+from ._worker import CallParent, InProcessWorker, Worker
+
+__all__ = ["Service", "WorkerInit", "check_services", "open_workers", "refuse_while_bootstrapping"]
+
+#: A parent service: ``await service(job_id, payload)`` answers a job's ``ctx.call_parent(name, payload)``.
+Service = Callable[[str, Any], Awaitable[Any]]
+#: A picklable callable run once in each worker before its first job (e.g. load a probe onto its device).
+WorkerInit = Callable[[], object]
+
+
+async def open_workers(
+    stack: AsyncExitStack,
+    *,
+    devices: Sequence[str],
+    mode: ExecutionMode,
+    max_batch_size: int,
+    max_concurrency: int,
+    max_batch_wait: float,
+    worker_init: Sequence[WorkerInit],
+    services: Mapping[str, Service] | None,
+    start_timeout: float,
+) -> tuple[list[Worker], list[Worker]]:
+    """Enter the device workers and the host worker into ``stack``; return (device workers, host workers)."""
+    call_parent = _service_caller(services)
+    settings: dict[str, Any] = {
+        "mode": mode,
+        "max_batch_size": max_batch_size,
+        "max_batch_wait": max_batch_wait,
+    }
+    device_workers: list[Worker] = []
+    if len(devices) > 1:
+        from ._subprocess import SubprocessWorker
+
+        hooks = _pickle_hooks(worker_init)
+        for device in devices:
+            worker: Worker = SubprocessWorker(
+                device,
+                capacity=max_batch_size,
+                hooks=hooks,
+                call_parent=call_parent,
+                start_timeout=start_timeout,
+                **settings,
+            )
+            device_workers.append(await stack.enter_async_context(worker))
+        errors: list[WorkerStartError] = []
+
+        async def started(worker: Worker) -> None:
+            try:
+                await worker.started()
+            except WorkerStartError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:  # started concurrently, so start-up costs one spawn
+            for worker in device_workers:
+                tg.start_soon(started, worker)
+        if errors:
+            raise errors[0]
+    else:
+        _run_hooks_here(worker_init)
+        for device in devices:
+            worker = InProcessWorker(device, capacity=max_batch_size, call_parent=call_parent, **settings)
+            device_workers.append(await stack.enter_async_context(worker))
+    host = InProcessWorker(None, capacity=max_concurrency, call_parent=call_parent, **settings)
+    return device_workers, [await stack.enter_async_context(host)]
+
+
+def check_services(services: object) -> None:
+    if services is None:
+        return
+    if not isinstance(services, Mapping) or not all(
+        isinstance(name, str) and callable(fn) for name, fn in services.items()
+    ):
+        raise SchedulerConfigError(
+            f"services must map a name to an async function (job_id, payload) -> answer, got {services!r}"
+        )
+
+
+def refuse_while_bootstrapping() -> None:
+    """A run started while a worker process imports the user's main module would spawn workers forever."""
+    worker_process = sys.modules.get(f"{__package__}._worker_process")
+    if worker_process is not None and worker_process.bootstrapping():
+        raise SchedulerConfigError(
+            "a run was started while a worker process was importing your main module: guard the code that "
+            'starts runs with `if __name__ == "__main__":` (workers import the main module, as '
+            "multiprocessing's spawn does, so that names registered at import time exist in them)"
+        )
+
+
+def _pickle_hooks(hooks: Sequence[WorkerInit]) -> bytes:
+    import cloudpickle
+
+    for hook in hooks:
+        try:
+            cloudpickle.dumps(hook)
+        except Exception as exc:
+            raise SchedulerConfigError(
+                f"the worker init hook {hook!r} cannot be sent to the worker processes "
+                f"({type(exc).__name__}: {exc}); use a module-level function, or a closure over values that "
+                "pickle"
+            ) from exc
+    return bytes(cloudpickle.dumps(list(hooks), protocol=pickle.HIGHEST_PROTOCOL)) if hooks else b""
+
+
+def _run_hooks_here(hooks: Sequence[WorkerInit]) -> None:
+    for hook in hooks:
+        try:
+            hook()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise WorkerStartError(f"the worker init hook {hook!r} failed: {why}") from exc
+
+
+def _service_caller(services: Mapping[str, Service] | None) -> CallParent | None:
+    if not services:
+        return None
+    table = dict(services)
+
+    async def call(job_id: str, kind: str, payload: Any) -> Any:
+        try:
+            service = table[kind]
+        except KeyError:
+            raise NoServiceError(
+                f"job {job_id!r} called ctx.call_parent({kind!r}, ...) but this run's services are "
+                f"{sorted(table)}"
+            ) from None
+        return await service(job_id, payload)
+
+    return call

@@ -1,0 +1,419 @@
+"""``SubprocessWorker``: a device worker in a spawned process, driven over a pipe (the parent's side).
+
+One per device when a run has several (``devices=["cuda:0", "cuda:1"]``, or ``["cpu", "cpu"]``): CUDA and
+fork do not mix, so the process is spawned (a fresh interpreter), and one process per device keeps each
+GPU's allocator, engines and batcher to itself. The parent keeps everything that must have ONE owner: the
+ledger (turns come back over the pipe and are durable before the worker hears "ok"), the services a job may
+call (``ctx.call_parent``: API keys, provider limits, batch collectors), placement and retries.
+
+Faults: the death of the process (SIGKILL, segfault, the OOM killer) shows up at once as EOF on the pipe;
+every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
+the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
+error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from itertools import count
+from multiprocessing import spawn
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+from ._errors import JobPickleError, WorkerLostError, WorkerStartError
+from ._outcome import AttemptOutcome, ErrorInfo
+from ._protocols import ExecutionMode, JobSpec
+from ._signals import Notifier
+from ._wire import Connection, transportable_error
+from ._worker import CallParent, RecordTurn
+
+__all__ = ["SubprocessWorker"]
+
+_BOOT = "from interlens.scheduler._worker_process import main; main()"
+_REAP_S = 5.0  # how long a worker that was told to go (or lost its pipe) gets before SIGKILL
+_SEND_FAILED = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+class SubprocessWorker:
+    """A placement slot on one device whose jobs run in a worker process, replaced when it dies."""
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        capacity: int,
+        mode: ExecutionMode,
+        max_batch_size: int,
+        max_batch_wait: float,
+        hooks: bytes,
+        call_parent: CallParent | None,
+        start_timeout: float,
+    ) -> None:
+        self._device = device
+        self._capacity = capacity
+        self._settings = {
+            "device": device,
+            "capacity": capacity,
+            "mode": mode.value,
+            "max_batch_size": max_batch_size,
+            "max_batch_wait": max_batch_wait,
+        }
+        self._hooks = hooks
+        self._call_parent = call_parent
+        self._start_timeout = start_timeout
+        self._live = 0
+        self._ids = count()
+        self._gate = _Gate()
+        self._child: _Child | None = None
+        self._spawn_lock = anyio.Lock()
+        self._start_error: WorkerStartError | None = None
+        self._first = anyio.Event()
+        self._tg: TaskGroup | None = None
+        #: Every process this slot started, in order (pids), for diagnostics and tests.
+        self.pids: list[int] = []
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def load(self) -> int:
+        return self._live
+
+    def admit(self) -> None:
+        self._live += 1
+
+    def leave(self) -> None:
+        self._live -= 1
+
+    async def __aenter__(self) -> Self:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._first_start)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        with anyio.CancelScope(shield=True):
+            child = self._child
+            if child is not None and not child.closed:
+                try:
+                    await child.conn.send_eof()  # the worker exits on EOF; the reader then reaps it
+                except _SEND_FAILED:
+                    pass
+                with anyio.move_on_after(_REAP_S + 1):
+                    await child.gone.wait()
+                if not child.gone.is_set():
+                    await _reap(child.process, grace=0)
+        self._tg.cancel_scope.cancel()  # the reader and call tasks: every one of them catches its own errors
+        await self._tg.__aexit__(None, None, None)  # not ``exc``: anyio would wrap it in an ExceptionGroup
+        return None
+
+    async def _first_start(self) -> None:
+        try:
+            await self._current()
+        except WorkerStartError:
+            pass  # kept in self._start_error and raised by started()
+        finally:
+            self._first.set()
+
+    async def started(self) -> None:
+        await self._first.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    async def run_attempt(
+        self,
+        spec: JobSpec,
+        *,
+        attempt: int,
+        committed_turns: Sequence[Mapping[str, Any]],
+        record_turn: RecordTurn,
+        exclusive: bool = False,
+    ) -> AttemptOutcome:
+        import cloudpickle  # ships lambdas and closures (a ScriptedParticipant's replies) by value
+
+        try:
+            payload = cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            error = JobPickleError(
+                f"job {spec.job_id!r} cannot be sent to the worker process for {self._device!r} "
+                f"({type(exc).__name__}: {exc}). What a job holds must pickle: cloudpickle ships lambdas "
+                "and closures by value, but not locks, open files, sockets or loaded models; load heavy "
+                "things in the worker instead (a lazy model participant, an init hook)"
+            )
+            return AttemptOutcome(error=ErrorInfo.from_exception(error))
+        async with self._gate.hold(exclusive=exclusive):
+            child = await self._current()
+            req = next(self._ids)
+            pending = child.attempts[req] = _Attempt(record_turn)
+            try:
+                try:
+                    await child.conn.send(("run", req, payload, attempt, list(committed_turns)))
+                except _SEND_FAILED:
+                    pass  # it died: its reader buries it and ends this attempt as lost
+                await pending.done.wait()
+            except BaseException:  # cancelled: the run is stopping; tell the worker to drop the job
+                child.attempts.pop(req, None)
+                if not child.closed:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                        try:
+                            await child.conn.send(("cancel", req))
+                        except _SEND_FAILED:
+                            pass
+                raise
+            assert pending.outcome is not None
+            return pending.outcome
+
+    async def _current(self) -> _Child:
+        """The live worker process, spawning one if there is none (one spawn at a time)."""
+        async with self._spawn_lock:
+            if self._start_error is not None:
+                raise self._start_error
+            if self._child is None or self._child.closed:
+                try:
+                    self._child = await self._spawn()
+                except Exception as exc:  # no retry storm: every later placement here fails the same way
+                    if not isinstance(exc, WorkerStartError):
+                        why = f"{type(exc).__name__}: {exc}"
+                        error = WorkerStartError(
+                            f"a worker process for {self._device!r} could not be started: {why}"
+                        )
+                        error.__cause__ = exc
+                        exc = error
+                    self._start_error = exc
+                    raise exc from exc.__cause__
+            return self._child
+
+    async def _spawn(self) -> _Child:
+        assert self._tg is not None
+        ours, theirs = socket.socketpair()
+        try:
+            fd = theirs.fileno()
+            process = await anyio.open_process(
+                [sys.executable, "-c", _BOOT, str(fd)],
+                stdin=subprocess.DEVNULL,
+                stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
+                stderr=None,
+                pass_fds=(fd,),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pids.append(process.pid)
+        what = f"the worker process for device {self._device!r} (pid {process.pid})"
+        try:
+            conn = await Connection.from_socket(ours)
+            await conn.send(("init", {"preparation": _preparation(), "hooks": self._hooks} | self._settings))
+            with anyio.fail_after(self._start_timeout):
+                message = await conn.recv()
+        except TimeoutError:
+            await _reap(process, grace=0)
+            raise WorkerStartError(
+                f"{what} did not report ready within {self._start_timeout:g} s (worker_start_timeout); its "
+                "output above may say why (a slow import or init hook?)"
+            ) from None
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await _reap(process, grace=0)
+            raise
+        if message is None:
+            status = _describe(await _reap(process, grace=_REAP_S))
+            raise WorkerStartError(f"{what} exited during start-up ({status}); its output above says why")
+        if message[0] == "start_failed":
+            await _reap(process, grace=_REAP_S)
+            err: ErrorInfo = message[1]
+            raise WorkerStartError(
+                f"{what} could not start: {err.type}: {err.message}\n\n"
+                f"Traceback in the worker:\n{err.traceback}"
+            )
+        child = _Child(process, conn)
+        self._tg.start_soon(self._read, child, name=f"interlens worker {process.pid} reader")
+        return child
+
+    async def _read(self, child: _Child) -> None:
+        why: str | None = None
+        try:
+            while True:
+                message = await child.conn.recv()
+                if message is None:
+                    break
+                kind = message[0]
+                if kind == "result":
+                    pending = child.attempts.pop(message[1], None)
+                    if pending is not None:
+                        pending.outcome = message[2]
+                        pending.done.set()
+                elif kind == "call":
+                    assert self._tg is not None
+                    self._tg.start_soon(self._serve_call, child, *message[1:])
+                else:
+                    raise ValueError(f"unexpected message {kind!r}")
+        except Exception as exc:  # a worker talking nonsense cannot be trusted with more jobs
+            why = f"it broke the pipe protocol: {type(exc).__name__}: {exc}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._bury(child, why)
+
+    async def _serve_call(self, child: _Child, call_id: int, kind: str, payload: Any) -> None:
+        try:
+            if kind == "record_turn":
+                req, index, turn = payload
+                pending = child.attempts.get(req)
+                if pending is None:
+                    raise RuntimeError("the attempt this turn belongs to is no longer running")
+                await pending.record_turn(index, turn)
+                reply: tuple[Any, ...] = ("reply", call_id, True, None)
+            elif kind == "service":
+                name, job_id, data = payload
+                if self._call_parent is None:
+                    from ._errors import NoServiceError
+
+                    raise NoServiceError(
+                        f"job {job_id!r} called ctx.call_parent({name!r}, ...) but this run has no parent "
+                        "services; pass services={name: async_fn(job_id, payload)} to run_jobs"
+                    )
+                reply = ("reply", call_id, True, await self._call_parent(job_id, name, data))
+            else:
+                raise ValueError(f"unknown call {kind!r}")
+        except Exception as exc:
+            reply = ("reply", call_id, False, transportable_error(exc))
+        try:
+            await child.conn.send(reply)
+        except _SEND_FAILED:
+            pass  # the worker is gone; its reader buries it
+        except Exception as exc:  # the answer itself does not pickle
+            await child.conn.send(("reply", call_id, False, transportable_error(exc)))
+
+    async def _bury(self, child: _Child, why: str | None) -> None:
+        """The process is gone (or must go): reap it and end its attempts as lost."""
+        child.closed = True
+        if self._child is child:
+            self._child = None
+        await child.conn.aclose()  # EOF for a worker still alive (we were cancelled): it exits at once
+        status = _describe(await _reap(child.process, grace=_REAP_S if why is None else 0))
+        lost = ErrorInfo(
+            WorkerLostError.__name__,
+            f"the worker process for device {self._device!r} (pid {child.process.pid}) died while running "
+            f"this job ({why or status})",
+            "",
+        )
+        for pending in child.attempts.values():
+            pending.outcome = AttemptOutcome(error=lost, transient=True, worker_lost=True)
+            pending.done.set()
+        child.attempts.clear()
+        child.gone.set()
+
+
+class _Attempt:
+    __slots__ = ("done", "outcome", "record_turn")
+
+    def __init__(self, record_turn: RecordTurn) -> None:
+        self.record_turn = record_turn
+        self.done = anyio.Event()
+        self.outcome: AttemptOutcome | None = None
+
+
+class _Child:
+    """One live worker process and its pipe."""
+
+    def __init__(self, process: Process, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.attempts: dict[int, _Attempt] = {}
+        self.closed = False
+        self.gone = anyio.Event()
+
+
+class _Gate:
+    """Attempts share the worker, except an exclusive one: it waits until it is alone and keeps others out.
+
+    Waiting exclusive attempts go first (new shared ones queue behind them), so a job retried alone after its
+    worker died is not starved by a steady stream of new jobs.
+    """
+
+    def __init__(self) -> None:
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._changed = Notifier()
+
+    @asynccontextmanager
+    async def hold(self, *, exclusive: bool) -> AsyncIterator[None]:
+        if exclusive:
+            self._waiting += 1
+            try:
+                while self._shared or self._exclusive:
+                    await self._changed.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        else:
+            while self._exclusive or self._waiting:
+                await self._changed.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            if exclusive:
+                self._exclusive = False
+            else:
+                self._shared -= 1
+            self._changed.notify()
+
+
+def _preparation() -> dict[str, Any]:
+    """What multiprocessing's spawn hands a child: sys.path, cwd, argv and how to import the main module."""
+    data = spawn.get_preparation_data("interlens-worker")
+    data["authkey"] = bytes(data["authkey"])  # refuses to pickle unless multiprocessing itself is spawning
+    return data
+
+
+async def _reap(process: Process, *, grace: float) -> int:
+    """Wait up to ``grace`` seconds for ``process`` to exit, then SIGKILL it; return its exit status."""
+    status: int | None = None
+    with anyio.CancelScope(shield=True):
+        if process.returncode is None and grace > 0:
+            with anyio.move_on_after(grace):
+                await process.wait()
+        if process.returncode is None:
+            try:
+                process.kill()
+            except ProcessLookupError:
+                pass
+        status = await process.wait()
+    assert status is not None
+    return status
+
+
+def _describe(status: int) -> str:
+    if status >= 0:
+        return f"exit status {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    hint = {
+        "SIGKILL": "; the kernel's out-of-memory killer, or someone, killed it",
+        "SIGSEGV": "; a crash in native code",
+        "SIGABRT": "; native code aborted",
+        "SIGBUS": "; a crash in native code",
+    }.get(name, "")
+    return f"killed by {name}{hint}"

@@ -1,0 +1,192 @@
+"""The worker process: what a spawned child runs (``python -c "...; main()" FD``).
+
+It imports the user's main module the way multiprocessing's spawn does (so names registered at import time
+exist here), runs the init hooks, then serves jobs from the pipe with an :class:`InProcessWorker` for its
+device: the same class, batcher and engine cache as in the parent, so jobs co-step here exactly as they
+would in-process. Turns go back to the parent (the ledger's only writer) and are durable when acknowledged.
+
+A worker never outlives its parent: EOF on the pipe (the parent closed it, or died and the kernel closed it)
+ends the process at once with ``os._exit``, and a watchdog thread ends it if it is re-parented while its
+loop is stuck. Ctrl-C is ignored here: the parent catches it and shuts the workers down in order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from multiprocessing import spawn
+from typing import Any, NoReturn
+
+import anyio
+
+from ._errors import JobPickleError
+from ._outcome import AttemptOutcome, ErrorInfo
+from ._protocols import ExecutionMode, JobSpec
+from ._wire import Calls, Connection
+from ._worker import InProcessWorker
+
+__all__ = ["bootstrapping", "main"]
+
+_bootstrapping = False
+_WATCHDOG_S = 0.5
+
+
+def bootstrapping() -> bool:
+    """True while this worker is importing the user's main module (a run started then is a mistake)."""
+    return _bootstrapping
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(sys.argv[-1]))
+    _watch_parent(os.getppid())
+    code = 1
+    try:
+        code = anyio.run(_serve, sock)
+    finally:
+        _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """Leave now: no interpreter teardown waiting on a generate thread or a library's atexit hooks."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(_WATCHDOG_S)
+        os._exit(0)  # re-parented: the parent is dead; no job result can reach anyone
+
+    threading.Thread(target=watch, name="interlens-parent-watchdog", daemon=True).start()
+
+
+async def _serve(sock: socket.socket) -> int:
+    conn = await Connection.from_socket(sock)
+    message = await conn.recv()
+    if message is None or message[0] != "init":
+        return 1
+    config: Mapping[str, Any] = message[1]
+    try:
+        _prepare(config)
+    except BaseException as exc:  # an import error, a failing init hook, even SystemExit: report it
+        await conn.send(("start_failed", ErrorInfo.from_exception(exc)))
+        return 1
+    return await _Server(conn, config).serve()
+
+
+def _prepare(config: Mapping[str, Any]) -> None:
+    global _bootstrapping
+    preparation = dict(config["preparation"])
+    _bootstrapping = True
+    try:
+        spawn.prepare(preparation)  # sys.path, cwd, and the main module as __mp_main__
+    except Exception as exc:
+        main = preparation.get("init_main_from_path") or preparation.get("init_main_from_name")
+        raise RuntimeError(
+            f"importing your main module {main} in the worker failed with {type(exc).__name__}: {exc}. "
+            "Workers import it (as multiprocessing's spawn does); is the code that starts the run guarded by "
+            '`if __name__ == "__main__":`?'
+        ) from exc
+    finally:
+        _bootstrapping = False
+    hooks = pickle.loads(config["hooks"]) if config["hooks"] else ()
+    for hook in hooks:
+        hook()
+
+
+class _Server:
+    def __init__(self, conn: Connection, config: Mapping[str, Any]) -> None:
+        self._conn = conn
+        self._calls = Calls(conn)
+        self._config = config
+        self._scopes: dict[int, anyio.CancelScope] = {}
+
+    async def serve(self) -> int:
+        c = self._config
+        worker = InProcessWorker(
+            c["device"],
+            capacity=c["capacity"],
+            mode=ExecutionMode(c["mode"]),
+            max_batch_size=c["max_batch_size"],
+            max_batch_wait=c["max_batch_wait"],
+            call_parent=self._call_parent,
+        )
+        async with worker, anyio.create_task_group() as tg:
+            await self._conn.send(("ready", os.getpid()))
+            while True:
+                message = await self._conn.recv()
+                if message is None:  # the parent is done with us, or dead: nothing left to report to
+                    _exit(0)
+                kind = message[0]
+                if kind == "run":
+                    tg.start_soon(self._run, worker, *message[1:])
+                elif kind == "reply":
+                    self._calls.resolve(message[1], message[2], message[3])
+                elif kind == "cancel":
+                    scope = self._scopes.get(message[1])
+                    if scope is not None:
+                        scope.cancel()
+        return 0  # pragma: no cover (the loop only ends through _exit)
+
+    async def _call_parent(self, job_id: str, kind: str, payload: Any) -> Any:
+        return await self._calls.call("service", (kind, job_id, payload))
+
+    async def _run(
+        self,
+        worker: InProcessWorker,
+        req: int,
+        payload: bytes,
+        attempt: int,
+        committed: list[dict[str, Any]],
+    ) -> None:
+        outcome: AttemptOutcome | None = None
+        with anyio.CancelScope() as scope:
+            self._scopes[req] = scope
+            try:
+                outcome = await self._attempt(worker, req, payload, attempt, committed)
+            finally:
+                self._scopes.pop(req, None)
+        if outcome is None:  # cancelled by the parent, which no longer waits for it
+            return
+        try:
+            await self._conn.send(("result", req, outcome))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            error = JobPickleError(f"the job's outcome cannot be sent back to the parent: {exc}")
+            bad = AttemptOutcome(error=ErrorInfo.from_exception(error))
+            await self._conn.send(("result", req, bad))
+
+    async def _attempt(
+        self, worker: InProcessWorker, req: int, payload: bytes, attempt: int, committed: list[dict[str, Any]]
+    ) -> AttemptOutcome:
+        try:
+            spec = pickle.loads(payload)
+            if not isinstance(spec, JobSpec):
+                raise TypeError(f"expected a JobSpec, got {type(spec).__name__}")
+        except Exception as exc:
+            error = JobPickleError(
+                f"the job could not be rebuilt in the worker process ({type(exc).__name__}: {exc}); the "
+                "code it refers to must be importable there (a module on sys.path, or your main script)"
+            )
+            return AttemptOutcome(error=ErrorInfo.from_exception(error))
+
+        async def record_turn(index: int, turn: Mapping[str, Any]) -> None:
+            await self._calls.call("record_turn", (req, index, turn))
+
+        worker.admit()
+        try:
+            return await worker.run_attempt(
+                spec, attempt=attempt, committed_turns=committed, record_turn=record_turn
+            )
+        finally:
+            worker.leave()

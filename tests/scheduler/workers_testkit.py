@@ -1,0 +1,171 @@
+"""Jobs and engines for runs with worker processes: all of it pickles and imports in a worker.
+
+A worker process imports this module by name (it is on the sys.path the parent hands over), so what the
+tests read back — pids, batch sizes, what an init hook left behind — was produced in the worker for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
+
+#: Filled by :func:`mark_init` in a worker (and read back through each job's analysis).
+INIT_MARKS: list[str] = []
+
+
+def mark_init() -> None:
+    INIT_MARKS.append(f"init in {os.getpid()}")
+
+
+def failing_init() -> None:
+    raise ImportError("No module named 'missing_probe_lib'")
+
+
+def hanging_init() -> None:
+    time.sleep(3600)  # the worker never reports ready
+
+
+class PidEngine:
+    """Answers with its name, the request, its process id and the size of the batch it was part of."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def generate_batch(
+        self, requests: Sequence[Any], *, mode: ExecutionMode, cancelled: threading.Event | None = None
+    ) -> list[Any]:
+        return [{"text": f"{self.name}({r})", "pid": os.getpid(), "batch": len(requests)} for r in requests]
+
+
+@dataclass(frozen=True)
+class PidEngineSpec:
+    name: str = "m"
+
+    @property
+    def engine_key(self) -> str:
+        return self.name
+
+    def load_engine(self, device: str) -> PidEngine:
+        return PidEngine(self.name)
+
+
+@dataclass
+class WorkerJob:
+    """``turns`` generated turns, each recorded (so durable in the parent) before the next.
+
+    ``checkpoint_at``: after that turn, on attempt 1 only, ``ctx.call_parent("checkpoint", pid)`` (the test
+    decides when it returns). ``kill_worker_at``: SIGKILL its own worker process at that turn, every attempt.
+    ``noise``: print to stdout and write raw bytes to fds 1 and 2 first (none of it may reach the pipe).
+    """
+
+    turns: int = 2
+    engine: PidEngineSpec = field(default_factory=PidEngineSpec)
+    needs_device: bool = True
+    checkpoint_at: int | None = None
+    kill_worker_at: int | None = None
+    noise: bool = False
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        if self.noise:
+            print(f"hello from {ctx.job_id}", flush=True)
+            os.write(1, b"\x00\x00\x00\x08notapickle\n")
+            os.write(2, b"\x00\x00\x01\x00stderr noise\n")
+        turns = [dict(t) for t in ctx.committed_turns]
+        for i in range(len(turns), self.turns):
+            if i == self.kill_worker_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = await ctx.generate(self.engine, f"{ctx.job_id}:{i}")
+            turn = {"index": i, "text": out["text"], "batch": out["batch"]}
+            await ctx.record_turn(i, turn)
+            turns.append(turn)
+            if i == self.checkpoint_at and ctx.attempt == 1:
+                await ctx.call_parent("checkpoint", os.getpid())
+        analysis = {
+            "pid": os.getpid(),
+            "attempt": ctx.attempt,
+            "committed": len(ctx.committed_turns),
+            "init": list(INIT_MARKS),
+        }
+        return JobResult(conversation={"turns": turns}, tokens_generated=len(turns), analysis=analysis)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
+
+
+@dataclass
+class CallingJob:
+    """Two concurrent ``call_parent`` calls, then the calls in ``then`` one by one; returns every answer."""
+
+    then: Sequence[str] = ()
+    needs_device: bool = True
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        answers: dict[str, Any] = {}
+
+        async def ask(key: str) -> None:
+            answers[key] = await ctx.call_parent("order", key)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "first")
+            tg.start_soon(ask, "second")
+        for kind in self.then:
+            answers[kind] = await ctx.call_parent(kind, ctx.job_id)
+        return JobResult(conversation={"answers": answers})
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
+
+
+@dataclass
+class LockedJob(WorkerJob):
+    """Holds a lock: it cannot be pickled, so it cannot reach a worker process."""
+
+    lock: Any = field(default_factory=threading.Lock)
+
+
+def lineup(name: str, jobs: Sequence[Any]) -> LineupSpec:
+    specs = [JobSpec(f"{name}/{i:04d}", name, seed=i, job=job, row_index=i) for i, job in enumerate(jobs)]
+    return LineupSpec(name=name, fingerprint=f"fp-{name}", jobs=iter(specs), n_jobs=len(specs))
+
+
+def children() -> set[int]:
+    """Pids of this process's live (or unreaped) child processes, read from /proc."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            found.add(int(entry))
+    return found
+
+
+def exited(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (not necessarily our child) has exited, waiting up to ``timeout`` seconds.
+
+    Waits on a pidfd, which becomes readable when the process exits: no polling, no sleeping.
+    """
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(fd)

@@ -1,0 +1,340 @@
+"""Provider batch mode: one batch per round per speaker, rows mapped back, per-row failures, crash re-attach.
+
+Rollouts run against the loopback fake provider through the official SDKs (strict validation). The crash
+test kills a real child process with SIGKILL while it polls, then re-attaches from the real ledger file.
+Tests marked ``needs_wiring`` exercise the scheduler's side of the seam (``JobContext.call_gateway``, the
+run's ledger handed to the gateway, quiescence); they skip until that wiring exists.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from interlens import Conversation, dataset_field
+from interlens._api_participant import APIParticipant
+from interlens._api_request import APIRequest
+from interlens._message import Transcript
+from interlens._participant import GenerationOptions
+from interlens.scheduler import JobContext
+from interlens.scheduler._gateway import BatchPolicy, Gateway, RetryPolicy
+from interlens.store import Ledger
+from interlens.testing._fake_provider import FakeProviderServer, default_reply
+
+KEY = "sk-batch-test-0123456789"
+QUICK = BatchPolicy(idle_s=0.3, poll_initial_s=0.01, poll_max_s=0.05)
+FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
+WIRED = hasattr(JobContext, "call_gateway")  # the scheduler's JobContext protocol offers the gateway
+needs_wiring = pytest.mark.skipif(
+    not WIRED,
+    reason="needs the scheduler wiring (JobContext.call_gateway, ledger and quiescence to the gateway)",
+)
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
+    with FakeProviderServer() as srv:
+        for name, value in srv.env(api_key=KEY).items():
+            monkeypatch.setenv(name, value)
+        yield srv
+    assert srv.handler_errors == []
+
+
+def debate(policy: BatchPolicy = QUICK, turns: int = 4) -> Conversation:
+    pro = APIParticipant(
+        name="pro",
+        provider="openai",
+        model_id="gpt-test",
+        system_prompt="Argue YES.",
+        batch=True,
+        batch_policy=policy,
+    )
+    con = APIParticipant(
+        name="con",
+        provider="anthropic",
+        model_id="claude-test",
+        system_prompt="Argue NO.",
+        batch=True,
+        batch_policy=policy,
+    )
+    return Conversation([pro, con], shared_context="Is a hot dog a sandwich?").turns(turns)
+
+
+def assert_replies_match_their_conversation(conv: Conversation, transcript: Transcript) -> None:
+    """Each turn is the fake's reply to THAT conversation's history (the reply hashes the whole prompt)."""
+    for i in range(1, len(transcript)):
+        live = conv.set()
+        live.transcript = Transcript(list(transcript)[:i])
+        speaker = live.participant(transcript[i].author)
+        assert isinstance(speaker, APIParticipant)
+        body = speaker.request(live.view(speaker), GenerationOptions()).body()
+        assert transcript[i].content == default_reply(body), (i, transcript[i].author)
+
+
+def test_one_batch_per_round_per_speaker_and_rows_map_back(server: FakeProviderServer) -> None:
+    conv = debate()
+    report = conv.rollout(n=12)
+    assert report.failed == [] and len(report.results) == 12
+    assert server.batches_created == {"openai": 2, "anthropic": 2, "openrouter": 0}  # 4 rounds, 2 speakers
+    assert not [r for r in server.requests if r.path.endswith(("/chat/completions", "/v1/messages"))]
+    batch_ids: dict[int, set[str]] = {}
+    for res in report.results.values():
+        transcript = res.transcript
+        assert transcript is not None and [m.author for m in transcript[1:]] == ["pro", "con"] * 2
+        assert_replies_match_their_conversation(conv, transcript)
+        for i, message in enumerate(transcript[1:]):
+            assert message.metadata["batch_id"] in server.batches
+            assert message.n_tokens == len(message.content.split()) and message.metadata["prompt_tokens"] > 0
+            batch_ids.setdefault(i, set()).add(message.metadata["batch_id"])
+    assert all(len(ids) == 1 for ids in batch_ids.values())  # every conversation's round i in ONE batch
+    assert {len(server.batches[next(iter(ids))].custom_ids) for ids in batch_ids.values()} == {12}
+
+
+def test_a_failing_row_fails_only_its_conversation(server: FakeProviderServer) -> None:
+    server.fail_batch_rows(
+        lambda cid, body: "CURSED" in str(body["messages"]), status=400, message="row refused"
+    )
+    questions = [{"q": f"Question {i}?"} for i in range(6)]
+    questions[2] = {"q": "A CURSED question?"}
+    speaker = APIParticipant(
+        name="solver", provider="openai", model_id="gpt-test", batch=True, batch_policy=QUICK, retry=FAST
+    )
+    conv = Conversation([speaker], shared_context=dataset_field("q")).turns(2).data(questions)
+    report = conv.rollout()
+    assert report.failed == ["row_00002"]
+    error = report.results["row_00002"].error
+    assert error is not None and "HTTP 400" in error.message and "row refused" in error.message
+    assert "not retryable" in error.message
+    assert (
+        server.batch_count("openai") == 2
+    )  # round 1 (six rows), round 2 (five): the refusal was not retried
+    for job in ("row_00000", "row_00001", "row_00003", "row_00004", "row_00005"):
+        transcript = report.results[job].transcript
+        assert transcript is not None and len(transcript) == 3
+
+
+def test_a_retryable_row_goes_into_a_later_batch(server: FakeProviderServer) -> None:
+    seen: set[str] = set()
+
+    def flaky_once(custom_id: str, body: dict[str, Any]) -> bool:
+        text = str(body["messages"])
+        if "unlucky" in text and text not in seen:
+            seen.add(text)
+            return True
+        return False
+
+    server.fail_batch_rows(flaky_once, status=500, message="overloaded, try later")
+    rows = [{"q": "an unlucky question"}, {"q": "a fine question"}, {"q": "another fine one"}]
+    speaker = APIParticipant(
+        name="s", provider="anthropic", model_id="claude-test", batch=True, batch_policy=QUICK, retry=FAST
+    )
+    report = Conversation([speaker], shared_context=dataset_field("q")).turns(1).data(rows).rollout()
+    assert report.failed == []
+    assert server.batch_count("anthropic") == 2  # the round, then the one failed row on its own
+    batches = sorted(server.batches.values(), key=lambda b: len(b.custom_ids))
+    assert [len(b.custom_ids) for b in batches] == [1, 3]
+    unlucky = report.results["row_00000"].transcript
+    assert unlucky is not None and unlucky[1].metadata["batch_id"] == batches[0].id
+
+
+def test_batch_control_calls_retry_and_a_refused_submission_fails_its_rows(
+    server: FakeProviderServer,
+) -> None:
+    speaker = APIParticipant(
+        name="s", provider="openai", model_id="gpt-test", batch=True, batch_policy=QUICK, retry=FAST
+    )
+    conv = Conversation([speaker], shared_context=dataset_field("q")).turns(1).data([{"q": "a"}, {"q": "b"}])
+    server.fail_next(1, status=500, path="/v1/files")  # upload: retried
+    server.fail_next(1, status=503, retry_after=0.01, path="/v1/batches/*")  # a poll: retried
+    report = conv.rollout()
+    assert report.failed == [] and server.batch_count("openai") == 1
+    server.reset_meters()
+    server.fail_next(1, status=400, message="quota exhausted for batches", path="/v1/batches")
+    refused = conv.name("again").rollout()
+    assert sorted(refused.failed) == ["row_00000", "row_00001"] and server.batch_count("openai") == 0
+    error = refused.results["row_00000"].error
+    assert error is not None and "submitting an openai batch failed: HTTP 400" in error.message
+    assert "quota exhausted" in error.message and "not retryable" in error.message
+
+
+async def test_rounds_split_at_max_rows_and_a_cancelled_caller_leaves_its_round(
+    server: FakeProviderServer,
+) -> None:
+    def spec(**policy: Any) -> APIParticipant:
+        batch_policy = BatchPolicy(poll_initial_s=0.01, poll_max_s=0.05, **policy)
+        return APIParticipant(
+            name="s", provider="openai", model_id="gpt-test", batch=True, batch_policy=batch_policy
+        )
+
+    results: dict[int, Any] = {}
+    scopes: dict[int, anyio.CancelScope] = {}
+
+    async def ask(gateway: Gateway, speaker: APIParticipant, i: int) -> None:
+        with anyio.CancelScope() as scopes[i]:
+            results[i] = await gateway.call(speaker, request(i), owner=f"job{i}")
+
+    async with Gateway() as gateway:
+        split = spec(max_rows=4, idle_s=0.2)
+        async with anyio.create_task_group() as tg:
+            for i in range(9):
+                tg.start_soon(ask, gateway, split, i)
+        assert sorted(len(b.custom_ids) for b in server.batches.values()) == [1, 4, 4]
+        server.reset_meters()
+        patient = spec(idle_s=0.3)
+        async with anyio.create_task_group() as tg:
+            for i in range(10, 15):
+                tg.start_soon(ask, gateway, patient, i)
+                await anyio.wait_all_tasks_blocked()
+            assert gateway.waiting == 5
+            scopes[10].cancel()  # the round's first caller drives its flush; cancelled, it hands that on
+    assert server.batch_count("openai") == 1
+    assert sorted(results) == [*range(9), 11, 12, 13, 14]
+    for i, result in results.items():
+        assert result.text == default_reply(request(i).body()) and result.batch_id in server.batches
+    last = next(b for b in server.batches.values() if b.id == results[11].batch_id)
+    assert len(last.custom_ids) == 4  # the cancelled row was never sent
+
+
+def request(i: int) -> APIRequest:
+    return APIRequest(
+        provider="openai",
+        model="gpt-test",
+        system=None,
+        messages=(("user", f"question {i}"),),
+        max_tokens=16,
+        turn=0,
+    )
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, anyio
+    from interlens._api_participant import APIParticipant
+    from interlens._api_request import APIRequest
+    from interlens.scheduler._gateway import BatchPolicy, Gateway
+    from interlens.store import Ledger
+
+    async def main(out_dir):
+        spec = APIParticipant(name="s", provider="openai", model_id="gpt-test", batch=True,
+                              batch_policy=BatchPolicy(idle_s=0.2, poll_initial_s=0.01, poll_max_s=0.05))
+        async with await Ledger.open(out_dir) as ledger, Gateway(store=ledger) as gateway:
+            async with anyio.create_task_group() as tg:
+                for i in range(5):
+                    req = APIRequest(provider="openai", model="gpt-test", system=None,
+                                     messages=(("user", f"question {i}"),), max_tokens=16, turn=0)
+                    tg.start_soon(lambda r=req, i=i: gateway.call(spec, r, owner=f"job{i}"))
+
+    anyio.run(main, sys.argv[1])
+    """
+)
+
+
+async def test_sigkill_while_polling_then_reattach_without_resubmitting(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    server.timeout_next(1, seconds=60, path="/v1/batches/*")  # the child's first poll hangs
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], env=dict(os.environ))
+    try:
+        await server.await_until(
+            lambda s: any(r.method == "GET" and r.path.startswith("/v1/batches/") for r in s.requests),
+            timeout=60,
+        )
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    assert child.returncode == -signal.SIGKILL
+    assert server.batch_count("openai") == 1
+    [batch_id] = server.batches
+    spec = APIParticipant(
+        name="s",
+        provider="openai",
+        model_id="gpt-test",
+        batch=True,
+        batch_policy=BatchPolicy(poll_initial_s=0.01),
+    )
+    async with await Ledger.open(tmp_path) as ledger:
+        [record] = await ledger.open_batches()  # recorded before the first poll, durable across SIGKILL
+        assert (record.provider, record.batch_id) == ("openai", batch_id)
+        assert sorted(record.requests.values()) == [(f"job{i}", 0) for i in range(5)]
+        async with Gateway(store=ledger) as gateway:
+            assert await gateway.load_open_batches() == 5
+            results: dict[int, Any] = {}
+
+            async def ask(i: int) -> None:
+                results[i] = await gateway.call(spec, request(i), owner=f"job{i}")
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    for i in range(5):
+                        tg.start_soon(ask, i)
+            assert gateway.stats()["rows_reattached"] == 5 and gateway.stats()["batches_submitted"] == 0
+        assert await ledger.open_batches() == []  # collected: a later rerun will not wait on it again
+    assert server.batch_count("openai") == 1  # zero new batches: nothing paid twice
+    for i, result in results.items():
+        assert result.batch_id == batch_id and result.text == default_reply(request(i).body())
+
+
+# -- need the scheduler wiring
+
+
+_ROLLOUT_CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from test_api_batch import debate
+    debate().rollout(n=6, out_dir=sys.argv[1])
+    """
+)
+
+
+@needs_wiring
+async def test_rollout_killed_while_polling_resumes_on_the_same_batch(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    server.timeout_next(1, seconds=60, path="/v1/batches/*")
+    here = str(Path(__file__).parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ROLLOUT_CHILD, str(tmp_path), here], env=dict(os.environ)
+    )
+    try:
+        await server.await_until(
+            lambda s: any(r.method == "GET" and r.path.startswith("/v1/batches/") for r in s.requests),
+            timeout=60,
+        )
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    assert server.batches_created == {"openai": 1, "anthropic": 0, "openrouter": 0}
+    conv = debate()
+    report = await conv.arollout(n=6, out_dir=tmp_path)
+    assert report.failed == []
+    assert server.batches_created == {"openai": 2, "anthropic": 2, "openrouter": 0}  # round 1 not paid twice
+    for res in report.results.values():
+        assert res.transcript is not None
+        assert_replies_match_their_conversation(conv, res.transcript)
+
+
+@needs_wiring
+async def test_quiescence_flushes_each_round_without_waiting_for_idleness(server: FakeProviderServer) -> None:
+    patient = BatchPolicy(idle_s=60, max_wait_s=120, poll_initial_s=0.01, poll_max_s=0.05)
+    with anyio.fail_after(30):  # an idle-only flush would take a minute per round
+        report = await debate(patient, turns=2).arollout(n=10)
+    assert report.failed == []
+    assert server.batches_created == {"openai": 1, "anthropic": 1, "openrouter": 0}
