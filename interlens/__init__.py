@@ -8,9 +8,10 @@ A :class:`Conversation` is the recipe, the live dialogue and the rollout driver 
 Importing interlens is cheap: torch, transformers, datasets and the provider SDKs load on first use.
 """
 
-from interlens.scheduler import ExecutionMode, available_devices
+from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, available_devices
 
 from ._analyzers import register_analyzer, register_worker_init
+from ._api_participant import APIParticipant
 from ._conversation import Conversation
 from ._exceptions import (
     AnalyzerError,
@@ -42,8 +43,10 @@ from ._templating import dataset_field
 __version__ = "0.1.0"
 
 __all__ = [
+    "APIParticipant",
     "AnalyzerError",
     "AutoModelParticipant",
+    "BatchPolicy",
     "ConfigurationError",
     "Conversation",
     "DeviceError",
@@ -61,6 +64,7 @@ __all__ = [
     "ModelLoadError",
     "ModelParticipant",
     "Participant",
+    "RetryPolicy",
     "RunReport",
     "RunResult",
     "SchemaVersionError",

@@ -16,6 +16,9 @@ from ._errors import (
     WorkerLostError,
     WorkerStartError,
 )
+from ._gateway import APISpec, Gateway, ProviderCallError, ProviderClient
+from ._gateway_batch import BatchPolicy, BatchRowError
+from ._gateway_limits import AdaptiveLimiter, RetryPolicy
 from ._outcome import ErrorInfo, JobOutcome, RunOutcome
 from ._protocols import (
     BatchCancelled,
@@ -33,8 +36,12 @@ from ._worker import HOST_DEVICE
 
 __all__ = [
     "HOST_DEVICE",
+    "APISpec",
+    "AdaptiveLimiter",
     "BatchCancelled",
+    "BatchPolicy",
     "BatchResultError",
+    "BatchRowError",
     "DeviceError",
     "DuplicateJobError",
     "Engine",
@@ -42,6 +49,7 @@ __all__ = [
     "EngineSpec",
     "ErrorInfo",
     "ExecutionMode",
+    "Gateway",
     "Job",
     "JobContext",
     "JobOutcome",
@@ -52,6 +60,9 @@ __all__ = [
     "NoDeviceError",
     "NoServiceError",
     "ParentCallError",
+    "ProviderCallError",
+    "ProviderClient",
+    "RetryPolicy",
     "RunOutcome",
     "SchedulerConfigError",
     "SchedulerError",
