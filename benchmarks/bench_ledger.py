@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import anyio
+
 from interlens.store import JobRecord, Ledger, LedgerReader
 
 TURN = {

@@ -13,8 +13,8 @@ A two-model debate (two participants on one ~27M-parameter local Qwen2 model, ra
 And shared prefill: n=32 samples of one ~1,000-token prompt, turn 1 of a rollout, with the engine's shared
 prefill on vs off (plain batched prefill).
 
-Prints tok/s (generated tokens only) and the ratios. Targets: batched ≥ 0.85× raw generate, ≥ 4× batched=False;
-shared prefill ≥ 2× plain. Medians of ``--repeats`` runs after a warm-up.
+Prints tok/s (generated tokens only) and the ratios. Targets: batched ≥ 0.85× raw generate and ≥ 4×
+batched=False; shared prefill ≥ 2× plain. Medians of ``--repeats`` runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -130,27 +130,35 @@ def main() -> None:
     conv = debate(path, args.new_tokens, args.turns)
     model = conv.participants[0].live_engine().engine.model
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: qwen2 'bench', {params / 1e6:.1f}M parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"model: qwen2 'bench', {params / 1e6:.1f}M parameters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
-    t_batched, (tok_batched, transcripts) = median_time(lambda: rollout_tokens(conv, args.rollouts), args.repeats)
+    t_batched, (tok_batched, transcripts) = median_time(
+        lambda: rollout_tokens(conv, args.rollouts), args.repeats
+    )
     t_raw, tok_raw = median_time(lambda: raw_generate(conv, transcripts, args.new_tokens), args.repeats)
     t_single, (tok_single, _) = median_time(
         lambda: rollout_tokens(conv, args.unbatched_rollouts, batched=False), max(1, args.repeats // 2)
     )
     rate_batched, rate_raw, rate_single = tok_batched / t_batched, tok_raw / t_raw, tok_single / t_single
     print(f"debate, {args.rollouts} rollouts x {args.turns} turns x <= {args.new_tokens} new tokens")
-    print(f"  batched rollout (ledger incl.): {tok_batched:6d} tok in {t_batched:6.2f} s = {rate_batched:7.1f} tok/s")
+    print(f"  batched rollout: {tok_batched:6d} tok in {t_batched:6.2f} s = {rate_batched:7.1f} tok/s")
     print(f"  raw model.generate, same prompts: {tok_raw:6d} tok in {t_raw:6.2f} s = {rate_raw:7.1f} tok/s")
-    print(f"  batched=False ({args.unbatched_rollouts} rollouts): {tok_single:6d} tok in {t_single:6.2f} s"
-          f" = {rate_single:7.1f} tok/s")
+    print(
+        f"  batched=False ({args.unbatched_rollouts} rollouts): {tok_single:6d} tok in {t_single:6.2f} s"
+        f" = {rate_single:7.1f} tok/s"
+    )
     print(f"  ratio batched / raw generate = {rate_batched / rate_raw:.2f}x   (target >= 0.85x)")
     print(f"  ratio batched / batched=False = {rate_batched / rate_single:.2f}x   (target >= 4x)")
 
     t_shared, t_plain = shared_prefill(path, args.repeats)
     print("shared prefill: 32 samples of one 1,000-token prompt, 64 new tokens, rollout turn 1")
-    print(f"  shared prefill {t_shared:.2f} s, plain batched prefill {t_plain:.2f} s -> "
-          f"{t_plain / t_shared:.2f}x   (target >= 2x)")
+    print(
+        f"  shared prefill {t_shared:.2f} s, plain batched prefill {t_plain:.2f} s -> "
+        f"{t_plain / t_shared:.2f}x   (target >= 2x)"
+    )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def load_engine(
             f"load_engine({path_or_id!r}, dtype={dtype!r}): unknown dtype; use one of {', '.join(_DTYPES)} "
             "or None."
         )
-    _check_device(device)
+    device = _canonical_device(device)
     local = os.path.isdir(os.path.expanduser(path_or_id))
     source = os.path.realpath(os.path.expanduser(path_or_id)) if local else path_or_id
     key = (source, device, dtype, revision, bool(trust_remote_code))
@@ -89,7 +89,8 @@ def clear_engine_cache() -> None:
         _loading.clear()
 
 
-def _check_device(device: str) -> None:
+def _canonical_device(device: str) -> str:
+    """Validate ``device`` and name it one way ("cuda" is "cuda:0"), so one device never holds two copies."""
     import torch
 
     try:
@@ -106,8 +107,10 @@ def _check_device(device: str) -> None:
                 f"device={device!r} does not exist here ({count} CUDA device(s) visible); "
                 "use 'cpu' or one of interlens' available devices."
             )
-    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        return f"cuda:{index}"
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
         raise DeviceError(f"device={device!r}: MPS is not available on this machine; use 'cpu'.")
+    return str(parsed)
 
 
 def _looks_like_path(name: str) -> bool:

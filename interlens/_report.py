@@ -127,6 +127,12 @@ class RunReport:
     def counts(self) -> Mapping[str, int]:
         return self._outcome.counts
 
+    @property
+    def api_stats(self) -> Mapping[str, Any]:
+        """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
+        limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
+        return self._outcome.api
+
     def transcripts(self) -> dict[str, Transcript]:
         """Job id → transcript, for every job that has one."""
         return {jid: r.transcript for jid, r in self.results.items() if r.transcript is not None}

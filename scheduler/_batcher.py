@@ -4,8 +4,8 @@ Requests queue per engine. One batch runs at a time on the device (the dispatche
 is the device lock); when the device is free the dispatcher serves the engine with the most queued
 requests, as soon as one of these holds:
 
-- QUIESCENCE: every live job of the worker is blocked on a generation (nothing else can add to the queue,
-  so waiting longer cannot make the batch bigger);
+- QUIESCENCE: every live job of the worker is blocked on a generation or on a provider batch (nothing else
+  can add to the queue soon, so waiting longer cannot make the batch bigger);
 - a queue holds a full batch (``max_batch_size``);
 - ``max_wait`` seconds have passed since the oldest queued request arrived (for jobs awaiting something the
   scheduler cannot see, such as a file or an un-instrumented API call);
@@ -128,6 +128,20 @@ class Batcher:
         if req.error is not None:
             raise req.error
         return req.result
+
+    def block(self, owner: Waiter) -> None:
+        """Count ``owner`` as blocked on something that takes a while and ends outside the batcher (a job
+        waiting on a provider batch in the API gateway): it cannot add to the queue meanwhile, so quiescence
+        must not wait for it. Paired with :meth:`unblock`; a job blocked here and on a generation counts once.
+        """
+        owner.outstanding += 1
+        if owner.outstanding == 1:
+            self._blocked += 1
+        self._changed.notify()
+
+    def unblock(self, owner: Waiter) -> None:
+        """Undo one :meth:`block`: call it when the awaited result is delivered, not when the job resumes."""
+        self._release(owner)
 
     def _release(self, owner: Waiter) -> None:
         owner.outstanding -= 1

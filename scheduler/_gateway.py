@@ -8,13 +8,14 @@ SDK adapter, holding the key read from the environment) the first time it is nee
 
 Seams for the scheduler (the wiring):
 
-* ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id)``; from a
-  subprocess worker the (spec, request) pair crosses the pipe and the result or error comes back.
+* ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id, blocker=...)``
+  (``_run``); from a worker process the (spec, request) pair crosses the pipe and the result or error comes
+  back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
 * ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches.
 * ``Gateway(quiescent=probe)`` and :meth:`Gateway.poke`: a round is flushed when every live job is waiting
-  here (``gateway.waiting >= live jobs``; a job in a device batcher will still add to the round). Poke when
-  the probe's inputs change (a job ends). :attr:`Gateway.waiting` also tells a device batcher which of its
-  jobs are blocked on an API call, for its own quiescence.
+  on a batched call here (``gateway.batch_waiting >= live jobs``; a job in a device batcher or in a quick
+  single call will still add to the round). The gateway pokes itself when a caller arrives; poke when the
+  probe's other inputs change (a job ends). A device batcher counts its own jobs blocked on an API call.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ._gateway_batch import (
     classify,
     describe_error,
 )
-from ._gateway_collect import BatchBook, BatchCollector
+from ._gateway_collect import BatchBook, BatchCollector, Blocker
 from ._gateway_limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "BatchRowError",
     "BatchStatus",
     "BatchStore",
+    "Blocker",
     "Failure",
     "Gateway",
     "ProviderCallError",
@@ -173,6 +175,16 @@ class Gateway:
         """Callers blocked in the gateway right now (a job waiting on its API turn)."""
         return self._waiting
 
+    @property
+    def batch_waiting(self) -> int:
+        """Callers of batched specs blocked here (in a round, or on a submitted batch): the quiescence count.
+
+        A caller stops counting the moment its row's outcome is delivered. Callers of single requests, or
+        waiting to retry a row, are left out: they are back in a moment and may join a round then, so a
+        round must not leave without them (a batch is slow; flushing a round of one is costly).
+        """
+        return self._book.blocked
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -234,12 +246,19 @@ class Gateway:
         return None if lane is None else lane.limiter
 
     async def call(
-        self, spec: APISpec, request: Any, *, owner: str | None = None, turn: int | None = None
+        self,
+        spec: APISpec,
+        request: Any,
+        *,
+        owner: str | None = None,
+        turn: int | None = None,
+        blocker: Blocker | None = None,
     ) -> Any:
         """Send ``request`` for ``spec`` and return the adapter's result; raise :class:`ProviderCallError`.
 
         ``owner`` (the job id) and ``turn`` (default: ``request.turn``) name the request in the ledger's batch
-        map, so that a rerun can re-attach to the batch carrying it.
+        map, so that a rerun can re-attach to the batch carrying it. ``blocker`` is told while the request
+        waits in a round or on a provider batch (the caller's device batcher stops waiting for it).
         """
         if self._closed:
             raise SchedulerError("this gateway is closed; API calls need a live run (or event loop)")
@@ -250,7 +269,7 @@ class Gateway:
             lane = self._lane(spec)
             if spec.batch_key is None:
                 return await self._single(lane, spec.retry_policy, request)
-            return await self._batched(lane, spec, request, owner, turn)
+            return await self._batched(lane, spec, request, owner, turn, blocker)
         finally:
             self._waiting -= 1
 
@@ -298,11 +317,20 @@ class Gateway:
             await anyio.sleep(delay)
 
     async def _batched(
-        self, lane: _Lane, spec: APISpec, request: Any, owner: str | None, turn: int | None
+        self,
+        lane: _Lane,
+        spec: APISpec,
+        request: Any,
+        owner: str | None,
+        turn: int | None,
+        blocker: Blocker | None,
     ) -> Any:
         client, policy, poll = lane.client, spec.retry_policy, spec.batch_policy
         await self._book.load_open()
-        row = self._book.claim(client.provider, owner, turn, request)
+        # No checkpoint from here until the row is in its round (or re-attached) and counted in
+        # ``batch_waiting``, so the drivers woken here see it: it may complete another group's round.
+        self.poke()
+        row = self._book.claim(client.provider, owner, turn, request, blocker)
         attempt = 0
         while True:
             attempt += 1
@@ -311,7 +339,8 @@ class Gateway:
                     result = await self._book.collect(client, policy, poll, row)
                     row = None
                 else:
-                    result = await self._collector(lane, spec).request(request, owner=owner, turn=turn)
+                    collector = self._collector(lane, spec)
+                    result = await collector.request(request, owner=owner, turn=turn, blocker=blocker)
                 return result
             except Exception as exc:
                 failure = classify(client, exc)

@@ -171,7 +171,19 @@ def describe_error(exc: BaseException) -> str:
 class Row:
     """One request in a round: who asked (job, turn), its batch once flushed, and its outcome."""
 
-    __slots__ = ("batch", "custom_id", "done", "error", "owner", "request", "result", "size", "turn", "wake")
+    __slots__ = (
+        "batch",
+        "custom_id",
+        "done",
+        "error",
+        "on_done",
+        "owner",
+        "request",
+        "result",
+        "size",
+        "turn",
+        "wake",
+    )
 
     def __init__(self, request: Any, owner: str | None, turn: int | None, size: int) -> None:
         self.request = request
@@ -184,6 +196,7 @@ class Row:
         self.done = anyio.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        self.on_done: Callable[[], None] | None = None  # its caller stops counting as blocked (once)
 
     def resolve(self, outcome: Any) -> None:
         if self.done.is_set():
@@ -193,6 +206,17 @@ class Row:
         else:
             self.result = outcome
         self.done.set()
+        self.release()
+
+    def release(self) -> None:
+        """The caller is no longer blocked on this row: its outcome is delivered, or it left (cancelled).
+
+        At delivery, not when the caller's task next runs: the callers of a finished batch resume one by
+        one, and one of them may already ask for its next turn while the others still look blocked.
+        """
+        callback, self.on_done = self.on_done, None
+        if callback is not None:
+            callback()
 
     def outcome(self) -> Any:
         if self.error is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -37,9 +37,20 @@ from ._gateway_batch import (
 from ._gateway_limits import RetryPolicy
 from ._signals import Notifier
 
-__all__ = ["BatchBook", "BatchCollector"]
+__all__ = ["BatchBook", "BatchCollector", "Blocker"]
 
 log = logging.getLogger("interlens.gateway")
+
+
+class Blocker(Protocol):
+    """Told when a caller starts and stops waiting on a batch row (a device batcher's quiescence count).
+
+    ``unblock`` comes when the row's outcome is delivered, in the same step for every row of a batch, so
+    the first job to resume cannot make its batcher leave without the others."""
+
+    def block(self) -> None: ...
+
+    def unblock(self) -> None: ...
 
 
 class BatchBook:
@@ -50,6 +61,8 @@ class BatchBook:
         self.clock = clock
         self.submitted = 0
         self.reattached = 0
+        #: Callers whose row is in a round or a batch and not delivered yet (the gateway's quiescence count).
+        self.blocked = 0
         self._open: dict[tuple[str, int], tuple[Batch, str]] = {}
         self._loaded = store is None
         self._load_lock = anyio.Lock()
@@ -67,7 +80,23 @@ class BatchBook:
                 self._loaded = True
         return len(self._open)
 
-    def claim(self, provider: str, owner: str | None, turn: int | None, request: Any) -> Row | None:
+    def track(self, row: Row, blocker: Blocker | None = None) -> Row:
+        """Count ``row``'s caller as blocked (here and to ``blocker``) until the row is resolved/released."""
+        self.blocked += 1
+        if blocker is not None:
+            blocker.block()
+
+        def untrack() -> None:
+            self.blocked -= 1
+            if blocker is not None:
+                blocker.unblock()
+
+        row.on_done = untrack
+        return row
+
+    def claim(
+        self, provider: str, owner: str | None, turn: int | None, request: Any, blocker: Blocker | None = None
+    ) -> Row | None:
         """A row attached to the open batch that already holds ``(owner, turn)``, or None."""
         if owner is None or turn is None or not self._open:
             return None
@@ -76,7 +105,7 @@ class BatchBook:
             return None
         del self._open[(owner, turn)]
         batch, custom_id = entry
-        row = Row(request, owner, turn, 0)
+        row = self.track(Row(request, owner, turn, 0), blocker)
         row.batch, row.custom_id = batch, custom_id
         batch.rows[custom_id] = row
         if batch.results is not None:
@@ -133,12 +162,15 @@ class BatchBook:
         """Wait for ``row``'s result, polling its batch whenever no other caller is."""
         batch = row.batch
         assert batch is not None
-        await batch.submitted.wait()
-        while not row.done.is_set():
-            async with batch.poll_lock:
-                if row.done.is_set():
-                    break
-                await self._poll_once(client, policy, poll, batch)
+        try:
+            await batch.submitted.wait()
+            while not row.done.is_set():
+                async with batch.poll_lock:
+                    if row.done.is_set():
+                        break
+                    await self._poll_once(client, policy, poll, batch)
+        finally:
+            row.release()  # cancelled: no longer waiting, though the row stays in its batch
         return row.outcome()
 
     async def _poll_once(
@@ -216,7 +248,9 @@ class BatchCollector:
         """Something the quiescence probe reads changed: let the round's driver re-check it."""
         self._arrived.notify()
 
-    async def request(self, request: Any, *, owner: str | None, turn: int | None) -> Any:
+    async def request(
+        self, request: Any, *, owner: str | None, turn: int | None, blocker: Blocker | None = None
+    ) -> Any:
         """One try through a batch: the row's result, or its error raised (the caller decides on retries)."""
         size = self._client.row_size(request)
         if size > self._max_bytes:
@@ -224,7 +258,7 @@ class BatchCollector:
                 f"one request is {size:,} bytes, over the {self._client.provider} batch limit of "
                 f"{self._max_bytes:,} bytes; shorten the conversation or use batch=False"
             )
-        row = Row(request, owner, turn, size)
+        row = self._book.track(Row(request, owner, turn, size), blocker)
         now = self._book.clock()
         if not self._pending:
             self._first_at = now
@@ -235,6 +269,7 @@ class BatchCollector:
             await self._until_flushed(row)
         finally:
             if row.batch is None:  # cancelled while pending: leave the round, hand on the driver's role
+                row.release()
                 self._pending.remove(row)
                 if self._driver is row:
                     self._driver = None

@@ -80,6 +80,11 @@ class LedgerRecorder:
     def ledger_path(self) -> Path:
         return self._ledger.path
 
+    @property
+    def batch_store(self) -> Ledger:
+        """Where the run's API gateway records provider batches (so that a rerun re-attaches to them)."""
+        return self._ledger
+
     async def begin(self) -> set[str]:
         await self._ledger.requeue_running()  # left by a run that crashed or was interrupted
         done = await self._ledger.done_job_ids()

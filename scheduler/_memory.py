@@ -55,6 +55,11 @@ class MemoryRecorder:
     def ledger_path(self) -> None:
         return None
 
+    @property
+    def batch_store(self) -> None:
+        """No ledger, nothing to re-attach to: provider batches of an in-memory run are not recorded."""
+        return None
+
     async def begin(self) -> set[str]:
         return set()  # nothing to resume without a ledger
 

@@ -90,13 +90,16 @@ class RunOutcome:
 
     ``counts`` has ``total`` (jobs pulled in this run), ``done`` and ``failed`` (jobs that ran in this run)
     and ``skipped`` (done by an earlier run, not rerun). With an ``out_dir`` every per-job read goes to the
-    ledger, so a million-job run does not hold a million conversations in memory.
+    ledger, so a million-job run does not hold a million conversations in memory. ``api``: the run's API
+    gateway statistics (``Gateway.stats()``: per provider client its limit, peak in flight, rate-limited
+    calls, retries; batches submitted, rows re-attached), read as it closed.
     """
 
     ledger_path: Path | None
     counts: Mapping[str, int]
     _source: OutcomeSource = field(repr=False)
     _skipped: Sequence[str] = field(repr=False, default=())
+    api: Mapping[str, Any] = field(repr=False, default_factory=dict)
 
     @property
     def job_ids(self) -> list[str]:

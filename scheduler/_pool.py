@@ -19,7 +19,7 @@ import anyio
 
 from ._errors import NoServiceError, SchedulerConfigError, WorkerStartError
 from ._protocols import ExecutionMode
-from ._worker import CallParent, InProcessWorker, Worker
+from ._worker import CallGateway, CallParent, InProcessWorker, Worker
 
 __all__ = ["Service", "WorkerInit", "check_services", "open_workers", "refuse_while_bootstrapping"]
 
@@ -40,13 +40,18 @@ async def open_workers(
     worker_init: Sequence[WorkerInit],
     services: Mapping[str, Service] | None,
     start_timeout: float,
+    call_gateway: CallGateway | None = None,
 ) -> tuple[list[Worker], list[Worker]]:
-    """Enter the device workers and the host worker into ``stack``; return (device workers, host workers)."""
+    """Enter the device workers and the host worker into ``stack``; return (device workers, host workers).
+
+    ``call_gateway`` serves every worker's ``ctx.call_gateway`` in this process (the run's API gateway).
+    """
     call_parent = _service_caller(services)
     settings: dict[str, Any] = {
         "mode": mode,
         "max_batch_size": max_batch_size,
         "max_batch_wait": max_batch_wait,
+        "call_gateway": call_gateway,
     }
     device_workers: list[Worker] = []
     if len(devices) > 1:

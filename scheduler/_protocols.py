@@ -14,6 +14,8 @@ Flow of one job::
     await job.run(ctx) ───────────────────────▶ replays ctx.committed_turns, then for each new turn:
                                                   local model turn → await ctx.generate(engine_spec, request)
     coalescing batcher per (engine key, device)     (batched with every other job's pending request)
+                                                  API turn → await ctx.call_gateway(api_spec, request)
+    the run's API gateway (parent process)          (limits, retries, provider batch rounds)
     ◀────────────────────────────────────────── await ctx.record_turn(index, turn)   (durable on return)
                                                 runs the analyzer, returns a JobResult
     ledger: finish_job (done + result, one txn)
@@ -113,6 +115,16 @@ class JobContext(Protocol):
         The seam for what only the parent may do (it holds the API keys, the provider concurrency limits and
         batch collectors): in-process it is a direct call, from a worker process a request over the pipe.
         ``payload`` and the answer must pickle; the service's exception is raised here.
+        """
+        ...
+
+    async def call_gateway(self, spec: Any, request: Any) -> Any:
+        """Send one hosted-model ``request`` for ``spec`` (an ``APISpec``) through the run's API gateway.
+
+        The gateway lives in the parent (it holds the API keys, the provider limits and the batch collectors,
+        and records provider batches in the run's ledger): from a worker process the pair crosses the pipe.
+        Returns the provider adapter's result or raises its error (``ProviderCallError``, ``BatchRowError``).
+        While the call is pending the job counts as blocked for the device batcher's quiescence.
         """
         ...
 

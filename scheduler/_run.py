@@ -22,6 +22,9 @@ from anyio.abc import TaskGroup
 from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
+from ._gateway import Gateway
+from ._gateway_batch import BatchStore
+from ._gateway_collect import Blocker
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
 from ._pool import Service, WorkerInit, check_services, open_workers, refuse_while_bootstrapping
@@ -44,6 +47,11 @@ class Recorder(Protocol):
     #: Exceptions from finish/fail that mean "this value cannot be stored" (not JSON, a leaked secret):
     #: they fail that job, not the run.
     value_errors: tuple[type[BaseException], ...]
+
+    @property
+    def batch_store(self) -> BatchStore | None:
+        """Where the API gateway records provider batches (the ledger), or None (in memory)."""
+        ...
 
     async def begin(self) -> set[str]: ...
     async def add_many(self, specs: Sequence[JobSpec]) -> None: ...
@@ -139,7 +147,7 @@ async def run_jobs(
                 await recorder.end(status)
             finally:
                 await recorder.close()
-    return recorder.outcome(counts=run.counts(), skipped=run.skipped)
+    return replace(recorder.outcome(counts=run.counts(), skipped=run.skipped), api=run.api_stats)
 
 
 async def _open_recorder(
@@ -201,6 +209,8 @@ class _Run:
         self._pulled = 0
         self._error: Exception | None = None
         self._tg: TaskGroup | None = None
+        self._gateway: Gateway | None = None
+        self.api_stats: dict[str, Any] = {}
 
     @property
     def skipped(self) -> list[str]:
@@ -214,6 +224,12 @@ class _Run:
         try:
             done_ids = await self._rec.begin()
             async with AsyncExitStack() as stack:
+                # Entered first, so it closes last: workers' API calls in flight end before its clients do.
+                gateway = Gateway(store=self._rec.batch_store, quiescent=self._round_complete)
+                self._gateway = await stack.enter_async_context(gateway)
+                stack.callback(self._keep_api_stats, gateway)  # after the workers close, before it does
+                # Before any job asks: a rerun re-attaches to the provider batches a crash left in flight.
+                await gateway.load_open_batches()
                 device_workers, host_workers = await open_workers(
                     stack,
                     devices=self._devices,
@@ -224,6 +240,7 @@ class _Run:
                     worker_init=self._worker_init,
                     services=self._services,
                     start_timeout=self._worker_start_timeout,
+                    call_gateway=self._call_gateway,
                 )
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
@@ -235,6 +252,21 @@ class _Run:
                 raise self._error
         finally:
             self._progress.close()
+
+    def _keep_api_stats(self, gateway: Gateway) -> None:
+        self.api_stats = gateway.stats()
+
+    async def _call_gateway(self, job_id: str, spec: Any, request: Any, blocker: Blocker | None) -> Any:
+        """Every worker's ``ctx.call_gateway`` ends here, in the parent, where the run's gateway lives."""
+        assert self._gateway is not None
+        return await self._gateway.call(spec, request, owner=job_id, blocker=blocker)
+
+    def _round_complete(self) -> bool:
+        """The gateway's quiescence probe: every live job waits on a batched API call, so no request can join
+        a pending round any more and it flushes now instead of after ``idle_s``."""
+        assert self._gateway is not None
+        live = sum(w.load for pool in self._pools for w in pool)
+        return self._gateway.batch_waiting >= live
 
     def _abort(self, exc: Exception) -> None:
         """A run-level failure (bad input mid-stream, the ledger failing): stop every job, raise ``exc``."""
@@ -346,6 +378,8 @@ class _Run:
             self._abort(exc)
         finally:
             worker.leave()
+            if self._gateway is not None:
+                self._gateway.poke()  # one job fewer to wait for: a pending round may be complete now
 
     async def _drive(self, spec: JobSpec, worker: Worker) -> None:
         rec, job_id = self._rec, spec.job_id

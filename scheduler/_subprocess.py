@@ -34,7 +34,7 @@ from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import ExecutionMode, JobSpec
 from ._signals import Notifier
 from ._wire import Connection, transportable_error
-from ._worker import CallParent, RecordTurn
+from ._worker import CallGateway, CallParent, RecordTurn
 
 __all__ = ["SubprocessWorker"]
 
@@ -57,6 +57,7 @@ class SubprocessWorker:
         hooks: bytes,
         call_parent: CallParent | None,
         start_timeout: float,
+        call_gateway: CallGateway | None = None,
     ) -> None:
         self._device = device
         self._capacity = capacity
@@ -69,6 +70,7 @@ class SubprocessWorker:
         }
         self._hooks = hooks
         self._call_parent = call_parent
+        self._call_gateway = call_gateway
         self._start_timeout = start_timeout
         self._live = 0
         self._ids = count()
@@ -273,6 +275,19 @@ class SubprocessWorker:
                 await self._bury(child, why)
 
     async def _serve_call(self, child: _Child, call_id: int, kind: str, payload: Any) -> None:
+        if kind == "gateway":
+            # An API call can wait for a provider batch for hours: it is stopped when its process dies (the
+            # attempt is lost and retried elsewhere), not left holding a place in the gateway's rounds.
+            with anyio.CancelScope() as scope:
+                child.scopes.add(scope)
+                try:
+                    await self._answer(child, call_id, kind, payload)
+                finally:
+                    child.scopes.discard(scope)
+        else:
+            await self._answer(child, call_id, kind, payload)
+
+    async def _answer(self, child: _Child, call_id: int, kind: str, payload: Any) -> None:
         try:
             if kind == "record_turn":
                 req, index, turn = payload
@@ -291,6 +306,15 @@ class SubprocessWorker:
                         "services; pass services={name: async_fn(job_id, payload)} to run_jobs"
                     )
                 reply = ("reply", call_id, True, await self._call_parent(job_id, name, data))
+            elif kind == "gateway":
+                job_id, spec, request = payload
+                if self._call_gateway is None:
+                    from ._errors import NoServiceError
+
+                    raise NoServiceError(
+                        f"job {job_id!r} called ctx.call_gateway(...) but the run has no gateway"
+                    )
+                reply = ("reply", call_id, True, await self._call_gateway(job_id, spec, request, None))
             else:
                 raise ValueError(f"unknown call {kind!r}")
         except Exception as exc:
@@ -307,6 +331,8 @@ class SubprocessWorker:
         child.closed = True
         if self._child is child:
             self._child = None
+        for scope in child.scopes:  # its jobs' API calls: nobody is left to answer
+            scope.cancel()
         await child.conn.aclose()  # EOF for a worker still alive (we were cancelled): it exits at once
         status = _describe(await _reap(child.process, grace=_REAP_S if why is None else 0))
         lost = ErrorInfo(
@@ -338,6 +364,7 @@ class _Child:
         self.process = process
         self.conn = conn
         self.attempts: dict[int, _Attempt] = {}
+        self.scopes: set[anyio.CancelScope] = set()  # its jobs' API calls being served in the parent
         self.closed = False
         self.gone = anyio.Event()
 

@@ -13,7 +13,8 @@ Messages are tuples whose first item names them::
                       ("reply", call, ok, value)    answer to a worker's ("call", ...)
     worker → parent   ("ready", pid) | ("start_failed", ErrorInfo)
                       ("result", req, AttemptOutcome)
-                      ("call", call, kind, payload) "record_turn" (the ledger), "service" (call_parent)
+                      ("call", call, kind, payload) "record_turn" (the ledger), "service" (call_parent),
+                                                    "gateway" (call_gateway: the run's API gateway)
 
 Both ends are our own code in processes we started, so unpickling what comes over the pair is trusted.
 """

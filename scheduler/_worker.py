@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import anyio
 from anyio.abc import TaskGroup
@@ -24,7 +24,10 @@ from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
 from ._signals import Notifier
 
-__all__ = ["HOST_DEVICE", "CallParent", "InProcessWorker", "RecordTurn", "Worker"]
+if TYPE_CHECKING:
+    from ._gateway_collect import Blocker
+
+__all__ = ["HOST_DEVICE", "CallGateway", "CallParent", "InProcessWorker", "RecordTurn", "Worker"]
 
 #: The ``device`` of jobs that need no local model (scripted or API-only): they run in the host worker.
 HOST_DEVICE = "host"
@@ -32,6 +35,9 @@ HOST_DEVICE = "host"
 RecordTurn = Callable[[int, Mapping[str, Any]], Awaitable[None]]
 #: How a job reaches the parent's services: ``(job_id, kind, payload) -> answer`` (see ``JobContext``).
 CallParent = Callable[[str, str, Any], Awaitable[Any]]
+#: How a job reaches the run's API gateway: ``(job_id, spec, request, blocker) -> result`` (see
+#: ``JobContext``); ``blocker`` (or None) is told while the request waits on a provider batch.
+CallGateway = Callable[[str, Any, Any, "Blocker | None"], Awaitable[Any]]
 
 
 class Worker(Protocol):
@@ -97,9 +103,11 @@ class InProcessWorker:
         max_batch_size: int,
         max_batch_wait: float,
         call_parent: CallParent | None = None,
+        call_gateway: CallGateway | None = None,
     ) -> None:
         self._device = device
         self._call_parent = call_parent
+        self._call_gateway = call_gateway
         self._capacity = capacity
         self._mode = mode
         self._max_batch_size = max_batch_size
@@ -186,10 +194,8 @@ class InProcessWorker:
         )
 
     def _quiescent(self) -> bool:
-        """Every live job is blocked on a generation: nothing else can join the queue, so dispatch now.
-
-        (When the API gateway lands, jobs blocked on a provider call will count here too.)
-        """
+        """Every live job is blocked on a generation or an API call: nothing else can join the queue soon, so
+        dispatch now (a mixed local + API debate forms full local batches without the fallback delay)."""
         assert self._batcher is not None
         return self._batcher.blocked >= self._live
 
@@ -210,6 +216,19 @@ class InProcessWorker:
             )
         return await self._call_parent(ctx.job_id, kind, payload)
 
+    async def call_gateway(self, ctx: _Context, spec: Any, request: Any) -> Any:
+        if self._call_gateway is None:
+            raise NoServiceError(
+                f"job {ctx.job_id!r} called ctx.call_gateway(...) but this worker has no API gateway; "
+                "workers built by run_jobs always have one (pass call_gateway= when building one yourself)"
+            )
+        blocker = None
+        if self._batcher is not None and getattr(spec, "batch_key", None) is not None:
+            # A provider batch takes minutes: the local batch must not wait for this job. A single request
+            # is back in a moment and its job may join the local batch then, so it does not count.
+            blocker = _BatcherBlocker(self._batcher, ctx)
+        return await self._call_gateway(ctx.job_id, spec, request, blocker)
+
 
 class _Context:
     """The in-process :class:`JobContext`."""
@@ -225,7 +244,7 @@ class _Context:
     ) -> None:
         self._worker = worker
         self._record_turn = record_turn
-        self.outstanding = 0  # undelivered generations (the batcher's quiescence count)
+        self.outstanding = 0  # undelivered generations and API calls (the batcher's quiescence count)
         self.job_id = spec.job_id
         self.seed = spec.seed
         self.device = worker.device
@@ -242,12 +261,31 @@ class _Context:
     async def call_parent(self, kind: str, payload: Any) -> Any:
         return await self._worker.call_parent(self, kind, payload)
 
+    async def call_gateway(self, spec: Any, request: Any) -> Any:
+        return await self._worker.call_gateway(self, spec, request)
+
     async def record_turn(self, index: int, turn: Mapping[str, Any]) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"record_turn index must be an int >= 0, got {index!r}")
         if not isinstance(turn, Mapping):
             raise TypeError(f"record_turn takes the turn as a JSON mapping, got {type(turn).__name__}")
         await self._record_turn(index, turn)
+
+
+class _BatcherBlocker:
+    """The device batcher's side of a job's provider-batch wait (a ``Blocker`` for the gateway)."""
+
+    __slots__ = ("_batcher", "_ctx")
+
+    def __init__(self, batcher: Batcher, ctx: _Context) -> None:
+        self._batcher = batcher
+        self._ctx = ctx
+
+    def block(self) -> None:
+        self._batcher.block(self._ctx)
+
+    def unblock(self) -> None:
+        self._batcher.unblock(self._ctx)
 
 
 def _is_transient(job: Any, exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import anyio
 
 from ._errors import JobPickleError
+from ._gateway_collect import Blocker
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import ExecutionMode, JobSpec
 from ._wire import Calls, Connection
@@ -121,6 +122,7 @@ class _Server:
             max_batch_size=c["max_batch_size"],
             max_batch_wait=c["max_batch_wait"],
             call_parent=self._call_parent,
+            call_gateway=self._call_gateway,
         )
         async with worker, anyio.create_task_group() as tg:
             await self._conn.send(("ready", os.getpid()))
@@ -141,6 +143,19 @@ class _Server:
 
     async def _call_parent(self, job_id: str, kind: str, payload: Any) -> Any:
         return await self._calls.call("service", (kind, job_id, payload))
+
+    async def _call_gateway(self, job_id: str, spec: Any, request: Any, blocker: Blocker | None) -> Any:
+        """The gateway is the parent's (keys, limits, batch rounds, the ledger): the pair crosses the pipe.
+
+        ``blocker`` cannot cross it, so here the job counts as blocked for the whole call and stops when the
+        reply arrives (the replies of one provider batch arrive close together)."""
+        if blocker is None:
+            return await self._calls.call("gateway", (job_id, spec, request))
+        blocker.block()
+        try:
+            return await self._calls.call("gateway", (job_id, spec, request))
+        finally:
+            blocker.unblock()
 
     async def _run(
         self,

@@ -2,8 +2,8 @@
 
 Rollouts run against the loopback fake provider through the official SDKs (strict validation). The crash
 test kills a real child process with SIGKILL while it polls, then re-attaches from the real ledger file.
-Tests marked ``needs_wiring`` exercise the scheduler's side of the seam (``JobContext.call_gateway``, the
-run's ledger handed to the gateway, quiescence); they skip until that wiring exists.
+The last two exercise the scheduler's side of the seam (``JobContext.call_gateway``, the run's ledger handed
+to the gateway, the run's quiescence probe).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from interlens._api_participant import APIParticipant
 from interlens._api_request import APIRequest
 from interlens._message import Transcript
 from interlens._participant import GenerationOptions
-from interlens.scheduler import JobContext
 from interlens.scheduler._gateway import BatchPolicy, Gateway, RetryPolicy
 from interlens.store import Ledger
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
@@ -33,11 +32,6 @@ from interlens.testing._fake_provider import FakeProviderServer, default_reply
 KEY = "sk-batch-test-0123456789"
 QUICK = BatchPolicy(idle_s=0.3, poll_initial_s=0.01, poll_max_s=0.05)
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
-WIRED = hasattr(JobContext, "call_gateway")  # the scheduler's JobContext protocol offers the gateway
-needs_wiring = pytest.mark.skipif(
-    not WIRED,
-    reason="needs the scheduler wiring (JobContext.call_gateway, ledger and quiescence to the gateway)",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -291,7 +285,7 @@ async def test_sigkill_while_polling_then_reattach_without_resubmitting(
         assert result.batch_id == batch_id and result.text == default_reply(request(i).body())
 
 
-# -- need the scheduler wiring
+# -- the scheduler's side: the run's gateway, its ledger and its quiescence probe
 
 
 _ROLLOUT_CHILD = textwrap.dedent(
@@ -304,7 +298,6 @@ _ROLLOUT_CHILD = textwrap.dedent(
 )
 
 
-@needs_wiring
 async def test_rollout_killed_while_polling_resumes_on_the_same_batch(
     server: FakeProviderServer, tmp_path: Path
 ) -> None:
@@ -331,7 +324,6 @@ async def test_rollout_killed_while_polling_resumes_on_the_same_batch(
         assert_replies_match_their_conversation(conv, res.transcript)
 
 
-@needs_wiring
 async def test_quiescence_flushes_each_round_without_waiting_for_idleness(server: FakeProviderServer) -> None:
     patient = BatchPolicy(idle_s=60, max_wait_s=120, poll_initial_s=0.01, poll_max_s=0.05)
     with anyio.fail_after(30):  # an idle-only flush would take a minute per round

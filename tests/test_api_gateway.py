@@ -142,8 +142,9 @@ async def test_200_conversations_by_4_turns_never_exceed_the_limit_and_reach_it(
     assert server.max_concurrency_for("openai") == 16  # a and b share one client and one limit
     replies = Counter(m.content for res in report.results.values() for m in res.transcript[1:])
     assert replies == Counter(default_reply(r.json) for r in requests)  # every reply to its own request
-    [stats] = (await loop_gateway()).stats()["clients"]
+    [stats] = report.api_stats["clients"]  # the run's gateway served every turn, in the parent
     assert (stats["peak_in_flight"], stats["limit"], stats["retries"]) == (16, 16, 0)
+    assert stats["requests"] == 800 and (await loop_gateway()).stats()["clients"] == []
 
 
 async def test_adaptive_limit_backs_off_under_429s_and_climbs_back(server: FakeProviderServer) -> None:
@@ -153,11 +154,10 @@ async def test_adaptive_limit_backs_off_under_429s_and_climbs_back(server: FakeP
     server.fail_next(40, status=429, retry_after=0.005)
     report = await conv.arollout(n=64)
     assert report.failed == []
-    limiter = (await loop_gateway()).limiter(speaker)
-    assert limiter is not None
-    assert limiter.rate_limited == 40
-    assert limiter.lowest <= 4  # sustained 429s: halved at least twice (once per wave, not per 429)
-    assert limiter.limit == 16  # the rest of the 256 successes climbed back to the maximum
+    [limiter] = report.api_stats["clients"]
+    assert limiter["rate_limited"] == 40
+    assert limiter["lowest_limit"] <= 4  # sustained 429s: halved at least twice (once per wave, not per 429)
+    assert limiter["limit"] == 16  # the rest of the 256 successes climbed back to the maximum
     assert server.max_concurrency_for("openai") <= 16
     assert [r.status for r in generations(server)].count(200) == 256
 

@@ -384,6 +384,7 @@ def _build_into(final: Path, family: str, size: str) -> None:
         _save_quietly(model, tokenizer, tmp)
         recipe = {"family": family, "size": size, "recipe_version": _RECIPE_VERSION, "seed": _WEIGHT_SEED}
         (tmp / "interlens_tiny_model.json").write_text(json.dumps(recipe, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; a shared cache should be readable by all
         try:
             os.replace(tmp, final)
         except OSError:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import anyio
+
 from interlens.store import BatchRecord, JobRecord, Ledger, LedgerReader
 
 CONCURRENCY = 6

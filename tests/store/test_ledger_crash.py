@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _crash_writer import n_turns, outcome, turn_content
+
 from interlens.store import Ledger, LedgerReader
 
 WRITER = Path(__file__).with_name("_crash_writer.py")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from interlens.store import JOB_STATES, JobRecord, Ledger, LedgerReader
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+
 from interlens.store import (
     BatchRecord,
     FingerprintMismatchError,

@@ -9,6 +9,7 @@ from typing import Any, cast
 import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
+
 from interlens.store import (
     BatchRecord,
     JobRecord,
