@@ -102,9 +102,9 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
 def shared_prefill(path: str, repeats: int) -> tuple[float, float]:
     solver = AutoModelParticipant.from_pretrained(path, name="s", temperature=0.9, max_new_tokens=64)
     engine = solver.live_engine().engine
-    words = " ".join(f"word{i % 97}" for i in range(3000))
-    context = words
-    ids = engine.tokenizer(context, add_special_tokens=False)["input_ids"]
+    words = " ".join(f"word{i % 97}" for i in range(800))  # comfortably past 1,000 tokens, under the max
+    ids = engine.tokenizer(words, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 1000, len(ids)
     context = engine.tokenizer.decode(ids[:1000])
     conv = Conversation(participants=[solver], shared_context=context).turns(1)
     times = {}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
-from interlens.testing import tiny_model
+from interlens.testing import FakeProviderServer, tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +23,30 @@ def llama_path() -> str:
 @pytest.fixture(scope="session")
 def gemma2_path() -> str:
     return tiny_model("gemma2")
+
+
+@pytest.fixture
+def hermetic_api_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No real key or endpoint leaks in; every provider response is validated against the SDK's schema."""
+    for name in list(os.environ):
+        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+
+
+@pytest.fixture
+def api_key() -> str:
+    """The key the fake provider expects; a module overrides it to plant its own."""
+    return "sk-test-0123456789"
+
+
+@pytest.fixture
+def server(
+    monkeypatch: pytest.MonkeyPatch, hermetic_api_env: None, api_key: str
+) -> Iterator[FakeProviderServer]:
+    """A FakeProviderServer on loopback, with the provider env vars pointing at it."""
+    with FakeProviderServer() as srv:
+        for name, value in srv.env(api_key=api_key).items():
+            monkeypatch.setenv(name, value)
+        yield srv
+    assert srv.handler_errors == []

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,12 @@ QUICK = BatchPolicy(idle_s=0.3, poll_initial_s=0.01, poll_max_s=0.05)
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
-    with FakeProviderServer() as srv:
-        for name, value in srv.env(api_key=KEY).items():
-            monkeypatch.setenv(name, value)
-        yield srv
-    assert srv.handler_errors == []
+def api_key() -> str:
+    return KEY
 
 
 def debate(policy: BatchPolicy = QUICK, turns: int = 4) -> Conversation:

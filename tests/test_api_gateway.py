@@ -7,9 +7,7 @@ the rest runs real rollouts of APIParticipants against the loopback fake provide
 from __future__ import annotations
 
 import email.utils
-import os
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -25,21 +23,12 @@ KEY = "sk-gateway-test-0123456789"
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
-    with FakeProviderServer() as srv:
-        for name, value in srv.env(api_key=KEY).items():
-            monkeypatch.setenv(name, value)
-        yield srv
-    assert srv.handler_errors == []
+def api_key() -> str:
+    return KEY
 
 
 def generations(server: FakeProviderServer) -> list[Any]:

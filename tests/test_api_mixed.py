@@ -7,9 +7,6 @@ round.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
 from interlens import AutoModelParticipant, Conversation
@@ -22,21 +19,12 @@ from interlens.testing._fake_provider import FakeProviderServer, default_reply
 KEY = "sk-mixed-test-0123456789"
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
-    with FakeProviderServer() as srv:
-        for name, value in srv.env(api_key=KEY).items():
-            monkeypatch.setenv(name, value)
-        yield srv
-    assert srv.handler_errors == []
+def api_key() -> str:
+    return KEY
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["single-requests", "provider-batches"])

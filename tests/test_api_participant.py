@@ -10,10 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import pickle
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
@@ -34,22 +32,12 @@ KEY = "sk-planted-SECRET-4f1c9a7e2b"
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No real key or endpoint ever leaks in; every response is validated against the SDK's schema."""
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
-    with FakeProviderServer() as srv:
-        for name, value in srv.env(api_key=KEY).items():
-            monkeypatch.setenv(name, value)
-        yield srv
-    assert srv.handler_errors == []
+def api_key() -> str:
+    return KEY
 
 
 def api(name: str, provider: str, **settings: Any) -> APIParticipant:

@@ -9,7 +9,6 @@ set far beyond the test's deadline, so only the wiring's quiescence can end each
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,21 +26,12 @@ KEY = "sk-wiring-test-0123456789"
 PATIENT = BatchPolicy(idle_s=60, max_wait_s=120, poll_initial_s=0.01, poll_max_s=0.05)
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("INTERLENS_API_STRICT", "1")
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeProviderServer]:
-    with FakeProviderServer() as srv:
-        for name, value in srv.env(api_key=KEY).items():
-            monkeypatch.setenv(name, value)
-        yield srv
-    assert srv.handler_errors == []
+def api_key() -> str:
+    return KEY
 
 
 @pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["in-process", "worker-processes"])
