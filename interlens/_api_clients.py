@@ -196,23 +196,8 @@ class OpenAIClient:
         return _classify(exc, self._sdk_module)
 
     async def send(self, request: APIRequest) -> APIResult:
-        import httpx2
-
-        shard = self._shards.pick()
-        try:
-            response = await self._shards.clients[shard].post(
-                "/chat/completions",
-                cast_to=httpx2.Response,
-                body=request.body(),
-                options={"timeout": request.timeout},
-            )
-        finally:
-            self._shards.load[shard] -= 1
-        try:
-            data = json.loads(response.content)
-        except ValueError as exc:
-            raise ProviderResponseError(f"{self.provider} sent a body that is not JSON: {exc}", True) from exc
-        return self._parse(data, response.headers.get("x-request-id"), None)
+        data, headers = await _post_json(self._shards, "/chat/completions", request, provider=self.provider)
+        return self._parse(data, headers.get("x-request-id"), None)
 
     def _parse(self, data: Any, request_id: str | None, batch_id: str | None) -> APIResult:
         if not isinstance(data, dict):
@@ -345,23 +330,8 @@ class AnthropicClient:
         return _classify(exc, self._sdk_module)
 
     async def send(self, request: APIRequest) -> APIResult:
-        import httpx2
-
-        shard = self._shards.pick()
-        try:
-            response = await self._shards.clients[shard].post(
-                "/v1/messages",
-                cast_to=httpx2.Response,
-                body=request.body(),
-                options={"timeout": request.timeout},
-            )
-        finally:
-            self._shards.load[shard] -= 1
-        try:
-            data = json.loads(response.content)
-        except ValueError as exc:
-            raise ProviderResponseError(f"anthropic sent a body that is not JSON: {exc}", True) from exc
-        return self._parse(data, response.headers.get("request-id"), None)
+        data, headers = await _post_json(self._shards, "/v1/messages", request, provider="anthropic")
+        return self._parse(data, headers.get("request-id"), None)
 
     def _parse(self, data: Any, request_id: str | None, batch_id: str | None) -> APIResult:
         try:
@@ -424,3 +394,24 @@ class AnthropicClient:
 
     async def aclose(self) -> None:
         await self._shards.aclose()
+
+
+async def _post_json(shards: _Shards, path: str, request: APIRequest, *, provider: str) -> tuple[Any, Any]:
+    """POST one request through the least-loaded client shard; the decoded JSON body and the headers.
+
+    Goes through the SDK's generic ``post`` (not the typed ``create``) to skip response model building, the
+    largest per-request cost on the client; a body that is not JSON is a retryable provider error.
+    """
+    import httpx2
+
+    shard = shards.pick()
+    try:
+        response = await shards.clients[shard].post(
+            path, cast_to=httpx2.Response, body=request.body(), options={"timeout": request.timeout}
+        )
+    finally:
+        shards.load[shard] -= 1
+    try:
+        return json.loads(response.content), response.headers
+    except ValueError as exc:
+        raise ProviderResponseError(f"{provider} sent a body that is not JSON: {exc}", True) from exc
