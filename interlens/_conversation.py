@@ -388,11 +388,11 @@ class Conversation:
         blob = json.dumps(self.recipe_json(strict=False), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def to_json(self) -> dict[str, Any]:
-        """Recipe + dialogue state as JSON (what the ledger and ``save`` store)."""
+    def to_json(self, *, strict: bool = False) -> dict[str, Any]:
+        """Recipe + dialogue state as JSON (what the ledger and ``save`` store; see :meth:`recipe_json`)."""
         return {
             "schema": SCHEMA_VERSION,
-            "recipe": self.recipe_json(strict=False),
+            "recipe": self.recipe_json(strict=strict),
             "transcript": self.transcript.to_json(),
             "row": _json_safe(self.row),
             "seed": self.seed,
@@ -411,13 +411,7 @@ class Conversation:
         """Write recipe + transcript to ``directory/conversation.json`` (JSON, never pickle)."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "schema": SCHEMA_VERSION,
-            "recipe": self.recipe_json(strict=True),
-            "transcript": self.transcript.to_json(),
-            "row": _json_safe(self.row),
-            "seed": self.seed,
-        }
+        payload = self.to_json(strict=True)
         target = path / _SAVE_FILE
         tmp = target.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=2, ensure_ascii=False))

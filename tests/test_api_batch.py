@@ -230,11 +230,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-async def test_sigkill_while_polling_then_reattach_without_resubmitting(
-    server: FakeProviderServer, tmp_path: Path
-) -> None:
-    server.timeout_next(1, seconds=60, path="/v1/batches/*")  # the child's first poll hangs
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], env=dict(os.environ))
+async def _kill_while_polling(server: FakeProviderServer, args: list[str]) -> subprocess.Popen[bytes]:
+    """Run ``python -c args...``; SIGKILL it once its first batch poll (made to hang) reaches the server."""
+    server.timeout_next(1, seconds=60, path="/v1/batches/*")
+    child = subprocess.Popen([sys.executable, "-c", *args], env=dict(os.environ))
     try:
         await server.await_until(
             lambda s: any(r.method == "GET" and r.path.startswith("/v1/batches/") for r in s.requests),
@@ -243,6 +242,13 @@ async def test_sigkill_while_polling_then_reattach_without_resubmitting(
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
+    return child
+
+
+async def test_sigkill_while_polling_then_reattach_without_resubmitting(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    child = await _kill_while_polling(server, [_CHILD, str(tmp_path)])
     assert child.returncode == -signal.SIGKILL
     assert server.batch_count("openai") == 1
     [batch_id] = server.batches
@@ -291,19 +297,7 @@ _ROLLOUT_CHILD = textwrap.dedent(
 async def test_rollout_killed_while_polling_resumes_on_the_same_batch(
     server: FakeProviderServer, tmp_path: Path
 ) -> None:
-    server.timeout_next(1, seconds=60, path="/v1/batches/*")
-    here = str(Path(__file__).parent)
-    child = subprocess.Popen(
-        [sys.executable, "-c", _ROLLOUT_CHILD, str(tmp_path), here], env=dict(os.environ)
-    )
-    try:
-        await server.await_until(
-            lambda s: any(r.method == "GET" and r.path.startswith("/v1/batches/") for r in s.requests),
-            timeout=60,
-        )
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
+    await _kill_while_polling(server, [_ROLLOUT_CHILD, str(tmp_path), str(Path(__file__).parent)])
     assert server.batches_created == {"openai": 1, "anthropic": 0, "openrouter": 0}
     conv = debate()
     report = await conv.arollout(n=6, out_dir=tmp_path)
