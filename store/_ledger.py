@@ -31,7 +31,7 @@ from ._json import SecretGuard, dumps
 from ._lock import WriterLock
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord
 from ._runs import begin_run_op
-from ._schema import LEDGER_FILENAME, SCHEMA, check_existing
+from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -118,7 +118,7 @@ class Ledger:
         path = directory / LEDGER_FILENAME
         guard = SecretGuard()
 
-        def prepare() -> tuple[WriterLock, Path | None, bool]:
+        def prepare() -> tuple[WriterLock, Path | None, int]:
             if directory.exists() and not directory.is_dir():
                 raise StoreError(f"out_dir {directory} exists and is not a directory; pass a directory path.")
             directory.mkdir(parents=True, exist_ok=True)
@@ -151,6 +151,8 @@ class Ledger:
                 await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
                 if not existing:
                     await conn.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
+                elif existing < SCHEMA_VERSION:  # an older ledger: brought up to date, in one transaction
+                    await conn.executescript(migration_script(existing))
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await conn.close()

@@ -13,12 +13,33 @@ from typing import Final
 
 from ._errors import LedgerCorruptError, LedgerSchemaError
 
-__all__ = ["APPLICATION_ID", "LEDGER_FILENAME", "SCHEMA", "SCHEMA_VERSION", "check_existing", "ro_uri"]
+__all__ = [
+    "APPLICATION_ID",
+    "LEDGER_FILENAME",
+    "MIGRATIONS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "check_existing",
+    "migration_script",
+    "ro_uri",
+]
 
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
-#: ``PRAGMA user_version``. Bump it with every schema change and teach :func:`check_existing` the migration.
-SCHEMA_VERSION: Final = 1
+#: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
+SCHEMA_VERSION: Final = 2
+
+#: How a ledger of an older schema version is brought up to date, one step per version: ``MIGRATIONS[v]``
+#: takes version ``v`` to ``v + 1``. Applied by the writer at open, in one transaction with the new
+#: ``user_version``; readers open older ledgers as they are (they select only columns every version has).
+#: Version 2 adds what a rerun compares: each job's input fingerprint and each provider batch row's request
+#: hash (NULL on rows written by version 1, which recorded neither).
+MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
+    1: (
+        "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
+        "ALTER TABLE batch_requests ADD COLUMN request_hash TEXT",
+    ),
+}
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
 APPLICATION_ID: Final = 0x494C4E53
@@ -71,7 +92,8 @@ CREATE TABLE jobs (
     error_type  TEXT,
     error_message TEXT,
     error_traceback TEXT,
-    run_id      INTEGER REFERENCES runs(run_id)
+    run_id      INTEGER REFERENCES runs(run_id),
+    input_fp    TEXT
 );
 -- Covers the resume scan (done ids) and per-state listings without touching the table.
 CREATE INDEX jobs_by_state ON jobs(state, job_id);
@@ -102,6 +124,7 @@ CREATE TABLE batch_requests (
     custom_id   TEXT NOT NULL,
     job_id      TEXT NOT NULL,
     turn_index  INTEGER NOT NULL,
+    request_hash TEXT,
     PRIMARY KEY (provider, batch_id, custom_id),
     FOREIGN KEY (provider, batch_id) REFERENCES batches(provider, batch_id)
 ) WITHOUT ROWID;
@@ -117,8 +140,18 @@ def ro_uri(path: Path) -> str:
     return f"file:{quote(str(path.resolve()))}?mode=ro"
 
 
-def check_existing(path: Path, *, deep: bool) -> bool:
-    """Validate an existing ledger file without writing to it; return False when it is new/empty.
+def migration_script(version: int) -> str:
+    """The SQL that takes a ledger of schema ``version`` to :data:`SCHEMA_VERSION`, in one transaction."""
+    steps = [stmt for v in range(version, SCHEMA_VERSION) for stmt in MIGRATIONS[v]]
+    return (
+        "BEGIN IMMEDIATE;"
+        + "".join(f"{stmt};" for stmt in steps)
+        + (f"PRAGMA user_version = {SCHEMA_VERSION};COMMIT;")
+    )
+
+
+def check_existing(path: Path, *, deep: bool) -> int:
+    """Validate an existing ledger file without writing to it; return its schema version, 0 when new/empty.
 
     Raises :class:`LedgerCorruptError` for a file that is not SQLite, is damaged, or is some other
     application's database, and :class:`LedgerSchemaError` for a ledger written by a newer schema.
@@ -126,7 +159,7 @@ def check_existing(path: Path, *, deep: bool) -> bool:
     file is refused at open rather than half-way through a run; readers skip it to open fast.
     """
     if not path.exists() or path.stat().st_size == 0:
-        return False
+        return 0
     fix = (
         f"It was left untouched. Move it away (or pass fresh=True / resume=False to have it moved aside) "
         f"to start a new ledger in {path.parent}."
@@ -144,7 +177,7 @@ def check_existing(path: Path, *, deep: bool) -> bool:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if app_id == 0 and version == 0 and not tables:
-            return False  # an empty SQLite file: nothing to protect, initialise it
+            return 0  # an empty SQLite file: nothing to protect, initialise it
         if app_id != APPLICATION_ID:
             raise LedgerCorruptError(
                 f"{path} is an SQLite database but not an interlens ledger (application_id {app_id:#x}, "
@@ -171,4 +204,4 @@ def check_existing(path: Path, *, deep: bool) -> bool:
         raise LedgerCorruptError(f"{path} is not a readable SQLite ledger: {exc}. {fix}") from exc
     finally:
         conn.close()
-    return True
+    return int(version)
