@@ -15,12 +15,14 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._exceptions import (
     ConfigurationError,
+    InterlensError,
     SchemaVersionError,
     UnknownParticipantError,
     UnrunConversationError,
@@ -50,6 +52,48 @@ _UNSET: Any = object()
 _SAVE_FILE = "conversation.json"
 
 
+class OnceRows:
+    """Rows from an iterator given to ``.data()`` (a generator, an open file): one rollout can read them.
+
+    The recipe holds this in place of the iterator, and every recipe given the same iterator shares it
+    (copies included), so a second rollout is refused with a clear error instead of silently running on
+    whatever rows the first one left — usually none.
+    """
+
+    __slots__ = ("__weakref__", "read", "rows")
+
+    #: id(iterator) → its wrapper, while a recipe holds it (the wrapper holds the iterator: the id stays its).
+    _wrappers: ClassVar[weakref.WeakValueDictionary[int, OnceRows]] = weakref.WeakValueDictionary()
+
+    def __init__(self, rows: Iterator[Any]) -> None:
+        self.rows = rows
+        self.read = False
+
+    @classmethod
+    def of(cls, rows: Iterator[Any]) -> OnceRows:
+        wrapper = cls._wrappers.get(id(rows))
+        if wrapper is None or wrapper.rows is not rows:
+            wrapper = cls._wrappers[id(rows)] = cls(rows)
+        return wrapper
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.read:
+            raise self.consumed_error()
+        self.read = True
+        return self.rows
+
+    @staticmethod
+    def consumed_error(lineup: str | None = None) -> InterlensError:
+        which = f"lineup {lineup!r}: " if lineup else ""
+        return ConfigurationError(
+            f"{which}the rows given to .data() are an iterator (a generator, say), which can be read only "
+            "once, and an earlier rollout of this recipe (or another lineup of this run) already read it: "
+            "this rollout would run on whatever rows are left, maybe none. Pass rows that can be read again: "
+            "a list, a datasets.Dataset or IterableDataset, or a zero-argument callable that makes the "
+            "iterator, e.g. .data(lambda: make_rows())"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
     participants: tuple[Participant, ...]
@@ -60,6 +104,10 @@ class _Recipe:
     analyzer: Callable[[Conversation], Any] | str | None = None
     name: str | None = None
     stop: tuple[StopCondition, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, Iterator):  # copies made later share the wrapper, hence its read mark
+            object.__setattr__(self, "data", OnceRows.of(self.data))
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(_Recipe))
@@ -126,7 +174,8 @@ class Conversation:
     @property
     def data_source(self) -> Any:
         """The data attached with ``.data(...)`` (``None`` when there is none)."""
-        return self._recipe.data
+        data = self._recipe.data
+        return data.rows if isinstance(data, OnceRows) else data
 
     @property
     def analyzer_fn(self) -> Callable[[Conversation], Any] | str | None:
@@ -166,8 +215,14 @@ class Conversation:
     def data(self, rows: Any) -> Conversation:
         """A copy that expands to one conversation per row of ``rows`` in a rollout.
 
-        ``rows`` may be a ``datasets.Dataset``, a streaming ``IterableDataset``, a list of dicts or any
-        iterable (a bare generator included). It is streamed, never materialized.
+        ``rows`` may be a ``datasets.Dataset``, a streaming ``IterableDataset``, a list of dicts, any
+        iterable, or a zero-argument callable that returns one (``.data(lambda: read_rows(path))``): it is
+        called afresh each time the rows are read. Rows are streamed, never materialized.
+
+        A bare iterator (a generator) can be read only once: one rollout of this recipe (or of a copy of it)
+        consumes it, and a second is refused with an error. On a resumed rollout into an ``out_dir`` it is
+        also compared job by job as it is read, rather than all up front (see the README's "Resume"): pass a
+        list, a Dataset or a callable to rerun the rows and have a changed row refused before anything runs.
         """
         return self._copy(data=rows)
 
@@ -384,7 +439,13 @@ class Conversation:
         }
 
     def fingerprint(self) -> str:
-        """A stable hash of the recipe: a rerun into the same out_dir with another fingerprint is refused."""
+        """A stable hash of the recipe: a rerun into the same out_dir with another fingerprint is refused.
+
+        It covers the participants' settings, the templates as written, turns, stop conditions, analyzer and
+        name — not the data, the seed or the execution mode: those are compared job by job, with each job's
+        resolved prompts, through its input fingerprint (``_inputs``), so that growing ``n`` or appending rows
+        keeps a lineup resumable.
+        """
         blob = json.dumps(self.recipe_json(strict=False), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -489,12 +550,13 @@ def _validate(recipe: _Recipe) -> None:
     ):
         raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
     if recipe.data is not None and (
-        isinstance(recipe.data, str | bytes | Mapping) or not isinstance(recipe.data, Iterable)
+        isinstance(recipe.data, str | bytes | Mapping)
+        or not (isinstance(recipe.data, Iterable) or callable(recipe.data))
     ):
         raise ConfigurationError(
             f".data() needs an iterable of rows (a datasets.Dataset, an IterableDataset, a list of dicts or "
             "a "
-            f"generator), got {type(recipe.data).__name__}"
+            f"generator) or a zero-argument callable that returns one, got {type(recipe.data).__name__}"
         )
 
 

@@ -1,8 +1,9 @@
 """From conversations to scheduler jobs and back: ``rollout``, ``run`` and their async twins.
 
 A lineup (one Conversation) expands lazily into jobs: one per sample (``rollout_0000``...) or per data row
-(``row_00000``...), each an independent copy with its templates resolved for its row and its own seed. The
-scheduler runs them; this module only translates between the two worlds.
+(``row_00000``...), each an independent copy with its templates resolved for its row and its own seed, and
+with the fingerprint of what it is asked (``_inputs``), which a rerun compares. The scheduler runs them; this
+module only translates between the two worlds.
 """
 
 from __future__ import annotations
@@ -10,19 +11,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
 from ._exceptions import ConfigurationError, InterlensError, TemplateError, translate
+from ._inputs import explain_change, input_fingerprint
 from ._model_participant import CURRENT_JOB
 from ._participant import Participant
 from ._stop import ambient_conditions
 from ._templating import DatasetField, is_templated, resolve
 
 if TYPE_CHECKING:
-    from interlens.scheduler import JobContext, JobResult, JobSpec, LineupSpec
+    from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
     from ._conversation import Conversation
     from ._report import RunReport
@@ -99,15 +101,49 @@ class ConversationJob:
         return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
 
 
-def _rows(data: Any, n: int | None) -> tuple[Iterator[Any], int | None]:
-    """A lazy iterator over at most ``n`` rows of ``data`` and its length when known."""
+def _rows(data: Any, n: int | None, lineup: str) -> tuple[Callable[[], Iterator[Any]], bool, int | None]:
+    """How to read at most ``n`` rows of ``data``: a function that starts a fresh read, whether a second
+    read is possible (not for a one-shot iterator), and the number of rows when known."""
+    from ._conversation import OnceRows
+
+    if isinstance(data, OnceRows):
+        if data.read:
+            raise OnceRows.consumed_error(lineup)
+        return lambda: itertools.islice(iter(data), n), False, n
+    if callable(data) and not isinstance(data, Iterable):
+        return lambda: itertools.islice(iter(_call_rows(data, lineup)), n), True, n
     try:
         total: int | None = len(data)
     except TypeError:
         total = None
     if n is not None:
         total = n if total is None else min(n, total)
-    return itertools.islice(iter(data), n), total
+    return lambda: itertools.islice(iter(data), n), True, total
+
+
+def _call_rows(make: Callable[[], Any], lineup: str) -> Iterable[Any]:
+    rows = make()
+    if rows is None or isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
+        raise ConfigurationError(
+            f"lineup {lineup!r}: the callable given to .data() must return an iterable of rows (a list, a "
+            f"generator, a Dataset), got {type(rows).__name__}"
+        )
+    return rows
+
+
+class _Jobs:
+    """A lineup's jobs, expanded afresh on every iteration.
+
+    On a resumed run the scheduler reads a lineup twice: once before anything starts, to compare what the
+    jobs already in the ledger are asked now with what they were asked, then to run. Rows from a one-shot
+    iterator cannot be read twice; their lineup hands the scheduler a plain generator instead.
+    """
+
+    def __init__(self, expand: Callable[[], Iterator[JobSpec]]) -> None:
+        self._expand = expand
+
+    def __iter__(self) -> Iterator[JobSpec]:
+        return self._expand()
 
 
 def _template_columns(conv: Conversation) -> set[str]:
@@ -155,11 +191,12 @@ def lineup_spec(
     n: int | None,
     *,
     seed: int,
+    mode: ExecutionMode,
     prefix: str | None,
     single_job_id: str | None,
     lineup: str,
 ) -> LineupSpec:
-    """Expand ``conv`` into a lazily generated stream of jobs."""
+    """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked."""
     from interlens.scheduler import JobSpec, LineupSpec
 
     ambient = ambient_conditions()
@@ -171,7 +208,21 @@ def lineup_spec(
         )
     check_analyzer(conv.analyzer_fn)
     needs_device = any(p.needs_device for p in conv.participants)
-    data = conv.data_source
+    settings = conv.fingerprint()
+
+    def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
+        expanded: Conversation | None = None
+        try:
+            expanded = _expand_one(base, row, row_index, seed + i)
+            job = ConversationJob(expanded, needs_device)
+        except InterlensError as exc:  # a row that cannot be expanded fails its own job only
+            job = ConversationJob(base, needs_device, error=exc)
+        fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
+        return JobSpec(
+            job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=row_index, input_fp=fingerprint
+        )
+
+    data = conv._recipe.data
     if data is not None:
         columns = getattr(data, "column_names", None)
         missing = sorted(_template_columns(conv) - set(columns)) if isinstance(columns, list) else []
@@ -182,24 +233,20 @@ def lineup_spec(
                 f"lineup {lineup!r} uses dataset_field({missing[0]!r}) but the data has no column "
                 f"{missing[0]!r}; available columns: {sorted(columns or [])}"
             )
-        rows, total = _rows(data, n)
+        read, again, total = _rows(data, n, lineup)
         base = conv.data(None)
 
         def jobs() -> Iterator[JobSpec]:
-            for i, row in enumerate(rows):
-                job_id = f"{prefix}row_{i:05d}"
-                try:
-                    job = ConversationJob(_expand_one(base, row, i, seed + i), needs_device)
-                except InterlensError as exc:
-                    job = ConversationJob(base, needs_device, error=exc)
-                yield JobSpec(job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=i)
+            for i, row in enumerate(read()):
+                yield job_spec(base, f"{prefix}row_{i:05d}", i, row, i)
 
         return LineupSpec(
             name=lineup,
-            fingerprint=conv.fingerprint(),
-            jobs=jobs(),
+            fingerprint=settings,
+            jobs=_Jobs(jobs) if again else jobs(),
             n_jobs=total,
             describe=conv.recipe_json(strict=False),
+            explain_input=explain_change,
         )
     if any(
         is_templated(v)
@@ -220,20 +267,22 @@ def lineup_spec(
     def samples() -> Iterator[JobSpec]:
         for i in range(count):
             job_id = single_job_id if single_job_id is not None and count == 1 else f"{prefix}rollout_{i:04d}"
-            yield JobSpec(
-                job_id=job_id,
-                lineup=lineup,
-                seed=seed + i,
-                job=ConversationJob(_expand_one(conv, None, None, seed + i), needs_device),
-            )
+            yield job_spec(conv, job_id, i, None, None)
 
     return LineupSpec(
         name=lineup,
-        fingerprint=conv.fingerprint(),
-        jobs=samples(),
+        fingerprint=settings,
+        jobs=_Jobs(samples),
         n_jobs=count,
         describe=conv.recipe_json(strict=False),
+        explain_input=explain_change,
     )
+
+
+def _mode(batched: bool) -> ExecutionMode:
+    from interlens.scheduler import ExecutionMode
+
+    return ExecutionMode.BATCHED if batched else ExecutionMode.DETERMINISTIC
 
 
 def _versions() -> dict[str, str]:
@@ -286,8 +335,10 @@ async def _execute(
     return RunReport(outcome, {spec.name: conv for conv, spec in lineups})
 
 
-def _lineups(conversations: Iterable[Conversation], seed: int) -> list[tuple[Conversation, LineupSpec]]:
-    from ._conversation import Conversation
+def _lineups(
+    conversations: Iterable[Conversation], seed: int, mode: ExecutionMode
+) -> list[tuple[Conversation, LineupSpec]]:
+    from ._conversation import Conversation, OnceRows
 
     convs = list(conversations) if not isinstance(conversations, Conversation) else [conversations]
     if not convs:
@@ -300,9 +351,13 @@ def _lineups(conversations: Iterable[Conversation], seed: int) -> list[tuple[Con
             )
         name = conv.name() or f"conv{i}"
         single = name if conv.data_source is None else None
-        out.append(
-            (conv, lineup_spec(conv, None, seed=seed, prefix=f"{name}/", single_job_id=single, lineup=name))
+        spec = lineup_spec(
+            conv, None, seed=seed, mode=mode, prefix=f"{name}/", single_job_id=single, lineup=name
         )
+        out.append((conv, spec))
+    once = [conv._recipe.data for conv, _ in out if isinstance(conv._recipe.data, OnceRows)]
+    if len({id(rows) for rows in once}) < len(once):  # the second lineup would get what the first left
+        raise OnceRows.consumed_error()
     names = [spec.name for _, spec in out]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -324,7 +379,7 @@ async def arun(
 ) -> RunReport:
     """Run many lineups in one pool; see :func:`run`."""
     return await _execute(
-        _lineups(conversations, seed),
+        _lineups(conversations, seed, _mode(batched)),
         devices=devices,
         out_dir=out_dir,
         resume=resume,
@@ -376,7 +431,7 @@ async def arollout(
     **options: Any,
 ) -> RunReport:
     lineup = conv.name() or "rollout"
-    spec = lineup_spec(conv, n, seed=seed, prefix="", single_job_id=None, lineup=lineup)
+    spec = lineup_spec(conv, n, seed=seed, mode=_mode(batched), prefix="", single_job_id=None, lineup=lineup)
     return await _execute(
         [(conv, spec)], devices=devices, out_dir=out_dir, resume=resume, batched=batched, **options
     )

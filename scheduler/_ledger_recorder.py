@@ -2,8 +2,8 @@
 
 The parent process is the ledger's only writer; workers route ``record_turn`` back here. Nothing about a
 finished job stays in memory: the :class:`RunOutcome` reads from the ledger (paged), so a million-job run
-does not hold a million conversations. The only per-run memory is the resume scan (ids already done, and
-ids an earlier run left unfinished) and the ids of live jobs.
+does not hold a million conversations. The only per-run memory is the resume scan (every recorded job's id
+and input fingerprint, the done ones and the ones an earlier run left unfinished) and the ids of live jobs.
 
 Cost per job, and what the SIGKILL promise needs (a run of short jobs is bound by ledger round trips):
 
@@ -28,13 +28,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from interlens.store import JobRecord, Ledger, LedgerReader, StoreError
+from interlens.store import JobRecord, Ledger, LedgerReader, RecordedJobs, StoreError
 
 from ._errors import DuplicateJobError
 from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
 from ._protocols import JobSpec, LineupSpec
+from ._resume import START_OVER
 
 __all__ = ["LedgerRecorder"]
 
@@ -44,10 +43,13 @@ class LedgerRecorder:
 
     value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError, StoreError)
 
-    def __init__(self, ledger: Ledger, *, run_id: int, lineups: Sequence[str]) -> None:
+    def __init__(self, ledger: Ledger, *, lineups: Sequence[LineupSpec], versions: Mapping[str, str]) -> None:
         self._ledger = ledger
-        self._run_id = run_id
-        self._lineups = tuple(lineups)
+        self._run_id: int | None = None  # set by begin()
+        self._versions = dict(versions)
+        self._fingerprints = {lineup.name: lineup.fingerprint for lineup in lineups}
+        self._describe = {lineup.name: dict(lineup.describe) for lineup in lineups}
+        self._lineups = tuple(self._fingerprints)
         self._live: set[str] = set()  # O(concurrency): catches a job id pulled twice while both are live
         # Ids an earlier run left pending/running/failed (the only ones that may have committed turns) and
         # live jobs of this run that recorded a turn. The first is at most the size of the resume scan.
@@ -63,18 +65,21 @@ class LedgerRecorder:
         resume: bool,
         versions: Mapping[str, str],
     ) -> LedgerRecorder:
-        """Open (lock) the ledger and begin the run; refuses a changed recipe before anything runs."""
+        """Open (lock) the ledger; refuses a changed recipe before anything is written or runs.
+
+        The run itself is recorded by :meth:`begin`, once the recorded jobs' inputs have been verified, so a
+        refused rerun leaves the ledger as it was.
+        """
         ledger = await Ledger.open(out_dir, fresh=not resume)
+        recorder = cls(ledger, lineups=lineups, versions=versions)
         try:
-            run_id = await ledger.begin_run(
-                {lineup.name: lineup.fingerprint for lineup in lineups},
-                versions=versions,
-                describe={lineup.name: dict(lineup.describe) for lineup in lineups},
+            await ledger.check_lineups(
+                recorder._fingerprints, describe=recorder._describe, start_over=START_OVER
             )
         except BaseException:
             await ledger.close()
             raise
-        return cls(ledger, run_id=run_id, lineups=[lineup.name for lineup in lineups])
+        return recorder
 
     @property
     def ledger_path(self) -> Path:
@@ -85,11 +90,17 @@ class LedgerRecorder:
         """Where the run's API gateway records provider batches (so that a rerun re-attaches to them)."""
         return self._ledger
 
-    async def begin(self) -> set[str]:
+    async def recorded(self) -> RecordedJobs:
+        recorded = await self._ledger.recorded_jobs()
+        # Every job an earlier run left pending, running (requeued by begin) or failed.
+        self._unfinished = {job_id for job_id in recorded.inputs if job_id not in recorded.done}
+        return recorded
+
+    async def begin(self) -> None:
+        self._run_id = await self._ledger.begin_run(
+            self._fingerprints, versions=self._versions, describe=self._describe, start_over=START_OVER
+        )
         await self._ledger.requeue_running()  # left by a run that crashed or was interrupted
-        done = await self._ledger.done_job_ids()
-        self._unfinished = await anyio.to_thread.run_sync(_unfinished_ids, self._ledger.path)
-        return done
 
     async def add_many(self, specs: Sequence[JobSpec]) -> None:
         ids = [spec.job_id for spec in specs]
@@ -99,7 +110,8 @@ class LedgerRecorder:
             self._live.add(job_id)
         try:
             await self._ledger.add_jobs(
-                JobRecord(spec.job_id, spec.lineup, spec.seed, spec.row_index) for spec in specs
+                JobRecord(spec.job_id, spec.lineup, spec.seed, spec.row_index, input_fp=spec.input_fp)
+                for spec in specs
             )
         except BaseException:
             self._live.difference_update(ids)
@@ -152,23 +164,18 @@ class LedgerRecorder:
         await self._ledger.return_to_pending(job_id)
 
     async def end(self, status: str) -> None:
-        await self._ledger.end_run(status)
+        if self._run_id is not None:  # a run refused before it began recorded nothing to end
+            await self._ledger.end_run(status)
 
     async def close(self) -> None:
         await self._ledger.close()
 
     def outcome(self, *, counts: Mapping[str, int], skipped: list[str]) -> RunOutcome:
+        assert self._run_id is not None, "outcome() of a run that never began"
         source = _LedgerSource(self._ledger.path, run_id=self._run_id, lineups=self._lineups, skipped=skipped)
         return RunOutcome(
             ledger_path=self._ledger.path, counts=dict(counts), _source=source, _skipped=skipped
         )
-
-
-def _unfinished_ids(path: Path) -> set[str]:
-    """Ids of every job in the ledger that is not done (read-only snapshot, taken after the requeue)."""
-    with LedgerReader(path) as reader:
-        states = ("pending", "running", "failed")
-        return {job_id for state in states for job_id in reader.job_ids(state=state)}
 
 
 def _duplicate(job_id: str) -> DuplicateJobError:

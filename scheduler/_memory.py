@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from interlens.store import RecordedJobs
+
 from ._errors import DuplicateJobError
 from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
 from ._protocols import JobSpec
@@ -60,8 +62,11 @@ class MemoryRecorder:
         """No ledger, nothing to re-attach to: provider batches of an in-memory run are not recorded."""
         return None
 
-    async def begin(self) -> set[str]:
-        return set()  # nothing to resume without a ledger
+    async def recorded(self) -> RecordedJobs:
+        return RecordedJobs()  # nothing to resume without a ledger
+
+    async def begin(self) -> None:
+        pass
 
     async def add_many(self, specs: Sequence[JobSpec]) -> None:
         for spec in specs:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -156,19 +156,37 @@ class Job(Protocol):
 
 @dataclass
 class JobSpec:
+    """One job of a lineup.
+
+    ``input_fp`` is what the job is asked, as an opaque string that is equal exactly when the question is
+    (interlens: digests of the data row, the resolved prompts, the seed, the mode and the recipe). It is
+    recorded with the job; a rerun into the same ``out_dir`` that would ask a recorded job something else is
+    refused (see ``_resume``). None: the job is not compared (a caller that does not fingerprint its jobs).
+    """
+
     job_id: str  # e.g. "rollout_0003", "gpqa/row_00012", "pair_7b"
     lineup: str  # the lineup (conversation name) it belongs to
     seed: int
     job: Job
     row_index: int | None = None
+    input_fp: str | None = None
 
 
 @dataclass
 class LineupSpec:
-    """One conversation recipe expanded to its jobs. ``jobs`` is pulled lazily (data is streamed)."""
+    """One conversation recipe expanded to its jobs. ``jobs`` is pulled lazily (data is streamed).
+
+    ``jobs`` may be an Iterable that makes a fresh pass each time it is iterated (a list, or an object whose
+    ``__iter__`` expands the jobs again): then a rerun iterates it once more before any job starts, up to the
+    jobs the ledger already holds, to compare what they are asked. An Iterator (a generator) can be read only
+    once: its jobs are compared as they are pulled, and a mismatch stops the run before that job starts.
+    ``explain_input(spec, recorded_fp)`` says, in lines, how what ``spec`` is asked now differs from the
+    recorded fingerprint (for the refusal message; None: the fingerprints are shown as they are).
+    """
 
     name: str
     fingerprint: str  # stable hash of the recipe: a rerun with another fingerprint is refused
     jobs: Iterable[JobSpec]
     n_jobs: int | None = None  # when known, for progress
     describe: Mapping[str, JSON] = field(default_factory=dict)  # recipe summary, to explain a mismatch
+    explain_input: Callable[[JobSpec, str], list[str]] | None = None

@@ -14,10 +14,13 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
+
+from interlens.store import RecordedJobs
 
 from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
@@ -30,6 +33,7 @@ from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
 from ._pool import Service, WorkerInit, check_services, open_workers, refuse_while_bootstrapping
 from ._progress import Progress, progress_wanted
 from ._protocols import ExecutionMode, JobSpec, LineupSpec
+from ._resume import InputRefusal, input_changed, verify_recorded_inputs
 from ._signals import Notifier
 from ._worker import Worker
 
@@ -53,7 +57,17 @@ class Recorder(Protocol):
         """Where the API gateway records provider batches (the ledger), or None (in memory)."""
         ...
 
-    async def begin(self) -> set[str]: ...
+    @property
+    def ledger_path(self) -> Path | None: ...
+
+    async def recorded(self) -> RecordedJobs:
+        """What earlier runs recorded (read once, before anything is written): see ``_resume``."""
+        ...
+
+    async def begin(self) -> None:
+        """Record the start of the run (after the recorded jobs' inputs were verified)."""
+        ...
+
     async def add_many(self, specs: Sequence[JobSpec]) -> None: ...
     async def start(self, job_id: str, *, device: str) -> int: ...
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]: ...
@@ -89,7 +103,9 @@ async def run_jobs(
     for a single device, else one spawned worker process per entry. Jobs with ``needs_device`` take one of
     ``max_batch_size`` slots on the least-loaded device worker and stay pinned to it; jobs without run in the
     host worker (in this process), at most ``max_concurrency`` at once. ``out_dir``: the ledger directory
-    (resumable: done jobs are skipped on a rerun unless ``resume=False``); None keeps everything in memory.
+    (resumable: done jobs are skipped on a rerun unless ``resume=False``; a rerun that would ask a recorded
+    job something else, by its ``input_fp``, is refused before any job starts, see ``_resume``); None keeps
+    everything in memory.
     ``max_attempts``: attempts per job in this run when ``job.is_transient`` says a failure may pass; also
     how many times a job may lose its worker process before it is failed as the one that kills it.
     ``worker_init``: picklable callables run once in each worker before its first job. ``services``: what
@@ -222,7 +238,10 @@ class _Run:
 
     async def execute(self) -> None:
         try:
-            done_ids = await self._rec.begin()
+            recorded = await self._rec.recorded()
+            # Before anything is written or started: no recorded job may now be asked something else.
+            await verify_recorded_inputs(self._lineups, recorded, ledger_path=self._rec.ledger_path)
+            await self._rec.begin()
             async with AsyncExitStack() as stack:
                 # Entered first, so it closes last: workers' API calls in flight end before its clients do.
                 gateway = Gateway(store=self._rec.batch_store, quiescent=self._round_complete)
@@ -245,7 +264,7 @@ class _Run:
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
                     try:
-                        await self._pull(tg, done_ids, device_workers, host_workers)
+                        await self._pull(tg, recorded, device_workers, host_workers)
                     except Exception as exc:
                         self._abort(exc)
             if self._error is not None:
@@ -276,7 +295,7 @@ class _Run:
             self._tg.cancel_scope.cancel()
 
     async def _pull(
-        self, tg: TaskGroup, done_ids: set[str], device_workers: list[Worker], host_workers: list[Worker]
+        self, tg: TaskGroup, recorded: RecordedJobs, device_workers: list[Worker], host_workers: list[Worker]
     ) -> None:
         """Keep a small buffer of recorded-but-not-started jobs filled; start jobs while slots are free.
 
@@ -288,7 +307,7 @@ class _Run:
         this loop wakes only to refill the buffer and to spawn runners for slots nobody is serving.
         """
         self._pools = (device_workers, host_workers)
-        specs = self._specs(done_ids)
+        specs = self._specs(recorded)
         while True:
             refill = self._refill.event()
             if len(self._buffer) <= self._chunk // 2:
@@ -306,12 +325,22 @@ class _Run:
             self._fill(tg)
             await refill.wait()
 
-    def _specs(self, done_ids: set[str]) -> Iterator[JobSpec]:
-        """Every job to run, pulled lazily from the lineups in order; done ones are skipped (and counted)."""
+    def _specs(self, recorded: RecordedJobs) -> Iterator[JobSpec]:
+        """Every job to run, pulled lazily from the lineups in order; done ones are skipped (and counted).
+
+        A recorded job that would now be asked something else stops the run before it starts: the pass
+        before the run already refused that for lineups it could read twice, this catches one-shot iterators
+        (and data that changed between the two reads).
+        """
+        done_ids = recorded.done
         for lineup in self._lineups:
             for spec in lineup.jobs:  # pulled lazily, one at a time
                 check_spec(spec, lineup)
                 self._pulled += 1
+                if input_changed(recorded, spec):
+                    refusal = InputRefusal(self._rec.ledger_path)
+                    refusal.add(lineup, spec, recorded.inputs[spec.job_id])
+                    raise refusal.error(pulled_from=lineup)
                 if spec.job_id in done_ids:
                     if spec.job_id in self._skipped:
                         raise DuplicateJobError(

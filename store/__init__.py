@@ -18,7 +18,15 @@ from ._errors import (
 from ._ledger import Ledger
 from ._lock import LOCK_FILENAME
 from ._reader import LedgerReader
-from ._records import JOB_STATES, RUN_STATUSES, TERMINAL_BATCH_STATES, BatchRecord, JobRecord, TurnRecord
+from ._records import (
+    JOB_STATES,
+    RUN_STATUSES,
+    TERMINAL_BATCH_STATES,
+    BatchRecord,
+    JobRecord,
+    RecordedJobs,
+    TurnRecord,
+)
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "LedgerNotFoundError",
     "LedgerReader",
     "LedgerSchemaError",
+    "RecordedJobs",
     "StoreError",
     "TurnRecord",
 ]

@@ -29,8 +29,8 @@ from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
 from ._lock import WriterLock
-from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord
-from ._runs import begin_run_op
+from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
+from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
 from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
 
 if TYPE_CHECKING:
@@ -39,10 +39,11 @@ if TYPE_CHECKING:
 __all__ = ["Ledger"]
 
 _ADD_CHUNK = 5_000  # rows per add_jobs transaction: durable progress without one giant transaction
+_SCAN_PAGE = 4_096  # rows per fetch of the resume scan: few thread hops, no list of every row at once
 
 _INSERT_JOB = (
     "INSERT OR IGNORE INTO jobs (job_id, lineup, seed, row_index, state, attempts, created_at, "
-    "tokens_generated) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0)"
+    "tokens_generated, input_fp) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0, ?)"
 )
 _UPSERT_TURN = "INSERT OR REPLACE INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)"
 _UPSERT_RESULT = "INSERT OR REPLACE INTO results (job_id, conversation_json, analysis_json) VALUES (?, ?, ?)"
@@ -207,21 +208,40 @@ class Ledger:
         *,
         versions: Mapping[str, str],
         describe: Mapping[str, Any] | None = None,
+        start_over: str = STORE_START_OVER,
     ) -> int:
         """Record the start of a run over ``lineups`` ({name: recipe fingerprint}); return the run id.
 
         A lineup already recorded with a different fingerprint raises FingerprintMismatchError (nothing is
         written): results of two recipes must never mix under the same job ids. ``describe`` maps a lineup to
-        a JSON summary of its recipe, stored with it and diffed in that error. A run that an earlier process
-        left "running" is marked "crashed" (its process is dead: this one holds the lock).
+        a JSON summary of its recipe, stored with it and diffed in that error; ``start_over`` is how the
+        error tells the caller's user to start a fresh ledger (a caller with its own option names it). A run
+        that an earlier process left "running" is marked "crashed" (its process is dead: this one holds the
+        lock).
         """
         if self._run_id is not None:
             raise StoreError(
                 f"begin_run was already called on this ledger (run {self._run_id}); open a new one per run"
             )
-        op = begin_run_op(lineups, versions, describe, path=self.path, guard=self._guard)
+        op = begin_run_op(
+            lineups, versions, describe, path=self.path, guard=self._guard, start_over=start_over
+        )
         self._run_id = await self._submit(op)
         return self._run_id
+
+    async def check_lineups(
+        self,
+        lineups: Mapping[str, str],
+        *,
+        describe: Mapping[str, Any] | None = None,
+        start_over: str = STORE_START_OVER,
+    ) -> None:
+        """Raise what :meth:`begin_run` would raise for ``lineups``, writing nothing.
+
+        For a caller that has more to check before it commits to a run (the scheduler compares each recorded
+        job's inputs in between), so that a refused run leaves the file exactly as it was.
+        """
+        await self._submit(check_lineups_op(lineups, describe, path=self.path, start_over=start_over))
 
     async def end_run(self, status: str) -> None:
         """Record the end of the run: "completed", "interrupted" or "failed"."""
@@ -249,14 +269,16 @@ class Ledger:
     # ------------------------------------------------------------------------------------------------ jobs
 
     async def add_jobs(self, rows: Iterable[JobRecord]) -> None:
-        """Insert ``rows`` as pending jobs, in order (that order is the job order). Existing ids are kept as
-        they are, so calling it again on resume is harmless. Durable on return."""
+        """Insert ``rows`` as pending jobs, in order (that order is the job order), each with its
+        ``input_fp``. Existing ids are kept as they are (fingerprint included), so calling it again on resume
+        is harmless: comparing a rerun's inputs with the recorded ones is the caller's job, before it adds
+        (see :meth:`recorded_jobs`). Durable on return."""
         chunk: list[tuple[Any, ...]] = []
         now = time.time()
         for row in rows:
             if not isinstance(row, JobRecord):
                 raise TypeError(f"add_jobs takes JobRecord objects, got {type(row).__name__}: {row!r}")
-            chunk.append((row.job_id, row.lineup, row.seed, row.row_index, now))
+            chunk.append((row.job_id, row.lineup, row.seed, row.row_index, now, row.input_fp))
             if len(chunk) >= _ADD_CHUNK:
                 await self._add_chunk(chunk)
                 chunk = []
@@ -276,6 +298,24 @@ class Ledger:
             return {r[0] for r in await conn.execute_fetchall("SELECT job_id FROM jobs WHERE state = 'done'")}
 
         result: set[str] = await self._submit(Op("done_job_ids", apply=apply))
+        return result
+
+    async def recorded_jobs(self) -> RecordedJobs:
+        """Every recorded job's input fingerprint, the done ones, and each lineup's job count, in one read:
+        what a rerun checks before it starts. O(jobs) memory, like :meth:`done_job_ids`."""
+
+        async def apply(conn: aiosqlite.Connection) -> RecordedJobs:
+            recorded = RecordedJobs()
+            async with conn.execute("SELECT job_id, lineup, state = 'done', input_fp FROM jobs") as cursor:
+                while rows := await cursor.fetchmany(_SCAN_PAGE):
+                    for job_id, lineup, done, input_fp in rows:
+                        recorded.inputs[job_id] = input_fp
+                        if done:
+                            recorded.done.add(job_id)
+                        recorded.per_lineup[lineup] = recorded.per_lineup.get(lineup, 0) + 1
+            return recorded
+
+        result: RecordedJobs = await self._submit(Op("recorded_jobs", apply=apply))
         return result
 
     async def counts(self) -> dict[str, int]:

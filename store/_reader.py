@@ -19,19 +19,17 @@ from typing import Any
 
 from ._errors import LedgerNotFoundError
 from ._records import (
-    JOB_COLUMNS,
     JOB_STATES,
     TERMINAL_BATCH_STATES,
     BatchRecord,
     JobRecord,
     TurnRecord,
+    job_columns,
     job_from_row,
 )
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION, check_existing, ro_uri
 
 __all__ = ["LedgerReader"]
-
-_J_COLUMNS = ", ".join(f"j.{c.strip()}" for c in JOB_COLUMNS.split(","))
 
 
 def _states(states: Iterable[str]) -> tuple[str, ...]:
@@ -57,9 +55,15 @@ class LedgerReader:
             raise LedgerNotFoundError(
                 f"no ledger at {path}: point LedgerReader at a run's out_dir or its {LEDGER_FILENAME}"
             )
-        if not check_existing(path, deep=False):
+        version = check_existing(path, deep=False)
+        if not version:
             raise LedgerNotFoundError(f"{path} is empty: no run has written to it yet")
         self.path = path
+        # A reader takes an older ledger as it is: columns it lacks read as NULL.
+        self._job_columns = job_columns(version)
+        self._j_columns = ", ".join(
+            c if c == "NULL" else f"j.{c}" for c in (c.strip() for c in self._job_columns.split(","))
+        )
         self._conn = sqlite3.connect(ro_uri(path), uri=True, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA busy_timeout = 5000")
         self._conn.execute("PRAGMA query_only = ON")
@@ -120,8 +124,8 @@ class LedgerReader:
         return [r[0] for r in self._all(sql, params)]
 
     def job(self, job_id: str) -> JobRecord | None:
-        """The job row (state, attempts, device, timings, tokens, error fields), or None if unknown."""
-        rows = self._all(f"SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,))
+        """The job row (state, attempts, device, timings, tokens, error, input fingerprint), or None."""
+        rows = self._all(f"SELECT {self._job_columns} FROM jobs WHERE job_id = ?", (job_id,))
         return job_from_row(rows[0]) if rows else None
 
     def result(self, job_id: str) -> dict[str, Any] | None:
@@ -147,7 +151,7 @@ class LedgerReader:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         marks = ", ".join("?" * len(chosen))
         sql = (
-            f"SELECT j.seq, {_J_COLUMNS}, r.conversation_json, r.analysis_json FROM jobs j "
+            f"SELECT j.seq, {self._j_columns}, r.conversation_json, r.analysis_json FROM jobs j "
             f"LEFT JOIN results r ON r.job_id = j.job_id WHERE j.seq > ? AND +j.state IN ({marks}) "
             f"ORDER BY j.seq LIMIT ?"
         )

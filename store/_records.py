@@ -17,6 +17,7 @@ __all__ = [
     "TERMINAL_BATCH_STATES",
     "BatchRecord",
     "JobRecord",
+    "RecordedJobs",
     "TurnRecord",
 ]
 
@@ -36,7 +37,13 @@ TERMINAL_BATCH_STATES: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class JobRecord:
-    """One job row. Pass the first four fields to ``Ledger.add_jobs``; the rest are filled by the ledger."""
+    """One job row. Pass the first four fields and ``input_fp`` to ``Ledger.add_jobs``; the ledger fills the
+    rest.
+
+    ``input_fp`` is what the job is asked, as an opaque string the caller computes (interlens: digests of
+    the data row, the resolved prompts, the seed, the execution mode and the recipe). A rerun compares it
+    before it resumes the job. None on jobs written by ledger schema 1, or added by a caller that gives none.
+    """
 
     job_id: str
     lineup: str
@@ -53,6 +60,7 @@ class JobRecord:
     error_message: str | None = None
     traceback: str | None = None
     run_id: int | None = None  # the run that last finished or failed this job
+    input_fp: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
@@ -65,6 +73,8 @@ class JobRecord:
             not isinstance(self.row_index, int) or isinstance(self.row_index, bool)
         ):
             raise ValueError(f"JobRecord.row_index of job {self.job_id!r} must be an int or None")
+        if self.input_fp is not None and not isinstance(self.input_fp, str):
+            raise ValueError(f"JobRecord.input_fp of job {self.job_id!r} must be a str or None")
         if self.state not in JOB_STATES:
             raise ValueError(
                 f"JobRecord.state of job {self.job_id!r} must be one of {JOB_STATES}, got {self.state!r}"
@@ -76,6 +86,20 @@ class JobRecord:
         if self.started_at is None or self.finished_at is None:
             return None
         return self.finished_at - self.started_at
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedJobs:
+    """What a rerun must know of the jobs already in a ledger, read once when a run starts.
+
+    ``done``: ids of done jobs (a rerun skips them). ``inputs``: every recorded job's input fingerprint (None
+    where the ledger recorded none). ``per_lineup``: how many jobs each lineup has, so a verification pass
+    can stop once it has seen them all. Memory is O(recorded jobs), like the resume scan always was.
+    """
+
+    done: set[str] = field(default_factory=set)
+    inputs: dict[str, str | None] = field(default_factory=dict)
+    per_lineup: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +154,13 @@ class BatchRecord:
 
 JOB_COLUMNS: Final = (
     "job_id, lineup, seed, row_index, state, attempts, device, created_at, started_at, finished_at, "
-    "tokens_generated, error_type, error_message, error_traceback, run_id"
+    "tokens_generated, error_type, error_message, error_traceback, run_id, input_fp"
 )
+
+
+def job_columns(schema_version: int) -> str:
+    """:data:`JOB_COLUMNS` as a ledger of ``schema_version`` can answer them (version 1 has no input_fp)."""
+    return JOB_COLUMNS if schema_version >= 2 else JOB_COLUMNS.replace("input_fp", "NULL")
 
 
 def job_from_row(row: sqlite3.Row | tuple[Any, ...]) -> JobRecord:

@@ -108,12 +108,19 @@ async def test_a_changed_recipe_is_refused_with_what_differs_and_how_to_start_ov
             "'fp-2'",
             "turns: 6 → 12",
             "participants[0].temperature: 0.9 → 0.7",
-            "resume=False",
-            "fresh=True",
+            "Ledger.open(out_dir, fresh=True)",  # the store's own way to start over, and no other
             f"{tmp_path}/ledger.<UTC timestamp>.sqlite",
         ):
             assert expected in message
         assert "qwen" not in message  # only what differs
+        assert "resume=" not in message
+        # A caller with its own option (the scheduler: resume=False) has the refusal name that one instead;
+        # checking alone writes nothing either.
+        with pytest.raises(FingerprintMismatchError, match="To start over, pass resume=False: ") as info:
+            await ledger.check_lineups(
+                {"pair": "fp-2"}, describe={"pair": new}, start_over="pass resume=False"
+            )
+        assert "fresh=True" not in str(info.value)
         # The same recipe (and a new lineup beside it) is fine.
         await ledger.begin_run({"pair": "fp-1", "solo": "fp-9"}, versions={})
     with LedgerReader(tmp_path) as reader:
