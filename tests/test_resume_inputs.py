@@ -218,6 +218,26 @@ def test_a_ledger_that_did_not_record_inputs_is_refused(tmp_path: Path) -> None:
     assert _ran(report) == ["row_00000", "row_00001"] and again.asked == ["A0", "A1"]
 
 
+def test_datasets_are_read_again_and_a_changed_row_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    for kind in ("dataset", "iterable"):
+
+        def data(questions: list[str], kind: str = kind) -> Any:
+            ds = datasets.Dataset.from_list(_rows(*questions))
+            return ds if kind == "dataset" else ds.to_iterable_dataset()
+
+        out_dir = tmp_path / kind
+        _quiz(Answerer(), data(["A0", "FAIL", "A2"])).rollout(out_dir=out_dir, progress=False)
+        before = _snapshot(out_dir)
+        again = Answerer()
+        with pytest.raises(FingerprintMismatchError) as excinfo:
+            _quiz(again, data(["A0", "FAIL", "B2"])).rollout(out_dir=out_dir, progress=False)
+        assert "- row_00002: row content changed: now {'q': 'B2'}" in _refusal(excinfo)
+        assert again.asked == [] and _snapshot(out_dir) == before  # not even the failed row 1 was retried
+        report = _quiz(again, data(["A0", "FAIL", "A2", "A3"])).rollout(out_dir=out_dir, progress=False)
+        assert report.skipped == ["row_00000", "row_00002"] and again.asked == ["FAIL", "A3"], kind
+
+
 # ---------------------------------------------------------------------------------- one-shot iterators
 
 
