@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import anyio
 import pytest
 
 from interlens import Conversation, dataset_field
+from interlens._api_clients import request_digest
 from interlens._api_participant import APIParticipant
 from interlens._api_request import APIRequest
 from interlens._message import Transcript
@@ -342,6 +344,34 @@ async def test_a_job_whose_request_changed_since_the_crash_is_sent_anew_not_reat
         [new_record] = [b for b in reader.batches() if b.batch_id == new_batch]
     assert states == {old_batch: "collected", new_batch: "collected"}
     assert sorted(new_record.requests.values()) == [("job1", 0), ("job3", 0)]
+    # What a later rerun compares: the digest of each row's request as it was sent, to that endpoint.
+    sent_as = {cid: now[int(job[-1])].body() for cid, (job, _) in new_record.requests.items()}
+    base_url = os.environ["OPENAI_BASE_URL"]
+    assert new_record.request_hashes == {
+        cid: request_digest("openai", base_url, "/v1/chat/completions", body) for cid, body in sent_as.items()
+    }
+
+
+def test_request_digest_covers_every_parameter_and_no_credential() -> None:
+    def digest(req: APIRequest, base_url: str = "https://api.openai.com/v1") -> str:
+        return request_digest("openai", base_url, "/v1/chat/completions", req.body())
+
+    base = digest(request(0))
+    assert digest(request(0)) == base  # stable
+    changed = [
+        request(1),
+        request(0, system="Be brief."),
+        request(0, temperature=0.0),
+        replace(request(0), model="gpt-other"),
+        replace(request(0), max_tokens=17),
+        replace(request(0), top_p=0.9),
+        replace(request(0), stop=("END",)),
+    ]
+    assert len({base, *(digest(r) for r in changed)}) == 1 + len(changed)
+    assert digest(request(0), "https://proxy.example/v1") != base  # another endpoint cannot poll that batch
+    # What authenticates is not part of it: user info and query parameters of the base URL are dropped.
+    assert digest(request(0), "https://user:sk-secret@api.openai.com/v1?api-key=sk-secret") == base
+    assert digest(replace(request(0), timeout=5.0)) == base  # a client-side timeout is not sent
 
 
 def _as_version_1(out_dir: Path) -> None:
