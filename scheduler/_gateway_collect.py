@@ -171,7 +171,8 @@ class BatchBook:
     async def _mark_superseded(self) -> None:
         """Mark loaded batches whose every row was refused, so later reruns neither poll nor re-check them.
 
-        Done right after a new batch is recorded: the requests that replace their rows are durable first.
+        Done after the next batch is recorded, in the shielded flush: ``claim`` must not yield (see
+        ``Gateway._batched``). A crash before it leaves them open, and the next rerun refuses them again.
         """
         while self._superseded and self.store is not None:
             batch = self._superseded.pop()
