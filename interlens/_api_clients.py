@@ -14,6 +14,7 @@ response against the SDK's schema instead (the test suite's setting).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -161,6 +162,25 @@ def _row_error(status: int | None, message: str) -> BatchRowError:
     return BatchRowError(message, retryable, status in _RATE_LIMIT_STATUSES)
 
 
+def request_digest(provider: str, base_url: str, endpoint: str, body: Mapping[str, Any]) -> str:
+    """sha256 of one batch row's request as it is sent: provider, endpoint and the full JSON body, as
+    canonical JSON (sorted keys, no spaces), so that any other prompt, model or parameter gives another hash.
+
+    A rerun compares it before re-attaching a job to a batch row an earlier run submitted: an old answer
+    must never be delivered to a new question. The custom id (it changes with the round) is left out, and so
+    is every credential: the key travels in the SDK client's headers, and the base URL is reduced to scheme,
+    host, port and path (no user info, no query).
+    """
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    host = url.hostname or ""
+    where = f"{url.scheme}://{host}{f':{url.port}' if url.port else ''}{url.path}"
+    canonical = {"provider": provider, "base_url": where, "endpoint": endpoint, "body": body}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _json_line(custom_id: str, request: APIRequest) -> str:
     line = {"custom_id": custom_id, "method": "POST", "url": _OPENAI_BATCH_ENDPOINT, "body": request.body()}
     return json.dumps(line, separators=(",", ":"), ensure_ascii=False)
@@ -175,6 +195,7 @@ class OpenAIClient:
         import openai
 
         self.provider = provider
+        self._base_url = base_url
         self._sdk_module = openai
         self._strict = _strict()
         headers = {"X-Title": "interlens"} if provider == "openrouter" else None
@@ -245,6 +266,9 @@ class OpenAIClient:
     def row_size(self, request: APIRequest) -> int:
         return len(_json_line("r000000", request).encode()) + 1
 
+    def request_hash(self, request: APIRequest) -> str:
+        return request_digest(self.provider, self._base_url, _OPENAI_BATCH_ENDPOINT, request.body())
+
     async def submit_batch(self, rows: Sequence[tuple[str, APIRequest]]) -> SubmittedBatch:
         if self.provider != "openai":
             raise ConfigurationError(f"{self.provider} has no batch API; use batch=False")
@@ -312,6 +336,7 @@ class AnthropicClient:
     def __init__(self, *, base_url: str, api_key: str, max_in_flight: int) -> None:
         import anthropic
 
+        self._base_url = base_url
         self._sdk_module = anthropic
         self._strict = _strict()
         self._shards = _Shards(
@@ -358,6 +383,9 @@ class AnthropicClient:
     def row_size(self, request: APIRequest) -> int:
         row = {"custom_id": "r000000", "params": request.body()}
         return len(json.dumps(row, separators=(",", ":"), ensure_ascii=False).encode()) + 1
+
+    def request_hash(self, request: APIRequest) -> str:
+        return request_digest(self.provider, self._base_url, "/v1/messages/batches", request.body())
 
     async def submit_batch(self, rows: Sequence[tuple[str, APIRequest]]) -> SubmittedBatch:
         requests: Any = [{"custom_id": cid, "params": request.body()} for cid, request in rows]

@@ -11,7 +11,8 @@ Seams for the scheduler (the wiring):
 * ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id, blocker=...)``
   (``_run``); from a worker process the (spec, request) pair crosses the pipe and the result or error comes
   back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
-* ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches.
+* ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches a
+  job to the row it recorded only when the job sends the same request now (``ProviderClient.request_hash``).
 * ``Gateway(quiescent=probe)`` and :meth:`Gateway.poke`: a round is flushed when every live job is waiting
   on a batched call here (``gateway.batch_waiting >= live jobs``; a job in a device batcher or in a quick
   single call will still add to the round). The gateway pokes itself when a caller arrives; poke when the
@@ -94,6 +95,11 @@ class ProviderClient(Protocol):
 
     def row_size(self, request: Any) -> int:
         """Bytes ``request`` adds to a batch (for splitting at the provider's limit)."""
+        ...
+
+    def request_hash(self, request: Any) -> str:
+        """A stable hash of ``request`` exactly as a batch row sends it (endpoint and full body, never a
+        credential): a rerun re-attaches a job to a recorded row only when the hashes are equal."""
         ...
 
     async def submit_batch(self, rows: Sequence[tuple[str, Any]]) -> SubmittedBatch: ...
@@ -218,7 +224,8 @@ class Gateway:
             collector.poke()
 
     def stats(self) -> dict[str, Any]:
-        """Per client: limit, in flight, peak, lowest limit, rate-limited calls, retries; batch counts."""
+        """Per client: limit, in flight, peak, lowest limit, rate-limited calls, retries; batch counts (rows
+        re-attached after a crash, and rows refused because the job's request had changed)."""
         lanes = [
             {
                 "provider": lane.client.provider,
@@ -238,6 +245,7 @@ class Gateway:
             "clients": lanes,
             "batches_submitted": self._book.submitted,
             "rows_reattached": self._book.reattached,
+            "rows_refused": self._book.refused,  # recorded for a request that changed: sent again instead
         }
 
     def limiter(self, spec: APISpec) -> AdaptiveLimiter | None:
@@ -330,7 +338,7 @@ class Gateway:
         # No checkpoint from here until the row is in its round (or re-attached) and counted in
         # ``batch_waiting``, so the drivers woken here see it: it may complete another group's round.
         self.poke()
-        row = self._book.claim(client.provider, owner, turn, request, blocker)
+        row = self._book.claim(client, owner, turn, request, blocker)
         attempt = 0
         while True:
             attempt += 1

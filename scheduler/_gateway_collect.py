@@ -10,6 +10,15 @@ BEFORE polling starts, and submission plus recording are shielded from cancellat
 calls :meth:`BatchBook.load_open` and the job asking again for that (job, turn) waits on the batch already in
 flight instead of submitting it twice.
 
+Re-attaching is safe only for the same question: each recorded row carries the hash of its request as sent
+(``BatchClient.request_hash``: endpoint and full body), and a job is re-attached only when the request it
+sends now has that hash. Otherwise (another prompt, model or parameter; or a row recorded without a hash, by
+an older ledger) the job's request goes into a new round, as if nothing had been recorded, and the old row's
+result is ignored, with a warning naming the batch. The old batch is not cancelled at the provider (it may
+be done, and other rows of it may still be re-attached). Once every row of a loaded batch has been refused,
+it is marked ``superseded`` in the store, at the next batch recorded, so later reruns neither poll nor
+re-check it; a batch with rows nobody asked for stays open, as before.
+
 There is no background task: the callers do the work. The first caller of a round drives the flush (and
 hands that role on if it is cancelled); afterwards the callers of a batch take turns polling it under a lock,
 so a cancelled poller is simply replaced by the next one. A row that errors or expires fails only its caller.
@@ -63,20 +72,30 @@ class BatchBook:
         self.reattached = 0
         #: Callers whose row is in a round or a batch and not delivered yet (the gateway's quiescence count).
         self.blocked = 0
-        self._open: dict[tuple[str, int], tuple[Batch, str]] = {}
+        #: Rows recorded for a (job, turn) whose request had changed: refused, their result ignored.
+        self.refused = 0
+        #: (job, turn) -> (loaded batch, custom id, the hash of the request recorded for it, or None)
+        self._open: dict[tuple[str, int], tuple[Batch, str, str | None]] = {}
+        self._refusals: dict[Batch, int] = {}  # loaded batch -> rows refused (or sent again later) so far
+        self._superseded: list[Batch] = []  # loaded batches every row of which was refused: to mark
         self._loaded = store is None
         self._load_lock = anyio.Lock()
 
     async def load_open(self) -> int:
-        """Read the store's open batches (once); returns how many rows can be re-attached."""
+        """Read the store's open batches (once); returns how many rows a job asking again may re-attach to
+        (each is checked against the job's request when it asks)."""
         async with self._load_lock:
             if not self._loaded and self.store is not None:
-                for record in await self.store.open_batches():
+                for record in await self.store.open_batches():  # oldest first: a newer row for a turn wins
                     batch = Batch(record.provider, dict.fromkeys(record.requests), batch_id=record.batch_id)
                     batch.state, batch.meta = record.state, dict(record.meta)
                     batch.submitted.set()
+                    hashes = getattr(record, "request_hashes", {})
                     for custom_id, (job, turn) in record.requests.items():
-                        self._open[(job, int(turn))] = (batch, custom_id)
+                        older = self._open.get((job, int(turn)))
+                        if older is not None:  # sent again in a later batch (refused then): that one answers
+                            self._drop(older[0])
+                        self._open[(job, int(turn))] = (batch, custom_id, hashes.get(custom_id))
                 self._loaded = True
         return len(self._open)
 
@@ -95,24 +114,74 @@ class BatchBook:
         return row
 
     def claim(
-        self, provider: str, owner: str | None, turn: int | None, request: Any, blocker: Blocker | None = None
+        self,
+        client: BatchClient,
+        owner: str | None,
+        turn: int | None,
+        request: Any,
+        blocker: Blocker | None = None,
     ) -> Row | None:
-        """A row attached to the open batch that already holds ``(owner, turn)``, or None."""
+        """A row attached to the open batch that already holds ``(owner, turn)`` for this very request, or
+        None: nothing recorded, or recorded for another request (refused: the caller sends ``request``)."""
         if owner is None or turn is None or not self._open:
             return None
         entry = self._open.get((owner, turn))
-        if entry is None or entry[0].provider != provider:
+        if entry is None or entry[0].provider != client.provider:
             return None
         del self._open[(owner, turn)]
-        batch, custom_id = entry
+        batch, custom_id, recorded = entry
+        if recorded is None:
+            self._refuse(
+                batch, custom_id, owner, turn, "it was recorded without a request hash (an older ledger)"
+            )
+            return None
+        if recorded != client.request_hash(request):
+            self._refuse(batch, custom_id, owner, turn, "the request this job sends now is different")
+            return None
         row = self.track(Row(request, owner, turn, 0), blocker)
         row.batch, row.custom_id = batch, custom_id
         batch.rows[custom_id] = row
         if batch.results is not None:
             row.resolve(batch.result_for(custom_id))
         self.reattached += 1
-        log.info("%s batch %s re-attached for %s turn %d", provider, batch.batch_id, owner, turn)
+        log.info("%s batch %s re-attached for %s turn %d", client.provider, batch.batch_id, owner, turn)
         return row
+
+    def _refuse(self, batch: Batch, custom_id: str, owner: str, turn: int, why: str) -> None:
+        """Never deliver this recorded row: its result answers another question than the job asks now."""
+        self.refused += 1
+        log.warning(
+            "%s batch %s row %s (%s turn %d) not re-attached: %s; the job's request is sent again and that "
+            "row's result is ignored",
+            batch.provider,
+            batch.batch_id,
+            custom_id,
+            owner,
+            turn,
+            why,
+        )
+        self._drop(batch)
+
+    def _drop(self, batch: Batch) -> None:
+        """One more row of a loaded batch that nobody will wait on; when it was the last, supersede it."""
+        dropped = self._refusals[batch] = self._refusals.get(batch, 0) + 1
+        if dropped == len(batch.rows):
+            self._superseded.append(batch)
+
+    async def _mark_superseded(self) -> None:
+        """Mark loaded batches whose every row was refused, so later reruns neither poll nor re-check them.
+
+        Done after the next batch is recorded, in the shielded flush: ``claim`` must not yield (see
+        ``Gateway._batched``). A crash before it leaves them open, and the next rerun refuses them again.
+        """
+        while self._superseded and self.store is not None:
+            batch = self._superseded.pop()
+            try:
+                await self.store.update_batch(batch.provider, batch.batch_id, state="superseded")
+            except Exception as exc:  # harmless: a later rerun refuses its rows again
+                log.warning("could not mark %s batch %s superseded: %s", batch.provider, batch.batch_id, exc)
+            else:
+                log.info("%s batch %s superseded: every row was refused", batch.provider, batch.batch_id)
 
     async def submit(
         self, client: BatchClient, policy: RetryPolicy, poll: BatchPolicy, batch: Batch, model: str
@@ -136,13 +205,20 @@ class BatchBook:
             if self.store is not None:
                 from interlens.store import BatchRecord
 
+                rows_now = [(cid, row) for cid, row in batch.rows.items() if row is not None]
                 requests = {
-                    cid: (row.owner or "", -1 if row.turn is None else row.turn)
-                    for cid, row in batch.rows.items()
-                    if row is not None
+                    cid: (row.owner or "", -1 if row.turn is None else row.turn) for cid, row in rows_now
                 }
-                record = BatchRecord(client.provider, batch.batch_id, batch.state, requests, batch.meta)
                 try:
+                    hashes = {cid: client.request_hash(row.request) for cid, row in rows_now}
+                    record = BatchRecord(
+                        client.provider,
+                        batch.batch_id,
+                        batch.state,
+                        requests,
+                        batch.meta,
+                        request_hashes=hashes,
+                    )
                     await self.store.record_batch(record)
                 except Exception as exc:
                     batch.fail(
@@ -157,6 +233,7 @@ class BatchBook:
             )
         finally:
             batch.submitted.set()
+        await self._mark_superseded()
 
     async def collect(self, client: BatchClient, policy: RetryPolicy, poll: BatchPolicy, row: Row) -> Any:
         """Wait for ``row``'s result, polling its batch whenever no other caller is."""

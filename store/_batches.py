@@ -2,7 +2,8 @@
 
 A provider batch is paid for when it is submitted, so its id and the custom_id → (job, turn) map are
 committed BEFORE polling starts: a run killed while the batch is in flight re-attaches to it on resume
-instead of submitting (and paying for) the same requests again.
+instead of submitting (and paying for) the same requests again. Each row also keeps the hash of the request
+as it was sent, so that a rerun re-attaches only a job that would send that same request now.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def _meta_json(provider: str, batch_id: str, meta: Mapping[str, Any], guard: Sec
 def record_batch_op(batch: BatchRecord, *, guard: SecretGuard) -> Op:
     meta_json = _meta_json(batch.provider, batch.batch_id, batch.meta, guard)
     key = (batch.provider, batch.batch_id)
-    requests = [(*key, cid, job, int(turn)) for cid, (job, turn) in batch.requests.items()]
+    hashes = batch.request_hashes
+    requests = [(*key, cid, job, int(turn), hashes.get(cid)) for cid, (job, turn) in batch.requests.items()]
     now = time.time()
 
     async def apply(conn: aiosqlite.Connection) -> None:
@@ -62,8 +64,8 @@ def record_batch_op(batch: BatchRecord, *, guard: SecretGuard) -> Op:
             (*key, batch.state, meta_json, batch.created_at or now, now),
         )
         await conn.executemany(
-            "INSERT INTO batch_requests (provider, batch_id, custom_id, job_id, turn_index) "
-            "VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO batch_requests (provider, batch_id, custom_id, job_id, turn_index, request_hash) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
             requests,
         )
 
@@ -104,14 +106,14 @@ def open_batches_op() -> Op:
         out = []
         for provider, batch_id, state, meta_json, created, updated in rows:
             requests = await conn.execute_fetchall(
-                "SELECT custom_id, job_id, turn_index FROM batch_requests "
+                "SELECT custom_id, job_id, turn_index, request_hash FROM batch_requests "
                 "WHERE provider = ? AND batch_id = ?",
                 (provider, batch_id),
             )
-            mapping = {cid: (job, int(turn)) for cid, job, turn in requests}
-            out.append(
-                BatchRecord(provider, batch_id, state, mapping, json.loads(meta_json), created, updated)
-            )
+            mapping = {cid: (job, int(turn)) for cid, job, turn, _ in requests}
+            hashes = {cid: digest for cid, _, _, digest in requests}
+            meta = json.loads(meta_json)
+            out.append(BatchRecord(provider, batch_id, state, mapping, meta, created, updated, hashes))
         return out
 
     return Op("open_batches", apply=apply)

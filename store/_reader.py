@@ -213,19 +213,22 @@ class LedgerReader:
             "SELECT provider, batch_id, state, meta_json, created_at, updated_at FROM batches "
             "ORDER BY created_at, provider, batch_id"
         )
+        # A version-1 file (read as it is, never migrated by a reader) has no request hashes: NULL for all.
+        columns = {row[1] for row in self._all("PRAGMA table_info(batch_requests)")}
+        digest = "request_hash" if "request_hash" in columns else "NULL"
         out = []
         for provider, batch_id, state, meta_json, created, updated in rows:
             if open_only and state in TERMINAL_BATCH_STATES:
                 continue
             reqs = self._all(
-                "SELECT custom_id, job_id, turn_index FROM batch_requests "
+                f"SELECT custom_id, job_id, turn_index, {digest} FROM batch_requests "
                 "WHERE provider = ? AND batch_id = ?",
                 (provider, batch_id),
             )
-            requests = {cid: (job, int(turn)) for cid, job, turn in reqs}
-            out.append(
-                BatchRecord(provider, batch_id, state, requests, json.loads(meta_json), created, updated)
-            )
+            requests = {cid: (job, int(turn)) for cid, job, turn, _ in reqs}
+            hashes = {cid: value for cid, _, _, value in reqs}
+            meta = json.loads(meta_json)
+            out.append(BatchRecord(provider, batch_id, state, requests, meta, created, updated, hashes))
         return out
 
     def summary(self) -> dict[str, Any]:

@@ -29,9 +29,10 @@ JOB_STATES: Final = ("pending", "running", "done", "failed")
 RUN_STATUSES: Final = ("completed", "interrupted", "failed")
 
 #: Provider batch states after which there is nothing left to re-attach to (OpenAI and Anthropic names, plus
-#: "collected" for a batch whose results the scheduler has already written back).
+#: "collected" for a batch whose results the scheduler has already written back, and "superseded" for one
+#: whose every row a rerun refused because its request changed: it is never polled or re-attached again).
 TERMINAL_BATCH_STATES: Final = frozenset(
-    {"completed", "failed", "expired", "cancelled", "ended", "collected"}
+    {"completed", "failed", "expired", "cancelled", "ended", "collected", "superseded"}
 )
 
 
@@ -118,6 +119,10 @@ class BatchRecord:
 
     ``requests`` maps each request's custom id to the ``(job_id, turn_index)`` it answers. ``meta`` holds
     provider details worth keeping (model, endpoint, input file id) as JSON — never a credential.
+    ``request_hashes`` maps a custom id to the hash of the request exactly as it was sent (a hex digest, never
+    the request itself): a rerun re-attaches a job to this row only when the job would send the same request
+    now. A custom id without one (a row written by schema version 1) cannot be verified and is never
+    re-attached.
     """
 
     provider: str
@@ -127,6 +132,7 @@ class BatchRecord:
     meta: Mapping[str, Any] = field(default_factory=dict)
     created_at: float | None = None
     updated_at: float | None = None
+    request_hashes: Mapping[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("provider", "batch_id", "state"):
@@ -145,6 +151,17 @@ class BatchRecord:
                 raise ValueError(
                     f"BatchRecord {self.batch_id!r}: requests must map a str custom id to (job_id: str, "
                     f"turn_index: int), got {custom_id!r}: {target!r}"
+                )
+        for custom_id, digest in self.request_hashes.items():
+            if custom_id not in self.requests:
+                raise ValueError(
+                    f"BatchRecord {self.batch_id!r}: request_hashes has custom id {custom_id!r}, which is "
+                    "not in requests; give a hash only for a recorded request"
+                )
+            if digest is not None and (not isinstance(digest, str) or not digest):
+                raise ValueError(
+                    f"BatchRecord {self.batch_id!r}: the request hash of {custom_id!r} must be a non-empty "
+                    f"str or None, got {digest!r}"
                 )
 
     @property

@@ -9,10 +9,13 @@ to the gateway, the run's quiescence probe).
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +23,13 @@ import anyio
 import pytest
 
 from interlens import Conversation, dataset_field
+from interlens._api_clients import request_digest
 from interlens._api_participant import APIParticipant
 from interlens._api_request import APIRequest
 from interlens._message import Transcript
 from interlens._participant import GenerationOptions
 from interlens.scheduler._gateway import BatchPolicy, Gateway, RetryPolicy
-from interlens.store import Ledger
+from interlens.store import Ledger, LedgerReader
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 
 KEY = "sk-batch-test-0123456789"
@@ -196,13 +200,14 @@ async def test_rounds_split_at_max_rows_and_a_cancelled_caller_leaves_its_round(
     assert len(last.custom_ids) == 4  # the cancelled row was never sent
 
 
-def request(i: int) -> APIRequest:
+def request(i: int, *, system: str | None = None, temperature: float | None = None) -> APIRequest:
     return APIRequest(
         provider="openai",
         model="gpt-test",
-        system=None,
+        system=system,
         messages=(("user", f"question {i}"),),
         max_tokens=16,
+        temperature=temperature,
         turn=0,
     )
 
@@ -213,7 +218,7 @@ _CHILD = textwrap.dedent(
     from interlens._api_participant import APIParticipant
     from interlens._api_request import APIRequest
     from interlens.scheduler._gateway import BatchPolicy, Gateway
-    from interlens.store import Ledger
+    from interlens.store import Ledger, LedgerReader
 
     async def main(out_dir):
         spec = APIParticipant(name="s", provider="openai", model_id="gpt-test", batch=True,
@@ -263,6 +268,8 @@ async def test_sigkill_while_polling_then_reattach_without_resubmitting(
         [record] = await ledger.open_batches()  # recorded before the first poll, durable across SIGKILL
         assert (record.provider, record.batch_id) == ("openai", batch_id)
         assert sorted(record.requests.values()) == [(f"job{i}", 0) for i in range(5)]
+        hashes = set(record.request_hashes.values())  # one per row, each a digest of what that row sent
+        assert len(hashes) == 5 and all(re.fullmatch("[0-9a-f]{64}", str(h)) for h in hashes)
         async with Gateway(store=ledger) as gateway:
             assert await gateway.load_open_batches() == 5
             results: dict[int, Any] = {}
@@ -274,11 +281,132 @@ async def test_sigkill_while_polling_then_reattach_without_resubmitting(
                 async with anyio.create_task_group() as tg:
                     for i in range(5):
                         tg.start_soon(ask, i)
-            assert gateway.stats()["rows_reattached"] == 5 and gateway.stats()["batches_submitted"] == 0
+            stats = gateway.stats()
+            assert (stats["rows_reattached"], stats["rows_refused"], stats["batches_submitted"]) == (5, 0, 0)
         assert await ledger.open_batches() == []  # collected: a later rerun will not wait on it again
     assert server.batch_count("openai") == 1  # zero new batches: nothing paid twice
     for i, result in results.items():
         assert result.batch_id == batch_id and result.text == default_reply(request(i).body())
+
+
+async def _rerun(tmp_path: Path, requests: dict[int, APIRequest]) -> tuple[dict[int, Any], dict[str, Any]]:
+    """The rerun after the crash: the same five jobs ask again, with ``requests`` as they are now."""
+    spec = APIParticipant(
+        name="s",
+        provider="openai",
+        model_id="gpt-test",
+        batch=True,
+        batch_policy=BatchPolicy(idle_s=0.2, poll_initial_s=0.01, poll_max_s=0.05),
+    )
+    results: dict[int, Any] = {}
+    async with await Ledger.open(tmp_path) as ledger, Gateway(store=ledger) as gateway:
+        assert await gateway.load_open_batches() == 5
+
+        async def ask(i: int) -> None:
+            results[i] = await gateway.call(spec, requests[i], owner=f"job{i}")
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in requests:
+                    tg.start_soon(ask, i)
+        return results, gateway.stats()
+
+
+async def test_a_job_whose_request_changed_since_the_crash_is_sent_anew_not_reattached(
+    server: FakeProviderServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _kill_while_polling(server, [_CHILD, str(tmp_path)])
+    [old_batch] = server.batches
+    # The rerun asks for the same (job, turn) keys, but job1 and job3 now send another question.
+    now = {i: request(i) for i in range(5)}
+    now[1] = request(1, system="Answer in one word.")
+    now[3] = request(3, temperature=0.25)
+    sent: list[dict[str, Any]] = []  # every batch row body the provider processes (a rule that fails none)
+    server.fail_batch_rows(lambda custom_id, body: sent.append(body) is not None)
+    with caplog.at_level("WARNING", logger="interlens.gateway"):
+        results, stats = await _rerun(tmp_path, now)
+    assert (stats["rows_reattached"], stats["rows_refused"], stats["batches_submitted"]) == (3, 2, 1)
+    assert server.batch_count("openai") == 2
+    [new_batch] = set(server.batches) - {old_batch}
+    assert sorted(server.batches[new_batch].custom_ids) == ["r0", "r1"]  # only the two changed requests
+    for i in (0, 2, 4):  # unchanged: answered by the batch already paid for
+        assert results[i].batch_id == old_batch and results[i].text == default_reply(now[i].body())
+    for i in (1, 3):  # changed: the provider got (and answered) the NEW request, never the old row's answer
+        assert results[i].batch_id == new_batch and results[i].text == default_reply(now[i].body())
+    assert results[1].text != default_reply(request(1).body())
+    # The old batch's five rows, and the two changed requests as they are now (temperature included).
+    expected = [request(i).body() for i in range(5)] + [now[1].body(), now[3].body()]
+    assert sorted(map(str, sent)) == sorted(map(str, expected))
+    refused = [r.getMessage() for r in caplog.records if "not re-attached" in r.getMessage()]
+    assert len(refused) == 2 and all(old_batch in m and "is different" in m for m in refused)
+    with LedgerReader(tmp_path) as reader:
+        states = {b.batch_id: b.state for b in reader.batches()}
+        [new_record] = [b for b in reader.batches() if b.batch_id == new_batch]
+    assert states == {old_batch: "collected", new_batch: "collected"}
+    assert sorted(new_record.requests.values()) == [("job1", 0), ("job3", 0)]
+    # What a later rerun compares: the digest of each row's request as it was sent, to that endpoint.
+    sent_as = {cid: now[int(job[-1])].body() for cid, (job, _) in new_record.requests.items()}
+    base_url = os.environ["OPENAI_BASE_URL"]
+    assert new_record.request_hashes == {
+        cid: request_digest("openai", base_url, "/v1/chat/completions", body) for cid, body in sent_as.items()
+    }
+
+
+def test_request_digest_covers_every_parameter_and_no_credential() -> None:
+    def digest(req: APIRequest, base_url: str = "https://api.openai.com/v1") -> str:
+        return request_digest("openai", base_url, "/v1/chat/completions", req.body())
+
+    base = digest(request(0))
+    assert digest(request(0)) == base  # stable
+    changed = [
+        request(1),
+        request(0, system="Be brief."),
+        request(0, temperature=0.0),
+        replace(request(0), model="gpt-other"),
+        replace(request(0), max_tokens=17),
+        replace(request(0), top_p=0.9),
+        replace(request(0), stop=("END",)),
+    ]
+    assert len({base, *(digest(r) for r in changed)}) == 1 + len(changed)
+    assert digest(request(0), "https://proxy.example/v1") != base  # another endpoint cannot poll that batch
+    # What authenticates is not part of it: user info and query parameters of the base URL are dropped.
+    assert digest(request(0), "https://user:sk-secret@api.openai.com/v1?api-key=sk-secret") == base
+    assert digest(replace(request(0), timeout=5.0)) == base  # a client-side timeout is not sent
+
+
+def _as_version_1(out_dir: Path) -> None:
+    """Turn the crashed run's ledger into what interlens 0.x (schema version 1) wrote: no request hashes."""
+    conn = sqlite3.connect(out_dir / "ledger.sqlite")
+    conn.executescript(
+        "ALTER TABLE jobs DROP COLUMN input_fp; ALTER TABLE batch_requests DROP COLUMN request_hash; "
+        "PRAGMA user_version = 1;"
+    )
+    conn.close()
+
+
+async def test_a_row_recorded_without_a_request_hash_is_never_reattached(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    await _kill_while_polling(server, [_CHILD, str(tmp_path)])
+    [old_batch] = server.batches
+    _as_version_1(tmp_path)
+    with LedgerReader(tmp_path) as reader:  # read as it is: no hash to verify against
+        [record] = reader.batches()
+    assert len(record.requests) == 5 and set(record.request_hashes.values()) == {None}
+    polls = server.batches[old_batch].polls
+    # The same requests as before the crash, but nothing proves it: each is sent again.
+    results, stats = await _rerun(tmp_path, {i: request(i) for i in range(5)})
+    assert (stats["rows_reattached"], stats["rows_refused"], stats["batches_submitted"]) == (0, 5, 1)
+    [new_batch] = set(server.batches) - {old_batch}
+    assert all(
+        r.batch_id == new_batch and r.text == default_reply(request(i).body()) for i, r in results.items()
+    )
+    assert server.batches[old_batch].polls == polls  # the unverifiable batch was not even polled
+    with LedgerReader(tmp_path) as reader:
+        states = {b.batch_id: b.state for b in reader.batches()}
+        assert reader.batches(open_only=True) == []
+    # Every row of the old batch was refused: superseded, so no later rerun re-checks or waits on it.
+    assert states == {old_batch: "superseded", new_batch: "collected"}
 
 
 # -- the scheduler's side: the run's gateway, its ledger and its quiescence probe

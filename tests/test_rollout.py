@@ -88,10 +88,57 @@ def test_data_rollout_over_dataset_iterable_dataset_and_generator():
         analyses = report.analyses()
         assert [analyses[f"row_{i:05d}"]["gold"] for i in range(expected)] == [2 * i for i in range(expected)]
         assert analyses["row_00002"]["context"] == "Solve this problem.\n\n2 + 2?"
-        # the gold column never reached the model's view
+        # the solver's view is exactly the templated question and its own turn: the gold column is not in it
         conv = report.results["row_00001"].conversation
-        assert "2" not in conv.view("solver").messages[0].content.split("?")[1:][0]
+        view = conv.view("solver")
+        assert view.system is None
+        assert [m.content for m in view.messages] == ["Solve this problem.\n\n1 + 1?", "Final answer: 4"]
         assert conv.row["gold"] == 2
+
+
+def test_gold_column_never_reaches_any_participants_view():
+    """A column no template names (the gold answer) reaches the analyzer, never a participant: each turn
+    echoes the whole view its speaker got (system block included), so a leak into any view, at any turn,
+    of any participant, shows up in the transcript."""
+    rows = [{"question": f"{i} + {i}?", "gold": f"GOLD-{2 * i}-ANSWER"} for i in range(4)]
+
+    def seer(name, **kwargs):
+        return ScriptedParticipant(
+            name,
+            lambda view: " | ".join([f"SAW {view.system}", *(m.content for m in view.messages)]),
+            **kwargs,
+        )
+
+    conv = (
+        Conversation(
+            participants=[
+                seer("solver"),
+                seer("checker", system_prompt=("Check: ", dataset_field("question"))),
+            ],
+            shared_context=("Solve this problem.\n\n", dataset_field("question")),
+        )
+        .turns(4)
+        .data(rows)
+        .analyzer(lambda conv: {"gold": conv.row["gold"]})
+    )
+    report = conv.rollout()
+    assert report.failed == [] and len(report.results) == len(rows)
+    analyses = report.analyses()
+    for i, row in enumerate(rows):
+        result = report.results[f"row_{i:05d}"]
+        assert analyses[f"row_{i:05d}"] == {"gold": row["gold"]}  # the analyzer does get the gold
+        seen = [m.content for m in result.transcript[1:]]
+        assert len(seen) == 4 and all(text.startswith("SAW ") for text in seen)
+        assert (
+            row["question"] in seen[0] and f"Check: {row['question']}" in seen[1]
+        )  # templates do reach them
+        final = result.conversation
+        for speaker in ("solver", "checker"):
+            view = final.view(speaker)
+            seen.append(f"{view.system} {[m.content for m in view.messages]}")
+        for text in seen:
+            assert not any(r["gold"] in text for r in rows), text
+            assert "GOLD" not in text and "ANSWER" not in text, text
 
 
 def test_missing_column_in_dataset_fails_before_running():
