@@ -14,7 +14,7 @@ The scheduler coalesces the turn requests that are pending for one model on one 
 * prompts of very different lengths are prefilled in length-sorted groups (less padding: on CPU the prefill
   is most of a short turn's cost) and laid into one left-padded cache for a single decode loop;
 * a single-row request with a ``reuse_key`` keeps its KV cache for that stream's next turn, which then only
-  prefills what is new (a conversation's prompt grows turn by turn by a suffix).
+  prefills what is new (a conversation's prompt grows turn by turn by a suffix); not in deterministic mode.
 
 A preallocated ``StaticCache`` is used for batches: a ``DynamicCache`` re-concatenates the whole KV every
 step, which is up to a third of a decode step at batch 64 on CPU. Reuse streams use a ``DynamicCache``
@@ -187,9 +187,11 @@ class LocalEngine:
     ) -> list[GenerationResult | Exception]:
         """Generate one result per request, in order, as one batched call (see the module docstring).
 
-        In ``ExecutionMode.DETERMINISTIC`` every request runs alone, so a seeded row is token-identical on
-        the same hardware whatever else was queued with it. When ``cancelled`` is set, generation stops
-        within one decode step and :class:`interlens.scheduler.BatchCancelled` is raised.
+        In ``ExecutionMode.DETERMINISTIC`` every request runs alone and from scratch (``reuse_key`` ignored:
+        a reused KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still
+        there depends on what else ran), so a seeded row is token-identical on the same hardware whatever
+        else ran with or before it. When ``cancelled`` is set, generation stops within one decode step and
+        :class:`interlens.scheduler.BatchCancelled` is raised.
         """
         import torch
 
@@ -206,11 +208,13 @@ class LocalEngine:
                 valid.append(i)
             else:
                 out[i] = problem
-        groups = [[i] for i in valid] if mode is ExecutionMode.DETERMINISTIC else ([valid] if valid else [])
+        alone = mode is ExecutionMode.DETERMINISTIC
+        groups = [[i] for i in valid] if alone else ([valid] if valid else [])
+        reuse = self.kv_reuse_capacity > 0 and not alone
         with self._lock, torch.inference_mode():
             for group in groups:
                 batch = [requests[i] for i in group]
-                if len(batch) == 1 and batch[0].reuse_key is not None and self.kv_reuse_capacity > 0:
+                if reuse and len(batch) == 1 and batch[0].reuse_key is not None:
                     results = [self._generate_reusing(batch[0], cancelled)]
                 else:
                     results = self._generate_rows(batch, cancelled)
@@ -229,11 +233,7 @@ class LocalEngine:
             self._reuse.clear()
 
     def release_memory(self) -> None:
-        """Free what a failed batch left behind (the scheduler calls it before an out-of-memory retry).
-
-        Collects garbage cycles, then hands the CUDA allocator's cached blocks back to the device, so the
-        half-size retry (and other processes) can use them.
-        """
+        """Before an out-of-memory retry: collect garbage cycles, return CUDA's cached blocks."""
         import gc
 
         import torch

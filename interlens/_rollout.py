@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 __all__ = ["arollout", "arun", "rollout", "run", "turn_seed"]
 
 
-def _mix(*parts: int) -> int:
+def _mix(*parts: int | str) -> int:
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def turn_seed(conv: Conversation, participant: Participant) -> int | None:
+def turn_seed(conv: Conversation, participant: Participant, *, sample: int | None = None) -> int | None:
     """The sampling seed of the next turn of ``participant``, or None for torch's global RNG.
 
     Inside a rollout EVERY local turn is seeded, in both execution modes, from (participant ``seed=`` or 0,
@@ -52,14 +52,21 @@ def turn_seed(conv: Conversation, participant: Participant) -> int | None:
       different reduction orders for different batch shapes). Otherwise a rerun is reproducible in
       distribution only: same seeds, same sampling law, possibly different tokens.
 
-    Outside a rollout (``conv.run()``, ``conv.sample()`` on a result) a participant with ``seed=`` is seeded
-    the same way without a job id; one without a seed draws from torch's global RNG.
+    ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
+    stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,
+    and a sample never shifts the seed of a turn. Outside a rollout (``conv.run()``, ``conv.sample()`` on a
+    result) a participant with ``seed=`` is seeded the same way without a job id; one without a seed draws
+    from torch's global RNG.
     """
     job = CURRENT_JOB.get()
     pinned = getattr(participant, "seed", None)
     if job is None and pinned is None:
         return None
-    return _mix(pinned or 0, conv.seed or 0, job.job_id if job is not None else "", conv.generated_turns)
+    parts: list[int | str] = [pinned or 0, conv.seed or 0, job.job_id if job is not None else ""]
+    parts.append(conv.generated_turns)
+    if sample is not None:
+        parts += ["sample", sample]
+    return _mix(*parts)
 
 
 @dataclass
