@@ -9,9 +9,9 @@ once by inverse CDF: ``cumsum`` of the row's probabilities, ``searchsorted`` of 
 the vocabulary is vectorised and row-wise, so a row's token depends on its own logits and its own uniform
 only: a seeded row draws the same tokens alone or in any batch, as long as its logits are the same.
 
-A seeded row's stream is Python's ``random.Random(seed)``: its ``random()`` sequence is guaranteed stable
-across Python versions and platforms, and it does not depend on the device, so the same seed gives the same
-uniforms on CPU and GPU (the logits, of course, may differ between them).
+A seeded row's stream is Python's ``random.Random``: its ``random()`` sequence for a given seed is guaranteed
+stable across Python versions and platforms, and it does not depend on the device, so the same seed gives
+the same uniforms on CPU and GPU (the logits, of course, may differ between them).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class Sampler:
 
         self.requests: list[_Settings] = requests
         self.device = device
-        if streams is None:
+        if streams is None:  # seeded by the seed's text: an int seed would drop its sign (-5 == 5)
             streams = [
-                random.Random(r.seed) if r.seed is not None and r.temperature > 0 else None for r in requests
+                random.Random(str(r.seed)) if r.seed is not None and r.temperature > 0 else None
+                for r in requests
             ]
         self.streams = streams
         sampling = [j for j, r in enumerate(requests) if r.temperature > 0]

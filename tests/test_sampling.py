@@ -114,3 +114,10 @@ def test_the_draw_never_leaves_the_support_even_at_the_top_of_the_unit_interval(
     # 1.0 itself cannot come from a stream, but a float32 rounding of 1 - 2**-60 is exactly 1.0.
     u = torch.tensor([0.0, 1.0 - 2**-24, 1.0])
     assert _inverse_cdf(cdf, u).tolist() == [0, 3, 3]  # token 3 is the last with any mass
+
+
+def test_seeds_differing_only_in_sign_are_different_streams() -> None:
+    logits = torch.zeros(2, 300)  # uniform: every draw shows
+    sampler = Sampler([_request(seed=5), _request(seed=-5)], "cpu")
+    draws = torch.stack([sampler(logits) for _ in range(10)])
+    assert draws[:, 0].tolist() != draws[:, 1].tolist()
