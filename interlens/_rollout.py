@@ -46,11 +46,12 @@ def turn_seed(conv: Conversation, participant: Participant, *, sample: int | Non
     * ``batched=False`` (deterministic): each turn is generated alone, so a rollout is token-identical on
       the same hardware and software, whatever else runs beside it.
     * batched (the default): the turn's random draws are the same, but its logits come from a batched
-      forward pass whose other rows (and their padding) depend on timing. The tokens are reproducible only
-      where that forward pass is batch-invariant, i.e. gives each row bitwise the same logits whatever its
-      batch mates; it is for the tiny test models on CPU, it generally is NOT on GPUs (kernels pick
-      different reduction orders for different batch shapes). Otherwise a rerun is reproducible in
-      distribution only: same seeds, same sampling law, possibly different tokens.
+      forward pass whose other rows (and their padding) depend on timing, and a turn that happens to run
+      alone may continue its stream's kept KV cache (logits a few ulps off a fresh prefill). The tokens
+      are reproducible only where the forward pass is batch-invariant, i.e. gives each row bitwise the same
+      logits whatever its batch mates; it is for the tiny test models on CPU, it generally is NOT on GPUs
+      (kernels pick different reduction orders for different batch shapes). Otherwise a rerun is
+      reproducible in distribution only: same seeds, same sampling law, possibly different tokens.
 
     ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
     stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,

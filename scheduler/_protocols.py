@@ -54,15 +54,17 @@ class ExecutionMode(enum.Enum):
     In both modes every local turn samples from its own random stream, seeded from (participant seed, the
     job's rollout seed, the job id, the turn index), so the random draws of a turn never depend on other jobs.
 
-    DETERMINISTIC: every turn is generated alone, so a conversation is token-identical on the same hardware
-    and software whatever runs beside it (the guarantee interp work needs).
+    DETERMINISTIC: every turn is generated alone and from scratch (no KV cache kept from an earlier turn),
+    so a conversation is token-identical on the same hardware and software whatever runs beside or before
+    it (the guarantee interp work needs).
 
     BATCHED (the default): concurrent turns for one model on one device co-step in one batched generate.
     The same seeds give the same random draws, but a turn's logits come from a forward pass over a batch
-    whose composition (other rows, their padding, how many are left) depends on timing. Tokens are
-    reproducible only where that pass is batch-invariant, giving each row bitwise the same logits whatever
-    its batch mates (true of the tiny test models on CPU, generally not of GPU kernels, which pick reduction
-    orders by batch shape); elsewhere a rerun is reproducible in distribution, not token for token.
+    whose composition (other rows, their padding, how many are left, or a kept KV cache when a turn runs
+    alone) depends on timing. Tokens are reproducible only where that pass is batch-invariant, giving each
+    row bitwise the same logits whatever its batch mates (true of the tiny test models on CPU, generally not
+    of GPU kernels, which pick reduction orders by batch shape); elsewhere a rerun is reproducible in
+    distribution, not token for token.
     """
 
     BATCHED = "batched"
