@@ -10,6 +10,7 @@ placeholder user turn before a leading assistant turn.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,11 @@ from ._participant import View
 __all__ = ["TemplateCaps", "probe_template", "render_view"]
 
 _PROBE_LOCK = threading.Lock()
-_CAPS: dict[int, TemplateCaps] = {}
+# Per tokenizer OBJECT, weakly (an id() key outlives its object: a new tokenizer at a reused address would
+# inherit the old one's capabilities), with the template the capabilities were probed from.
+_CAPS: weakref.WeakKeyDictionary[Any, tuple[Any, TemplateCaps]] = weakref.WeakKeyDictionary()
+# Tokenizers that cannot be weakly referenced or hashed: keyed by their template text instead.
+_CAPS_BY_TEMPLATE: dict[str, TemplateCaps] = {}
 
 
 @dataclass(frozen=True)
@@ -38,30 +43,41 @@ def _renders(tokenizer: Any, messages: list[dict[str, str]], *, must_contain: st
 
 
 def probe_template(tokenizer: Any) -> TemplateCaps:
-    """What this tokenizer's chat template accepts (cached per tokenizer object)."""
-    key = id(tokenizer)
+    """What this tokenizer's chat template accepts (cached per tokenizer object and template)."""
+    template = getattr(tokenizer, "chat_template", None) or None
     with _PROBE_LOCK:
-        caps = _CAPS.get(key)
-        if caps is None:
-            if not getattr(tokenizer, "chat_template", None):
-                caps = TemplateCaps(False, False, False, False)
-            else:
-                caps = TemplateCaps(
-                    has_template=True,
-                    system_role=_renders(
-                        tokenizer,
-                        [{"role": "system", "content": "SYSPROBE"}, {"role": "user", "content": "hi"}],
-                        must_contain="SYSPROBE",
-                    ),
-                    consecutive_roles=_renders(
-                        tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-                    ),
-                    leading_assistant=_renders(
-                        tokenizer, [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
-                    ),
-                )
-            _CAPS[key] = caps
-    return caps
+        try:
+            cached = _CAPS.get(tokenizer)
+        except TypeError:  # not weakly referenceable, or unhashable
+            key = repr(template)
+            caps = _CAPS_BY_TEMPLATE.get(key)
+            if caps is None:
+                caps = _CAPS_BY_TEMPLATE[key] = _probe(tokenizer, template)
+            return caps
+        if cached is not None and cached[0] == template:
+            return cached[1]
+        caps = _probe(tokenizer, template)  # first sight, or the user assigned a new chat_template
+        _CAPS[tokenizer] = (template, caps)
+        return caps
+
+
+def _probe(tokenizer: Any, template: Any) -> TemplateCaps:
+    if template is None:
+        return TemplateCaps(False, False, False, False)
+    return TemplateCaps(
+        has_template=True,
+        system_role=_renders(
+            tokenizer,
+            [{"role": "system", "content": "SYSPROBE"}, {"role": "user", "content": "hi"}],
+            must_contain="SYSPROBE",
+        ),
+        consecutive_roles=_renders(
+            tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        ),
+        leading_assistant=_renders(
+            tokenizer, [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+        ),
+    )
 
 
 def fold_messages(view: View, caps: TemplateCaps) -> list[dict[str, str]]:

@@ -152,6 +152,7 @@ class Conversation:
         self.row: dict[str, Any] | None = None
         self.seed: int | None = None
         self._stream_id = uuid.uuid4().hex
+        self._samples_taken = 0  # numbers each sample()'s random stream (see turn_seed)
         self._seed_transcript()
 
     # ------------------------------------------------------------------ recipe fields (read-only)
@@ -199,6 +200,7 @@ class Conversation:
         clone.row = dict(self.row) if self.row is not None else None
         clone.seed = self.seed
         clone._stream_id = uuid.uuid4().hex
+        clone._samples_taken = 0
         if "shared_context" in changes:
             clone._seed_transcript()
         return clone
@@ -330,9 +332,12 @@ class Conversation:
     ) -> GenerationOptions:
         from ._rollout import turn_seed  # the per-turn seed rule lives with the execution modes
 
+        sample = None
+        if ephemeral:
+            sample = self._samples_taken = self._samples_taken + 1
         return GenerationOptions(
             max_new_tokens=turn_cap(conditions, self),
-            seed=turn_seed(self, participant),
+            seed=turn_seed(self, participant, sample=sample),
             stream_id=self._stream_id,
             ephemeral=ephemeral,
         )
@@ -403,7 +408,13 @@ class Conversation:
 
     # ------------------------------------------------------------------ rollouts (see _rollout)
     def rollout(self, n: int | None = None, **options: Any) -> RunReport:
-        """Run ``n`` independent copies (or one per data row); see :func:`interlens.run` for the options."""
+        """Run ``n`` independent copies (or one per data row); see :func:`interlens.run` for the options.
+
+        ``seed=`` (default 0) seeds every local turn and ``sample()`` of every copy. With ``batched=False``
+        a rerun is token-identical on the same hardware; batched, it draws the same random numbers but is
+        token-identical only where the batched forward pass is batch-invariant (the rest of a turn's batch
+        depends on timing), and otherwise reproducible in distribution. See ``turn_seed``.
+        """
         from ._rollout import rollout
 
         return rollout(self, n, **options)

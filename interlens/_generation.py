@@ -8,21 +8,22 @@ The scheduler coalesces the turn requests that are pending for one model on one 
   ``model.generate`` cannot honour per-row temperature / top-p / max_new_tokens / stop strings, cannot drop
   finished rows, and draws every row from one RNG stream;
 * finished rows are dropped from the batch (their KV rows removed), so long rows do not drag short ones along;
-* a row with a ``seed`` samples from its own ``torch.Generator``: its tokens do not depend on its batch mates
-  (rows without a seed share the global RNG, one ``multinomial`` call for all of them);
+* a row with a ``seed`` samples from its own random stream, all rows in one vectorised step (``_sampling``):
+  its tokens do not depend on its batch mates' draws (rows without a seed draw from torch's global RNG);
 * identical prompts (n samples of one scenario) are prefilled ONCE and their KV cache expanded to the rows;
 * prompts of very different lengths are prefilled in length-sorted groups (less padding: on CPU the prefill
   is most of a short turn's cost) and laid into one left-padded cache for a single decode loop;
 * a single-row request with a ``reuse_key`` keeps its KV cache for that stream's next turn, which then only
-  prefills what is new (a conversation's prompt grows turn by turn by a suffix).
+  prefills what is new (a conversation's prompt grows turn by turn by a suffix); not in deterministic mode.
 
 A preallocated ``StaticCache`` is used for batches: a ``DynamicCache`` re-concatenates the whole KV every
 step, which is up to a third of a decode step at batch 64 on CPU. Reuse streams use a ``DynamicCache``
 because they must grow past any preallocated length on the next turn.
 
 Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
-halves and retries. A request that is bad on its own (a token id outside the vocabulary) is returned in place
-as an exception instance, so it fails only its own caller (see ``interlens.scheduler.Engine``).
+halves and retries (after :meth:`LocalEngine.release_memory`). A request that is bad on its own (a token id
+outside the vocabulary) is returned in place as an exception instance, so it fails only its own caller (see
+``interlens.scheduler.Engine``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from interlens._exceptions import ConfigurationError
+from interlens._sampling import Sampler, eos_ids, pad_id
 from interlens.scheduler import BatchCancelled, ExecutionMode
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ class GenerationRequest:
     temperature: float = 1.0  # <= 0 means greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # generation of the row ends once its text contains one of these
-    seed: int | None = None  # per-row torch.Generator: the row's tokens do not depend on its batch mates
+    seed: int | None = None  # the row's own random stream: its draws do not depend on its batch mates
     reuse_key: Hashable | None = None  # KV reuse stream across turns (single-row requests); None = no reuse
 
     def __post_init__(self) -> None:
@@ -164,8 +166,8 @@ class LocalEngine:
         self.shared_prefill = shared_prefill
         self._lock = threading.Lock()
         self._reuse: OrderedDict[Hashable, tuple[list[int], Any]] = OrderedDict()
-        self._eos_ids = _eos_ids(model, tokenizer)
-        self._pad_id = _pad_id(model, tokenizer, self._eos_ids)
+        self._eos_ids = eos_ids(model, tokenizer)
+        self._pad_id = pad_id(model, tokenizer, self._eos_ids)
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
         # "static" for batches (see the module docstring); tests and the benchmark may compare "dynamic".
         self._batch_cache = "static"
@@ -185,9 +187,11 @@ class LocalEngine:
     ) -> list[GenerationResult | Exception]:
         """Generate one result per request, in order, as one batched call (see the module docstring).
 
-        In ``ExecutionMode.DETERMINISTIC`` every request runs alone, so a seeded row is token-identical on
-        the same hardware whatever else was queued with it. When ``cancelled`` is set, generation stops
-        within one decode step and :class:`interlens.scheduler.BatchCancelled` is raised.
+        In ``ExecutionMode.DETERMINISTIC`` every request runs alone and from scratch (``reuse_key`` ignored:
+        a reused KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still
+        there depends on what else ran), so a seeded row is token-identical on the same hardware whatever
+        else ran with or before it. When ``cancelled`` is set, generation stops within one decode step and
+        :class:`interlens.scheduler.BatchCancelled` is raised.
         """
         import torch
 
@@ -204,11 +208,13 @@ class LocalEngine:
                 valid.append(i)
             else:
                 out[i] = problem
-        groups = [[i] for i in valid] if mode is ExecutionMode.DETERMINISTIC else ([valid] if valid else [])
+        alone = mode is ExecutionMode.DETERMINISTIC
+        groups = [[i] for i in valid] if alone else ([valid] if valid else [])
+        reuse = self.kv_reuse_capacity > 0 and not alone
         with self._lock, torch.inference_mode():
             for group in groups:
                 batch = [requests[i] for i in group]
-                if len(batch) == 1 and batch[0].reuse_key is not None and self.kv_reuse_capacity > 0:
+                if reuse and len(batch) == 1 and batch[0].reuse_key is not None:
                     results = [self._generate_reusing(batch[0], cancelled)]
                 else:
                     results = self._generate_rows(batch, cancelled)
@@ -225,6 +231,17 @@ class LocalEngine:
         """Free every kept KV cache."""
         with self._lock:
             self._reuse.clear()
+
+    def release_memory(self) -> None:
+        """Before an out-of-memory retry: collect garbage cycles, return CUDA's cached blocks."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ validation
 
@@ -423,7 +440,7 @@ class LocalEngine:
 
         eos = self._eos_ids
         active = list(rows)
-        sampler = _Sampler([r.request for r in active], self.device)
+        sampler = Sampler([r.request for r in active], self.device)
         while True:
             chosen = sampler(logits)
             finished: list[int] = []
@@ -534,89 +551,6 @@ class LocalEngine:
         return self._result(row, seconds=seconds, batch_size=1, shared=False, reused=reused)
 
 
-class _Sampler:
-    """Picks the next token of every active row; built once per batch composition, not per step.
-
-    Greedy rows take the argmax; sampling rows are scaled by their temperature, nucleus-filtered when their
-    top_p < 1, and drawn either from their own generator (seeded rows, one ``multinomial`` each, which is what
-    makes them batch-invariant) or all together from the global RNG (one ``multinomial`` call).
-    """
-
-    def __init__(
-        self, requests: list[GenerationRequest], device: str, generators: list[Any] | None = None
-    ) -> None:
-        import torch
-
-        self.requests = requests
-        self.device = device
-        if generators is None:
-            generators = [
-                torch.Generator(device=device).manual_seed(r.seed)
-                if r.seed is not None and r.temperature > 0
-                else None
-                for r in requests
-            ]
-        self.generators = generators
-        sampling = [j for j, r in enumerate(requests) if r.temperature > 0]
-        self.all_greedy = not sampling
-        self.all_sampling = len(sampling) == len(requests)
-        if self.all_greedy:
-            return
-        self.sampling_idx = torch.tensor(sampling, dtype=torch.long, device=device)
-        self.temperatures = torch.tensor(
-            [[requests[j].temperature] for j in sampling], dtype=torch.float32, device=device
-        )
-        top_ps = [requests[j].top_p for j in sampling]
-        self.top_p = (
-            torch.tensor([p if p < 1.0 else math.inf for p in top_ps], dtype=torch.float32, device=device)
-            if any(p < 1.0 for p in top_ps)
-            else None
-        )
-        self.seeded = [(k, generators[j]) for k, j in enumerate(sampling) if generators[j] is not None]
-        unseeded = [k for k, j in enumerate(sampling) if generators[j] is None]
-        self.unseeded_idx = (
-            torch.tensor(unseeded, dtype=torch.long, device=device) if len(unseeded) < len(sampling) else None
-        )
-        self.any_unseeded = bool(unseeded)
-
-    def select(self, keep: list[int]) -> _Sampler:
-        """The sampler for a batch reduced to rows ``keep`` (generators carry on where they were)."""
-        return _Sampler([self.requests[j] for j in keep], self.device, [self.generators[j] for j in keep])
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        if self.all_greedy:
-            return logits.argmax(dim=-1)
-        scores = logits if self.all_sampling else logits.index_select(0, self.sampling_idx)
-        probs = torch.softmax(scores.float() / self.temperatures, dim=-1)
-        if self.top_p is not None:
-            probs = _nucleus(probs, self.top_p)
-        picked = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        if self.any_unseeded:
-            if self.unseeded_idx is None:
-                picked = torch.multinomial(probs, 1).squeeze(1)
-            else:
-                picked[self.unseeded_idx] = torch.multinomial(probs[self.unseeded_idx], 1).squeeze(1)
-        for k, generator in self.seeded:
-            picked[k] = torch.multinomial(probs[k : k + 1], 1, generator=generator)[0, 0]
-        if self.all_sampling:
-            return picked
-        chosen = logits.argmax(dim=-1)
-        chosen[self.sampling_idx] = picked
-        return chosen
-
-
-def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside each row's smallest set whose mass reaches its top_p (inf: keep all)."""
-    import torch
-
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each token
-    sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-
-
 def _left_pad(
     prompts: Sequence[Sequence[int]], width: int, pad_id: int
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -662,27 +596,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def _raise_if_cancelled(cancelled: threading.Event | None) -> None:
     if cancelled is not None and cancelled.is_set():
         raise BatchCancelled("generation cancelled")
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """Every id that ends a turn: the generation config's (end-of-turn tokens) and the tokenizer's."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-            break
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
-
-
-def _pad_id(model: Any, tokenizer: Any, eos: frozenset[int]) -> int:
-    """Any valid id works for padding (pads are masked); prefer the declared pad token."""
-    for value in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(getattr(model, "generation_config", None), "pad_token_id", None),
-    ):
-        if isinstance(value, int):
-            return value
-    return min(eos) if eos else 0

@@ -97,6 +97,10 @@ class ChatEngine:
         )
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
+    def release_memory(self) -> None:
+        """Called by the scheduler before it retries a batch that ran out of memory."""
+        self.engine.release_memory()
+
 
 class ModelParticipant(Participant):
     """A local HuggingFace causal LM. Prefer :meth:`AutoModelParticipant.from_pretrained`."""

@@ -32,25 +32,44 @@ if TYPE_CHECKING:
 __all__ = ["arollout", "arun", "rollout", "run", "turn_seed"]
 
 
-def _mix(*parts: int) -> int:
+def _mix(*parts: int | str) -> int:
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def turn_seed(conv: Conversation, participant: Participant) -> int | None:
-    """The sampling seed of the next turn of ``participant``, or None for the shared RNG.
+def turn_seed(conv: Conversation, participant: Participant, *, sample: int | None = None) -> int | None:
+    """The sampling seed of the next turn of ``participant``, or None for torch's global RNG.
 
-    Deterministic mode, or a participant with a pinned ``seed=``, seeds every turn from (participant seed,
-    rollout seed, turn index): the turn is then token-identical whatever else is generated beside it.
+    Inside a rollout EVERY local turn is seeded, in both execution modes, from (participant ``seed=`` or 0,
+    the rollout seed of this job, the job's id, the turn index): two jobs, two lineups of one ``run`` or two
+    turns never share a random stream, and rerunning the same recipe with the same ``seed=`` draws the same
+    random numbers for every turn. What that buys depends on the mode:
+
+    * ``batched=False`` (deterministic): each turn is generated alone, so a rollout is token-identical on
+      the same hardware and software, whatever else runs beside it.
+    * batched (the default): the turn's random draws are the same, but its logits come from a batched
+      forward pass whose other rows (and their padding) depend on timing, and a turn that happens to run
+      alone may continue its stream's kept KV cache (logits a few ulps off a fresh prefill). The tokens
+      are reproducible only where the forward pass is batch-invariant, i.e. gives each row bitwise the same
+      logits whatever its batch mates; it is for the tiny test models on CPU, it generally is NOT on GPUs
+      (kernels pick different reduction orders for different batch shapes). Otherwise a rerun is
+      reproducible in distribution only: same seeds, same sampling law, possibly different tokens.
+
+    ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
+    stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,
+    and a sample never shifts the seed of a turn. Outside a rollout (``conv.run()``, ``conv.sample()`` on a
+    result) a participant with ``seed=`` is seeded the same way without a job id; one without a seed draws
+    from torch's global RNG.
     """
-    from interlens.scheduler import ExecutionMode
-
     job = CURRENT_JOB.get()
     pinned = getattr(participant, "seed", None)
-    deterministic = job is not None and job.mode is ExecutionMode.DETERMINISTIC
-    if pinned is None and not deterministic:
+    if job is None and pinned is None:
         return None
-    return _mix(pinned or 0, conv.seed or 0, conv.generated_turns)
+    parts: list[int | str] = [pinned or 0, conv.seed or 0, job.job_id if job is not None else ""]
+    parts.append(conv.generated_turns)
+    if sample is not None:
+        parts += ["sample", sample]
+    return _mix(*parts)
 
 
 @dataclass

@@ -12,13 +12,17 @@ requests, as soon as one of these holds:
 - DETERMINISTIC mode: every request is its own batch, served at once.
 
 A batch that runs out of memory is split in halves and retried, down to single requests; only a request
-that fails alone gets the error. Any other exception from ``generate_batch`` fails every caller of that
-batch. An Exception instance returned in place of a result is raised to its caller only.
+that fails alone gets the error. Before a retry the failed attempt's tensors are released (its traceback's
+frames cleared) and the engine may return its allocator cache (``release_memory``). Any other exception from
+``generate_batch`` fails every caller of that batch. An Exception instance returned in place of a result is
+raised to its caller only.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
@@ -35,6 +39,8 @@ from ._threads import run_in_thread
 __all__ = ["Batcher", "Waiter", "is_out_of_memory"]
 
 _OOM_PHRASES = ("out of memory", "can't allocate memory")
+
+log = logging.getLogger("interlens.scheduler")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -192,15 +198,28 @@ class Batcher:
         return queue.engine, batch
 
     async def _generate(self, engine: Engine, payloads: Sequence[Any]) -> list[Any]:
-        """One result (or Exception) per payload; halves an out-of-memory batch down to single rows."""
+        """One result (or Exception) per payload; halves an out-of-memory batch down to single rows.
+
+        The halves run AFTER the ``except`` block, with the failed attempt's frames cleared: a live
+        traceback keeps every local of the failed ``generate_batch`` (its KV cache, its logits) reachable,
+        and the retry would meet the same memory pressure. The engine's optional ``release_memory()`` then
+        hands the freed blocks back to the device (see ``Engine``).
+        """
+        split = False
         try:
             results = await _generate_in_thread(engine, payloads, self._mode, self._limiter)
         except Exception as exc:
-            if is_out_of_memory(exc) and len(payloads) > 1:
-                mid = len(payloads) // 2
-                first = await self._generate(engine, payloads[:mid])
-                return first + await self._generate(engine, payloads[mid:])
-            return [exc] * len(payloads)
+            if not is_out_of_memory(exc):
+                return [exc] * len(payloads)
+            _drop_frames(exc)
+            if len(payloads) == 1:
+                return [exc]
+            split = True  # below, once ``exc`` and its traceback are gone
+        if split:
+            await _release_memory(engine, self._limiter)
+            mid = len(payloads) // 2
+            first = await self._generate(engine, payloads[:mid])
+            return first + await self._generate(engine, payloads[mid:])
         if (
             not isinstance(results, Sequence)
             or isinstance(results, str | bytes)
@@ -213,6 +232,33 @@ class Batcher:
             )
             return [err] * len(payloads)
         return list(results)
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in ``exc``'s tracebacks (its causes and contexts too).
+
+    The traceback text stays printable (code and line numbers are kept); what goes is what the frames held,
+    above all the tensors of a batch that ran out of memory.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        stack += [err.__cause__, err.__context__]
+
+
+async def _release_memory(engine: Engine, limiter: anyio.CapacityLimiter) -> None:
+    """Call the engine's optional ``release_memory()`` (in the device's thread: it may wait on the device)."""
+    release = getattr(engine, "release_memory", None)
+    if callable(release):
+        try:
+            await run_in_thread(release, limiter=limiter)
+        except Exception:  # best effort: the retry itself finds out whether memory is still short
+            log.warning("%s.release_memory() failed", type(engine).__name__, exc_info=True)
 
 
 async def _generate_in_thread(

@@ -49,11 +49,22 @@ class BatchCancelled(Exception):
 
 
 class ExecutionMode(enum.Enum):
-    """How local-model turns are generated.
+    """How local-model turns are generated, and what a rerun with the same seed reproduces.
 
-    BATCHED: concurrent turns for one model on one device co-step in one batched generate (the default).
-    DETERMINISTIC: every turn is generated alone with a generator seeded from (participant seed, rollout seed,
-    turn index), so a conversation is token-identical on the same hardware whatever runs beside it.
+    In both modes every local turn samples from its own random stream, seeded from (participant seed, the
+    job's rollout seed, the job id, the turn index), so the random draws of a turn never depend on other jobs.
+
+    DETERMINISTIC: every turn is generated alone and from scratch (no KV cache kept from an earlier turn),
+    so a conversation is token-identical on the same hardware and software whatever runs beside or before
+    it (the guarantee interp work needs).
+
+    BATCHED (the default): concurrent turns for one model on one device co-step in one batched generate.
+    The same seeds give the same random draws, but a turn's logits come from a forward pass over a batch
+    whose composition (other rows, their padding, how many are left, or a kept KV cache when a turn runs
+    alone) depends on timing. Tokens are reproducible only where that pass is batch-invariant, giving each
+    row bitwise the same logits whatever its batch mates (true of the tiny test models on CPU, generally not
+    of GPU kernels, which pick reduction orders by batch shape); elsewhere a rerun is reproducible in
+    distribution, not token for token.
     """
 
     BATCHED = "batched"
@@ -73,8 +84,10 @@ class Engine(Protocol):
         :class:`BatchCancelled`, so a cancelled run does not wait for a long generate to finish.
 
         Raising fails the whole batch: the batcher splits a batch that ran out of memory in halves and
-        retries, down to single requests. A per-request failure can instead be returned in place as an
-        Exception instance, which is raised to that request's caller only.
+        retries, down to single requests. Before each retry it clears the failed call's frames (so its
+        tensors are freed) and calls the engine's ``release_memory()`` if it has one (optional, not part of
+        this protocol's required methods: e.g. return the CUDA allocator's cached blocks). A per-request
+        failure can instead be returned in place as an Exception instance, raised to that caller only.
         """
         ...
 

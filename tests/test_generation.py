@@ -441,25 +441,77 @@ def test_lists_are_accepted_and_stored_as_tuples() -> None:
     assert request.prompt_ids == (3, 4) and request.stop == ("x",)
 
 
+class _WatchedLock:
+    """Wraps the engine's lock and tells the test when a second caller has reached it (and may block)."""
+
+    def __init__(self, lock: threading.Lock, second_caller: threading.Event) -> None:
+        self._lock = lock
+        self._second_caller = second_caller
+        self._callers = 0
+
+    def __enter__(self) -> _WatchedLock:
+        self._callers += 1
+        if self._callers >= 2:
+            self._second_caller.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 def test_concurrent_callers_are_serialised(engine: LocalEngine) -> None:
+    """Caller A holds the model (paused in its first forward pass) until caller B has either reached the
+    engine's lock or, if nothing serialises them, run a forward pass of its own beside A's."""
     requests = [
-        [GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=8, temperature=0.9, seed=i)]
-        for i, t in enumerate(_TOPICS)
+        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=8, temperature=0.9, seed=i)
+        for i, t in enumerate(_TOPICS[:2])
     ]
-    expected = [_alone(engine, r[0]).token_ids for r in requests]
-    barrier = threading.Barrier(len(requests))
-    got: dict[int, list[int]] = {}
+    expected = [_alone(engine, r).token_ids for r in requests]
+    b_arrived = threading.Event()  # B waits at the lock, or B is inside the model beside A
+    a_inside = threading.Event()
+    counts = {"active": 0, "peak": 0}
+    guard = threading.Lock()
+    got: dict[int, list[int] | BaseException] = {}
+
+    def enter(module: object, args: object) -> None:
+        with guard:
+            counts["active"] += 1
+            counts["peak"] = max(counts["peak"], counts["active"])
+            if counts["active"] > 1:
+                b_arrived.set()
+        if threading.current_thread().name == "caller-0" and not a_inside.is_set():
+            a_inside.set()
+            if not b_arrived.wait(timeout=60):
+                raise AssertionError("caller B never reached the engine")
+
+    def leave(module: object, args: object, output: object) -> None:
+        with guard:
+            counts["active"] -= 1
 
     def call(i: int) -> None:
-        barrier.wait(timeout=30)
-        got[i] = _ok(engine.generate_batch(requests[i]))[0].token_ids
+        try:
+            got[i] = _ok(engine.generate_batch([requests[i]]))[0].token_ids
+        except BaseException as exc:
+            got[i] = exc
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert [got[i] for i in range(len(requests))] == expected
+    lock = engine._lock
+    engine._lock = _WatchedLock(lock, b_arrived)  # type: ignore[assignment]
+    hooks = [engine.model.register_forward_pre_hook(enter), engine.model.register_forward_hook(leave)]
+    try:
+        first = threading.Thread(target=call, args=(0,), name="caller-0")
+        second = threading.Thread(target=call, args=(1,), name="caller-1")
+        first.start()
+        assert a_inside.wait(timeout=60)
+        second.start()
+        first.join(timeout=60)
+        second.join(timeout=60)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine._lock = lock
+    assert counts["peak"] == 1  # never two forward passes on the model at once
+    assert [got[0], got[1]] == expected
 
 
 # ---------------------------------------------------------------------------------------------- model cache

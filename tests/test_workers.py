@@ -51,10 +51,8 @@ def probe(conv: Conversation) -> dict[str, Any]:
 register_analyzer("workers_probe", probe)
 
 
-def debate(path: str) -> Conversation:
-    a = AutoModelParticipant.from_pretrained(
-        path, name="a", max_new_tokens=6, temperature=0.9, kv_reuse=False
-    )
+def debate(path: str, **settings: Any) -> Conversation:
+    a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=6, temperature=0.9, **settings)
     s = ScriptedParticipant("s", lambda view: f"reply {view.own_turns}")  # a lambda: travels by value
     rows = [{"i": i} for i in range(3)]
     return Conversation(participants=[a, s], shared_context="Debate: tabs vs spaces.").turns(3).data(rows)
@@ -65,8 +63,10 @@ def runs(qwen2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     register_worker_init(remember_worker)
     label = "closure"  # captured: the closure analyzer is shipped by value with its job
     lineups = [
-        debate(qwen2_path).analyzer("workers_probe").name("named"),
-        debate(qwen2_path).analyzer(lambda conv: {"pid": os.getpid(), "label": label}).name("closure"),
+        debate(qwen2_path, kv_reuse=False).analyzer("workers_probe").name("named"),
+        debate(qwen2_path, kv_reuse=False)
+        .analyzer(lambda conv: {"pid": os.getpid(), "label": label})
+        .name("closure"),
     ]
     try:
         out = tmp_path_factory.mktemp("workers")
@@ -91,6 +91,26 @@ def test_two_workers_give_the_in_process_results_token_for_token(runs: tuple[Run
         assert reader.counts()["done"] == 6
         assert len(reader.turns("closure/row_00002")) == 3
     assert _children() == set()  # both worker processes exited and were reaped
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["deterministic", "batched"])
+def test_default_settings_give_the_in_process_tokens_in_two_workers(qwen2_path: str, batched: bool) -> None:
+    """The same token-for-token check with the settings users get (KV reuse "auto", no participant seed).
+
+    Deterministic mode guarantees it. Batched, each worker batches 3 rows where one process batches 6: the
+    tokens agree because these models' batched forward pass is batch-invariant on CPU (see turn_seed).
+    """
+    lineups = [debate(qwen2_path).name("p"), debate(qwen2_path).name("q")]
+    multi = interlens.run(lineups, devices=["cpu", "cpu"], batched=batched, seed=3, progress=False)
+    single = interlens.run(lineups, devices=["cpu"], batched=batched, seed=3, progress=False)
+    assert multi.failed == [] and single.failed == [] and len(single.results) == 6
+    for job_id, res in single.results.items():
+        other = multi.results[job_id]
+        assert [(m.author, m.content) for m in other.transcript] == [
+            (m.author, m.content) for m in res.transcript
+        ]
+    assert all(r.transcript[1].n_tokens > 0 for r in single.results.values())
+    assert _children() == set()
 
 
 def test_both_workers_get_jobs_and_run_named_and_closure_analyzers(runs: tuple[RunReport, RunReport]) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
-from scheduler_testkit import Device, EchoEngine, EchoSpec, TurnsJob, lineup
+import torch
+from scheduler_testkit import Device, EchoEngine, EchoSpec, OutOfMemoryError, TurnsJob, lineup
 
 from interlens.scheduler import EngineLoadError, ExecutionMode, JobContext, JobResult, NoDeviceError, run_jobs
 
@@ -88,6 +92,65 @@ async def test_out_of_memory_batch_is_halved_until_only_the_poisoned_row_fails()
     assert err is not None and err.type == "OutOfMemoryError" and "out of memory" in err.message
     # 16 → 8+8, the poisoned half → 4+4, its poisoned half → 2+2 → 1+1: every clean half succeeds once.
     assert spec.engine.sizes == [16, 8, 4, 4, 2, 1, 1, 2, 8]
+
+
+class MemoryHungryEngine:
+    """Each batch allocates real tensors; a batch of more than ``fits`` rows runs out of memory holding them.
+
+    It remembers weak references to the tensors of every failed batch and records, at each later call, how
+    many are still alive: a retry that starts while they are would meet the same memory pressure.
+    """
+
+    def __init__(self, fits: int) -> None:
+        self.fits = fits
+        self.failed: list[weakref.ref[torch.Tensor]] = []
+        self.calls: list[tuple[str, int, int]] = []  # (what, batch size, failed tensors still alive)
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.failed)
+
+    def generate_batch(
+        self, requests: Sequence[Any], *, mode: ExecutionMode, cancelled: threading.Event | None = None
+    ) -> list[Any]:
+        self.calls.append(("generate", len(requests), self.alive()))
+        activations = torch.zeros(len(requests), 4096)  # the batch's working memory, held by this frame
+        if len(requests) > self.fits:
+            self.failed.append(weakref.ref(activations))
+            self._forward(activations)
+        return [f"ok({r})" for r in requests]
+
+    def _forward(self, activations: torch.Tensor) -> None:
+        hidden = activations + 1  # a deeper frame holding more
+        self.failed.append(weakref.ref(hidden))
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def release_memory(self) -> None:
+        self.calls.append(("release", 0, self.alive()))
+
+
+async def test_out_of_memory_retry_starts_after_the_failed_batch_is_freed() -> None:
+    engine = MemoryHungryEngine(fits=2)
+    spec = EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
+    jobs = [TurnsJob([spec], turns=1) for _ in range(8)]
+    with anyio.fail_after(20):
+        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+    assert len(out.done) == 8
+    assert out.outcome("a/0003").conversation["turns"][0]["text"] == "ok(a/0003:0)"
+    # 8 fails → freed, released → 4 fails → freed, released → 2, 2 → the other 4 fails → ... → 2, 2.
+    assert [c[:2] for c in engine.calls] == [
+        ("generate", 8),
+        ("release", 0),
+        ("generate", 4),
+        ("release", 0),
+        ("generate", 2),
+        ("generate", 2),
+        ("generate", 4),
+        ("release", 0),
+        ("generate", 2),
+        ("generate", 2),
+    ]
+    assert len(engine.failed) == 6
+    assert [c[2] for c in engine.calls] == [0] * len(engine.calls)  # nothing of a failed batch outlived it
 
 
 async def test_other_batch_exception_fails_every_caller_of_that_batch_only() -> None:

@@ -1,0 +1,123 @@
+"""The batch sampler: the right distribution and nucleus; a seeded row draws the same alone or batched.
+
+Logits are built by hand so the expected probabilities are known exactly; the engine-level checks (a seeded
+row batched equals the row alone, on real tiny models) are in test_generation.py and test_seeding.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interlens._generation import GenerationRequest
+from interlens._sampling import Sampler, _inverse_cdf
+
+# Six tokens: probabilities .4 .3 .2 .1, then two that are impossible (-inf logits).
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
+LOGITS = PROBS.log()
+
+
+def _request(*, seed: int | None = None, temperature: float = 1.0, top_p: float = 1.0) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=(1,), max_new_tokens=1, temperature=temperature, top_p=top_p, seed=seed
+    )
+
+
+def _frequencies(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=len(PROBS)).double() / len(tokens)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_rows_are_drawn_from_their_softmax(seeded: bool) -> None:
+    n = 20_000
+    torch.manual_seed(0)
+    sampler = Sampler([_request(seed=i if seeded else None) for i in range(n)], "cpu")
+    freq = _frequencies(sampler(LOGITS.expand(n, -1)))
+    sigma = (PROBS * (1 - PROBS) / n).sqrt().double()
+    assert ((freq - PROBS.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+    assert freq[4:].sum() == 0  # impossible tokens are never drawn
+
+
+def test_temperature_sharpens_and_flattens_per_row() -> None:
+    n = 20_000
+    cold = Sampler([_request(seed=i, temperature=0.25) for i in range(n)], "cpu")(LOGITS.expand(n, -1))
+    hot = Sampler([_request(seed=i, temperature=4.0) for i in range(n)], "cpu")(LOGITS.expand(n, -1))
+    expect_cold = torch.softmax(LOGITS / 0.25, dim=-1).double()
+    expect_hot = torch.softmax(LOGITS / 4.0, dim=-1).double()
+    assert (_frequencies(cold) - expect_cold).abs().max() < 0.02
+    assert (_frequencies(hot) - expect_hot).abs().max() < 0.02
+
+
+@pytest.mark.parametrize(
+    ("top_p", "nucleus"),
+    [
+        (0.7, [0, 1]),  # .4 < .7, .4 + .3 reaches it: the two most likely
+        (0.4, [0]),  # the first token alone reaches it exactly
+        (0.75, [0, 1, 2]),
+        (1e-6, [0]),
+    ],
+)
+def test_top_p_samples_within_the_nucleus_in_proportion(top_p: float, nucleus: list[int]) -> None:
+    n = 20_000
+    shuffled = torch.tensor([3, 0, 5, 2, 4, 1])  # the sampler must not rely on the vocabulary being sorted
+    logits = LOGITS[shuffled].expand(n, -1)
+    tokens = Sampler([_request(seed=i, top_p=top_p) for i in range(n)], "cpu")(logits)
+    freq = torch.bincount(shuffled[tokens], minlength=len(PROBS)).double() / n
+    kept = PROBS[nucleus].double()
+    expected = torch.zeros(len(PROBS), dtype=torch.float64)
+    expected[nucleus] = kept / kept.sum()
+    assert (freq - expected).abs().max() < 0.02, freq
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_or_in_any_batch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    steps = [torch.randn(5, 300, generator=generator) * 2 for _ in range(12)]
+    rows = [
+        _request(temperature=0),  # greedy
+        _request(seed=7),
+        _request(),  # unseeded: draws from the global RNG between the seeded rows
+        _request(seed=9, top_p=0.8),
+        _request(seed=11, temperature=0.6),
+    ]
+    batched = Sampler(rows, "cpu")
+    alone = {j: Sampler([rows[j]], "cpu") for j in (1, 3, 4)}
+    for logits in steps:
+        together = batched(logits)
+        for j, sampler in alone.items():
+            assert sampler(logits[j : j + 1]).item() == together[j].item()
+        assert together[0].item() == logits[0].argmax().item()
+
+
+def test_a_row_keeps_its_stream_when_its_batch_mates_finish() -> None:
+    generator = torch.Generator().manual_seed(2)
+    steps = [torch.randn(3, 300, generator=generator) for _ in range(10)]
+    full = Sampler([_request(seed=1), _request(seed=2), _request(seed=3)], "cpu")
+    alone = Sampler([_request(seed=3)], "cpu")
+    for step, logits in enumerate(steps):
+        if step == 4:
+            full = full.select([2])  # rows 0 and 1 finished
+        rows = logits if step < 4 else logits[2:]
+        assert full(rows)[-1].item() == alone(logits[2:]).item()
+
+
+def test_unseeded_rows_follow_torch_manual_seed() -> None:
+    logits = torch.randn(4, 300)
+    sampler = Sampler([_request() for _ in range(4)], "cpu")
+    torch.manual_seed(5)
+    first = [sampler(logits).tolist() for _ in range(5)]
+    torch.manual_seed(5)
+    assert [sampler(logits).tolist() for _ in range(5)] == first
+
+
+def test_the_draw_never_leaves_the_support_even_at_the_top_of_the_unit_interval() -> None:
+    cdf = PROBS.cumsum(0).expand(3, -1).contiguous()
+    # 1.0 itself cannot come from a stream, but a float32 rounding of 1 - 2**-60 is exactly 1.0.
+    u = torch.tensor([0.0, 1.0 - 2**-24, 1.0])
+    assert _inverse_cdf(cdf, u).tolist() == [0, 3, 3]  # token 3 is the last with any mass
+
+
+def test_seeds_differing_only_in_sign_are_different_streams() -> None:
+    logits = torch.zeros(2, 300)  # uniform: every draw shows
+    sampler = Sampler([_request(seed=5), _request(seed=-5)], "cpu")
+    draws = torch.stack([sampler(logits) for _ in range(10)])
+    assert draws[:, 0].tolist() != draws[:, 1].tolist()
