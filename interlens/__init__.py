@@ -16,6 +16,7 @@ from ._conversation import Conversation
 from ._exceptions import (
     AnalyzerError,
     ConfigurationError,
+    ConfigurationTypeError,
     DeviceError,
     FingerprintMismatchError,
     GenerationError,
@@ -31,6 +32,7 @@ from ._exceptions import (
     UnknownAnalyzerError,
     UnknownParticipantError,
     UnrunConversationError,
+    WorkerStartError,
 )
 from ._message import Message, Transcript
 from ._model_participant import AutoModelParticipant, ModelParticipant
@@ -48,6 +50,7 @@ __all__ = [
     "AutoModelParticipant",
     "BatchPolicy",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "Conversation",
     "DeviceError",
     "ExecutionMode",
@@ -78,6 +81,7 @@ __all__ = [
     "UnknownParticipantError",
     "UnrunConversationError",
     "View",
+    "WorkerStartError",
     "arun",
     "available_devices",
     "dataset_field",

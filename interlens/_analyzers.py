@@ -149,11 +149,18 @@ async def run_analyzer(analyzer: Callable[[Conversation], Any] | str, conv: Conv
         if inspect.isawaitable(value):
             value = await value
     try:
-        json.dumps(value)
-    except (TypeError, ValueError) as exc:
+        json.dumps(value, allow_nan=False)  # NaN/Infinity are not JSON: strict readers reject the file
+    except ValueError as exc:
+        if "Out of range float" not in str(exc):
+            raise AnalyzerError(f"the analyzer returned a value that is not JSON ({exc})") from None
+        raise AnalyzerError(
+            "the analyzer returned a value that is not JSON: it contains NaN or Infinity, which JSON cannot "
+            "represent. Return None (or a string such as 'nan') where there is no number, e.g. "
+            "None if math.isnan(x) else x"
+        ) from None
+    except TypeError as exc:
         raise AnalyzerError(
             f"the analyzer returned a value that is not JSON-serializable ({exc}); return plain dicts, "
-            "lists, "
-            "strings, numbers, booleans or None (convert tensors with .tolist() or float(...))"
+            "lists, strings, numbers, booleans or None (convert tensors with .tolist() or float(...))"
         ) from None
     return value

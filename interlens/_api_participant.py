@@ -21,7 +21,7 @@ from interlens.scheduler._gateway import BatchPolicy, BatchRowError, ProviderCal
 
 from ._api_clients import PROVIDERS, open_client, resolve_base_url
 from ._api_request import APIRequest, APIResult, fold_view
-from ._exceptions import ConfigurationError, GenerationError
+from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError
 from ._message import MODERATOR, Message
 from ._model_participant import CURRENT_JOB
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
@@ -66,8 +66,10 @@ def _number_or_none(name: str, field: str, value: Any, low: float, high: float, 
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not (low < value <= high if open_low else low <= value <= high):
         bracket = "(" if open_low else "["
-        raise ConfigurationError(
-            f"{name}: {field} must be None or a number in {bracket}{low}, {high}], got {value!r}"
+        error = ConfigurationError if ok else ConfigurationTypeError  # "hot" is a TypeError, 3.0 a ValueError
+        raise error(
+            f"APIParticipant({name!r}): {field} must be None or a number in {bracket}{low}, {high}] (None "
+            f"sends no {field}: the provider's default), got {value!r}"
         )
     return float(value)
 

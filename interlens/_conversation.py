@@ -14,14 +14,16 @@ import dataclasses
 import hashlib
 import json
 import os
+import reprlib
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
 from ._exceptions import (
     ConfigurationError,
+    ConfigurationTypeError,
     InterlensError,
     SchemaVersionError,
     UnknownParticipantError,
@@ -41,6 +43,7 @@ from ._templating import (
 )
 
 if TYPE_CHECKING:
+    from ._options import RunOptions
     from ._report import RunReport
 
 __all__ = ["SCHEMA_VERSION", "Conversation"]
@@ -135,16 +138,14 @@ class Conversation:
         stop: Sequence[StopCondition] = (),
     ) -> None:
         recipe = _Recipe(
-            participants=tuple(participants)
-            if not isinstance(participants, Participant)
-            else (participants,),
+            participants=_participants_tuple(participants),
             shared_context=shared_context,
             shared_system_prompt=shared_system_prompt,
             turns=turns,
             data=data,
             analyzer=analyzer,
             name=name,
-            stop=tuple(stop),
+            stop=_stop_tuple(stop),
         )
         _validate(recipe)
         self._recipe = recipe
@@ -252,9 +253,9 @@ class Conversation:
         if unknown:
             raise ConfigurationError(f"Conversation has no field(s) {unknown}; fields: {list(_FIELDS)}")
         if "participants" in fields:
-            fields["participants"] = tuple(fields["participants"])
+            fields["participants"] = _participants_tuple(fields["participants"])
         if "stop" in fields:
-            fields["stop"] = tuple(fields["stop"])
+            fields["stop"] = _stop_tuple(fields["stop"])
         return self._copy(**fields)
 
     # ------------------------------------------------------------------ state
@@ -407,7 +408,7 @@ class Conversation:
         return _run_sync(self.asample, speaker, prompt)
 
     # ------------------------------------------------------------------ rollouts (see _rollout)
-    def rollout(self, n: int | None = None, **options: Any) -> RunReport:
+    def rollout(self, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
         """Run ``n`` independent copies (or one per data row); see :func:`interlens.run` for the options.
 
         ``seed=`` (default 0) seeds every local turn and ``sample()`` of every copy. With ``batched=False``
@@ -419,7 +420,7 @@ class Conversation:
 
         return rollout(self, n, **options)
 
-    async def arollout(self, n: int | None = None, **options: Any) -> RunReport:
+    async def arollout(self, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
         """Async twin of :meth:`rollout` (works under top-level await)."""
         from ._rollout import arollout
 
@@ -492,12 +493,40 @@ class Conversation:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Conversation:
-        """Read a conversation written by :meth:`save`. Participants come back lazy (no weights loaded)."""
+        """Read a conversation written by :meth:`save`. Participants come back lazy (no weights loaded).
+
+        A file that is not such a conversation (corrupt, truncated, some other JSON) is refused with an
+        error naming it, and left untouched: loading only ever reads.
+        """
         target = Path(directory) / _SAVE_FILE
         if not target.exists():
             raise ConfigurationError(f"no saved conversation at {target} (save(dir) writes {_SAVE_FILE})")
-        payload = json.loads(target.read_text())
-        _check_schema(payload)
+        refused = f"{target} is not a conversation saved by Conversation.save() (the file was left untouched)"
+        try:
+            payload = json.loads(target.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigurationError(f"{refused}: it is not valid JSON ({exc})") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("schema"), int):
+            keys = sorted(payload)[:8] if isinstance(payload, dict) else type(payload).__name__
+            raise ConfigurationError(f"{refused}: it has no interlens 'schema' version (found {keys})")
+        try:
+            _check_schema(payload)
+            return cls._from_payload(payload)
+        except InterlensError as exc:
+            raise type(exc)(f"cannot load {target}: {exc}") from exc
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"cannot load {target}: a function it names cannot be imported ({exc}); make its module "
+                "importable (on sys.path) before loading"
+            ) from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigurationError(
+                f"cannot load {target}: it does not have the shape Conversation.save() writes "
+                f"({type(exc).__name__}: {exc}); the file was left untouched"
+            ) from exc
+
+    @classmethod
+    def _from_payload(cls, payload: Mapping[str, Any]) -> Conversation:
         recipe = payload["recipe"]
         stop = []
         for item in recipe.get("stop", []):
@@ -532,13 +561,39 @@ class Conversation:
 
 
 # ---------------------------------------------------------------------- helpers
+def _participants_tuple(participants: Any) -> tuple[Participant, ...]:
+    """``participants=`` as a tuple: one Participant or an iterable of them (each checked by _validate)."""
+    if isinstance(participants, Participant):
+        return (participants,)
+    if isinstance(participants, str | bytes | Mapping) or not isinstance(participants, Iterable):
+        raise ConfigurationTypeError(
+            "Conversation(participants=...) needs a list of Participant objects, e.g. "
+            f"Conversation([ScriptedParticipant('a', ['hi']), model]), got {type(participants).__name__} "
+            f"{reprlib.repr(participants)}"
+        )
+    return tuple(participants)
+
+
+def _stop_tuple(stop: Any) -> tuple[StopCondition, ...]:
+    if isinstance(stop, StopCondition):
+        return (stop,)
+    if isinstance(stop, str | bytes | Mapping) or not isinstance(stop, Iterable):
+        raise ConfigurationTypeError(
+            "Conversation(stop=...) needs a list of StopCondition objects, e.g. stop=[StopStrings('DONE')], "
+            f"got {type(stop).__name__}"
+        )
+    return tuple(stop)
+
+
 def _validate(recipe: _Recipe) -> None:
     if not recipe.participants:
         raise ConfigurationError("a Conversation needs at least one participant")
     for p in recipe.participants:
         if not isinstance(p, Participant):
-            raise ConfigurationError(
-                f"participants must be Participant objects, got {type(p).__name__}: {p!r}"
+            raise ConfigurationTypeError(
+                f"Conversation(participants=...) takes Participant objects (ScriptedParticipant, "
+                f"AutoModelParticipant.from_pretrained(...), APIParticipant), got {type(p).__name__}: "
+                f"{reprlib.repr(p)}"
             )
     names = [p.name for p in recipe.participants]
     if len(set(names)) != len(names):

@@ -3,7 +3,8 @@
 The hierarchy::
 
     InterlensError                      base of everything below; catch this to catch us
-    ├── ConfigurationError              bad input to a constructor, modifier or run call
+    ├── ConfigurationError              bad input to a constructor, modifier or run call (a ValueError)
+    │   ├── ConfigurationTypeError      a value of the wrong type, or an unknown option (also a TypeError)
     │   ├── TemplateError               a template cannot be resolved for a row
     │   │   └── MissingColumnError      dataset_field("col") names a column the row lacks
     │   ├── UnknownParticipantError     a speaker name that is not in the conversation
@@ -14,6 +15,7 @@ The hierarchy::
     ├── GenerationError                 a participant failed to produce a turn
     │   └── ModelLoadError              weights or tokenizer could not be loaded
     ├── AnalyzerError                   an analyzer raised or returned something not JSON-serializable
+    ├── WorkerStartError                a worker process could not start (a device, an import, an init hook)
     └── LedgerError                     the run ledger (``out_dir/ledger.sqlite``) refused an operation
         ├── LedgerLockedError           another live process is writing the same out_dir
         ├── FingerprintMismatchError    a rerun's recipe differs from the one that produced the ledger
@@ -35,6 +37,7 @@ from interlens.store import _errors as _store_errors
 __all__ = [
     "AnalyzerError",
     "ConfigurationError",
+    "ConfigurationTypeError",
     "DeviceError",
     "FingerprintMismatchError",
     "GenerationError",
@@ -50,6 +53,7 @@ __all__ = [
     "UnknownAnalyzerError",
     "UnknownParticipantError",
     "UnrunConversationError",
+    "WorkerStartError",
 ]
 
 
@@ -59,6 +63,13 @@ class InterlensError(Exception):
 
 class ConfigurationError(InterlensError, ValueError):
     """Bad input to a constructor, modifier or run call; raised before any work starts."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """A configuration value of the wrong type, or a keyword option that does not exist.
+
+    Also a ``TypeError``, which is what Python raises for a wrong argument type or an unexpected keyword.
+    """
 
 
 class TemplateError(ConfigurationError):
@@ -110,6 +121,13 @@ class AnalyzerError(InterlensError):
     """An analyzer raised, or returned a value that is not JSON-serializable."""
 
 
+class WorkerStartError(InterlensError, _scheduler_errors.WorkerStartError):
+    """A worker could not start: its process died or timed out, or its set-up (imports, init hooks) raised.
+
+    Raised by the run before any job starts; also ``interlens.scheduler.WorkerStartError``.
+    """
+
+
 class LedgerError(InterlensError, _store_errors.StoreError):
     """The run ledger refused an operation."""
 
@@ -133,6 +151,7 @@ class LedgerCorruptError(LedgerError, _store_errors.LedgerCorruptError):
 _TRANSLATION: dict[type[BaseException], type[InterlensError]] = {
     _scheduler_errors.DeviceError: DeviceError,
     _scheduler_errors.SchedulerConfigError: ConfigurationError,
+    _scheduler_errors.WorkerStartError: WorkerStartError,
     _store_errors.LedgerLockedError: LedgerLockedError,
     _store_errors.FingerprintMismatchError: FingerprintMismatchError,
     _store_errors.LedgerSchemaError: LedgerSchemaError,

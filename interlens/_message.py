@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from ._exceptions import ConfigurationError, ConfigurationTypeError
+
 __all__ = ["MODERATOR", "Message", "Transcript"]
 
 MODERATOR = "moderator"
@@ -29,6 +31,26 @@ class Message:
     content: str
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.author, str) or not self.author:
+            raise ConfigurationTypeError(
+                f"Message(author, content): author must be the speaker's name (a non-empty str), got "
+                f"{self.author!r} ({type(self.author).__name__})"
+            )
+        if not isinstance(self.content, str):
+            raise ConfigurationTypeError(
+                f"Message({self.author!r}, content): content must be a str, got {self.content!r} "
+                f"({type(self.content).__name__}); convert it first, e.g. Message({self.author!r}, "
+                f"str(value))"
+            )
+        if not isinstance(self.metadata, dict):
+            if not isinstance(self.metadata, Mapping):
+                raise ConfigurationTypeError(
+                    f"Message({self.author!r}, ...): metadata must be a dict, got "
+                    f"{type(self.metadata).__name__}"
+                )
+            self.metadata = dict(self.metadata)
+
     @property
     def n_tokens(self) -> int:
         """Tokens generated for this turn (0 for turns nobody generated, such as the shared context)."""
@@ -39,6 +61,11 @@ class Message:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Message:
+        if not isinstance(data, Mapping) or "author" not in data or "content" not in data:
+            raise ConfigurationError(
+                f"a message in JSON is an object with 'author' and 'content' (and optional 'metadata'), got "
+                f"{str(data)[:200]}"
+            )
         return cls(author=data["author"], content=data["content"], metadata=dict(data.get("metadata") or {}))
 
     def __str__(self) -> str:

@@ -12,6 +12,7 @@ directly with a batch of one.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import json
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._exceptions import ConfigurationError, GenerationError, ModelLoadError
+from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, ModelLoadError
 from ._message import Message
 from ._participant import GenerationOptions, Participant, View, register_participant_kind
 from ._templating import Template, template_from_json
+from ._validate import check_int, check_number
 
 __all__ = ["AutoModelParticipant", "ModelParticipant", "register_family"]
 
@@ -126,18 +128,33 @@ class ModelParticipant(Participant):
         revision: str | None = None,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
+        who = f"{type(self).__name__}({name!r})"
         if not isinstance(model_id, str) or not model_id:
-            raise ConfigurationError(f"{name}: model_id must be a hub id or a local path, got {model_id!r}")
-        if temperature < 0:
-            raise ConfigurationError(f"{name}: temperature must be >= 0 (0 = greedy), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ConfigurationError(f"{name}: top_p must be in (0, 1], got {top_p}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ConfigurationError(f"{name}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if kv_reuse not in (True, False, "auto"):
-            raise ConfigurationError(f"{name}: kv_reuse must be True, False or 'auto', got {kv_reuse!r}")
+            raise ConfigurationError(f"{who}: model_id must be a hub id or a local path, got {model_id!r}")
+        temperature = check_number(
+            temperature, what=f"{who}: temperature", low=0, fix="0 = greedy, 1 = as trained"
+        )
+        top_p = check_number(
+            top_p, what=f"{who}: top_p", low=0, high=1, open_low=True, fix="1.0 = no nucleus cut-off"
+        )
+        check_int(
+            max_new_tokens, what=f"{who}: max_new_tokens", low=1, fix="the output cap per turn, e.g. 256"
+        )
+        if not (isinstance(kv_reuse, bool) or kv_reuse == "auto"):
+            raise ConfigurationError(f"{who}: kv_reuse must be True, False or 'auto', got {kv_reuse!r}")
         if isinstance(stop, str):
             stop = (stop,)
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigurationTypeError(
+                f"{who}: stop must be a str or a list of non-empty str, got {stop!r}"
+            )
+        if seed is not None:
+            check_int(seed, what=f"{who}: seed", low=0, fix="or None for the run's per-rollout seeds")
+        for setting, value in (("device", device), ("dtype", dtype), ("revision", revision)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigurationTypeError(
+                    f"{who}: {setting} must be a str or None, got {value!r} ({type(value).__name__})"
+                )
         self.model_id = model_id
         self.temperature = float(temperature)
         self.top_p = float(top_p)
@@ -294,13 +311,41 @@ def _read_model_type(id_or_path: str, revision: str | None) -> str | None:
         config = local / "config.json"
         if not config.exists():
             raise ModelLoadError(f"{id_or_path} is a directory without config.json; is it a saved model?")
-        return json.loads(config.read_text()).get("model_type")
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(
+                f"{config} is not valid JSON ({exc}), so {id_or_path} cannot be read as a model; fix or "
+                "regenerate it (model.save_pretrained(dir) writes it)"
+            ) from None
+        if not isinstance(data, dict):
+            raise ModelLoadError(
+                f"{config} holds a JSON {type(data).__name__}, not the object of a model config; fix or "
+                "regenerate it (model.save_pretrained(dir) writes it)"
+            )
+        model_type = data.get("model_type")
+        return model_type if isinstance(model_type, str) else None
     try:
         from transformers import AutoConfig
 
         return getattr(AutoConfig.from_pretrained(id_or_path, revision=revision), "model_type", None)
     except Exception:
         return None  # offline or not yet downloaded: resolve the family at load time instead
+
+
+#: The keyword settings of ModelParticipant (and so of from_pretrained), in the order messages list them.
+_SETTINGS = (
+    "system_prompt",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "stop",
+    "seed",
+    "kv_reuse",
+    "device",
+    "dtype",
+    "revision",
+)
 
 
 class AutoModelParticipant:
@@ -319,6 +364,19 @@ class AutoModelParticipant:
         Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
         ``kv_reuse`` ("auto" | True | False), ``device``, ``dtype``, ``revision``.
         """
+        unknown = sorted(set(settings) - set(_SETTINGS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise ConfigurationTypeError(
+                f"AutoModelParticipant.from_pretrained(name={name!r}) has no setting {unknown[0]!r}{hint}; "
+                f"its settings are: {', '.join(_SETTINGS)}"
+            )
+        if not isinstance(id_or_path, str | Path) or not str(id_or_path):
+            raise ConfigurationTypeError(
+                f"AutoModelParticipant.from_pretrained(name={name!r}) needs a hub id or a local directory, "
+                f"got {id_or_path!r}"
+            )
         model_id = str(id_or_path)
         model_type = _read_model_type(model_id, settings.get("revision"))
         cls = _FAMILIES.get(model_type or "", ModelParticipant)

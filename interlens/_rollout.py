@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
-from ._exceptions import ConfigurationError, InterlensError, TemplateError, translate
+from ._exceptions import ConfigurationError, ConfigurationTypeError, InterlensError, TemplateError, translate
 from ._inputs import explain_change, input_fingerprint
 from ._model_participant import CURRENT_JOB
+from ._options import Options, RunOptions, check_n, parse_options, prepare_out_dir
 from ._participant import Participant
 from ._stop import ambient_conditions
 from ._templating import DatasetField, is_templated, resolve
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from ._report import RunReport
 
 __all__ = ["arollout", "arun", "rollout", "run", "turn_seed"]
+
+log = logging.getLogger("interlens")
 
 
 def _mix(*parts: int | str) -> int:
@@ -298,12 +301,6 @@ def lineup_spec(
     )
 
 
-def _mode(batched: bool) -> ExecutionMode:
-    from interlens.scheduler import ExecutionMode
-
-    return ExecutionMode.BATCHED if batched else ExecutionMode.DETERMINISTIC
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -316,42 +313,72 @@ def _versions() -> dict[str, str]:
     return out
 
 
-async def _execute(
-    lineups: Sequence[tuple[Conversation, LineupSpec]],
-    *,
-    devices: Sequence[str] | None,
-    out_dir: str | os.PathLike[str] | None,
-    resume: bool,
-    batched: bool,
-    **scheduler_options: Any,
-) -> RunReport:
-    from interlens.scheduler import ExecutionMode, available_devices, run_jobs
+async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: Options) -> RunReport:
+    """Run the expanded lineups; every option was checked by ``parse_options`` in the user's call."""
+    from interlens.scheduler import available_devices, run_jobs, validate_devices
 
     from ._report import RunReport
 
-    mode = ExecutionMode.BATCHED if batched else ExecutionMode.DETERMINISTIC
+    devices = options.devices
     if devices is None:  # only local models need a device: don't import torch to run scripted or API jobs
         local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
         devices = available_devices() if local else ["cpu"]
-    devices = devices if isinstance(devices, str) else list(devices)  # the scheduler explains a bare str
-    if not isinstance(devices, str) and len(devices) > 1:  # local-model jobs run in worker processes
+    try:
+        devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
+    except Exception as exc:
+        raise translate(exc) from None
+    if len(devices) > 1:  # local-model jobs run in worker processes
         for conv, spec in lineups:
             if any(p.needs_device for p in conv.participants):
                 check_shippable(conv.analyzer_fn, lineup=spec.name)
+    prepare_out_dir(options)
     try:
         outcome = await run_jobs(
             [spec for _, spec in lineups],
             devices=devices,
-            out_dir=out_dir,
-            resume=resume,
-            mode=mode,
+            out_dir=options.out_dir,
+            resume=options.resume,
+            mode=options.mode,
+            progress=options.progress,
             versions=_versions(),
             worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
-            **scheduler_options,
+            **options.scheduler,
         )
     except Exception as exc:
         raise translate(exc) from exc.__cause__
-    return RunReport(outcome, {spec.name: conv for conv, spec in lineups})
+    report = RunReport(outcome, {spec.name: conv for conv, spec in lineups})
+    _warn_failures(report, options.caller)
+    return report
+
+
+def _warn_failures(report: RunReport, caller: str) -> None:
+    """Say at the end of a run that jobs failed: a run whose every job failed must not look like success."""
+    failed = report.failed
+    if not failed:
+        return
+    total = len(report.results)
+    first = report.results[failed[0]].error
+    why = f"{first.type}: {first.message}" if first is not None else "no error recorded"
+    if total == 1:
+        how_many = "its only job"
+    elif len(failed) == total:
+        how_many = f"all {total} jobs"
+    else:
+        how_many = f"{len(failed)} of {total} jobs"
+    where = f"; they are kept in the ledger in {report.out_dir}" if report.out_dir is not None else ""
+    log.warning(
+        "%s() finished but %s failed. The first, %s, failed with %s. The failed ids are in report.failed and "
+        "each error in report.results[job_id].error%s",
+        caller,
+        how_many,
+        failed[0],
+        _shorten(why),
+        where,
+    )
+
+
+def _shorten(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _lineups(
@@ -386,97 +413,67 @@ def _lineups(
     return out
 
 
-async def arun(
-    conversations: Iterable[Conversation],
-    *,
-    devices: Sequence[str] | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    resume: bool = True,
-    seed: int = 0,
-    batched: bool = True,
-    **options: Any,
-) -> RunReport:
-    """Run many lineups in one pool; see :func:`run`."""
-    return await _execute(
-        _lineups(conversations, seed, _mode(batched)),
-        devices=devices,
-        out_dir=out_dir,
-        resume=resume,
-        batched=batched,
-        **options,
-    )
+async def _arun(conversations: Iterable[Conversation], options: Options) -> RunReport:
+    from ._conversation import Conversation
+
+    if not isinstance(conversations, Conversation) and (
+        isinstance(conversations, str | bytes | Mapping) or not isinstance(conversations, Iterable)
+    ):
+        raise ConfigurationTypeError(
+            f"{options.caller}() takes a list of Conversation objects (one per lineup), got "
+            f"{type(conversations).__name__}; e.g. {options.caller}([pair, solo], out_dir='runs/x')"
+        )
+    return await _execute(_lineups(conversations, options.seed, options.mode), options)
 
 
-def run(
-    conversations: Iterable[Conversation],
-    *,
-    devices: Sequence[str] | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    resume: bool = True,
-    seed: int = 0,
-    batched: bool = True,
-    **options: Any,
-) -> RunReport:
+async def arun(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:
+    """Async twin of :func:`run` (works under top-level await)."""
+    return await _arun(conversations, parse_options("arun", options))
+
+
+def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:
     """Run many lineups in one pool under one ``out_dir``/resume namespace.
 
     Each conversation expands to its own jobs (one per ``.data()`` row, else a single job), namespaced by its
     ``.name()``: ``pair_7b``, ``gpqa/row_00000``... (unnamed lineups are ``conv0``, ``conv1``...).
-    Options: ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress`` (None:
-    a bar when interactive).
+
+    Options (keyword only; checked before anything runs, an unknown one is refused):
+    ``devices`` (None: every visible GPU, or the CPU when no local model; else a list such as
+    ``["cuda:0", "cuda:1"]``), ``out_dir`` (None: in memory; a directory: checkpointed and resumable),
+    ``seed`` (0; per-job seeds are seed, seed+1, ...), ``resume`` (True; False moves an old ledger aside and
+    starts fresh), ``batched`` (True) or ``mode`` (``ExecutionMode.BATCHED``; ``DETERMINISTIC`` is
+    ``batched=False``), ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress``
+    (None: a bar when interactive), ``max_batch_wait`` (0.05 s), ``worker_start_timeout`` (300 s).
+    Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
+    how many failed and why the first did.
     """
     from interlens.scheduler import run_sync
 
-    return run_sync(
-        arun,
-        conversations,
-        devices=devices,
-        out_dir=out_dir,
-        resume=resume,
-        seed=seed,
-        batched=batched,
-        **options,
-    )
+    return run_sync(_arun, conversations, parse_options("run", options))
 
 
-async def arollout(
-    conv: Conversation,
-    n: int | None = None,
-    *,
-    devices: Sequence[str] | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-    batched: bool = True,
-    resume: bool = True,
-    **options: Any,
-) -> RunReport:
+async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunReport:
+    from ._conversation import Conversation
+
+    if not isinstance(conv, Conversation):
+        raise ConfigurationTypeError(
+            f"{options.caller}() rolls out a Conversation, got {type(conv).__name__}; call "
+            f"conv.{options.caller}(n=...) on a Conversation"
+        )
     lineup = conv.name() or "rollout"
-    spec = lineup_spec(conv, n, seed=seed, mode=_mode(batched), prefix="", single_job_id=None, lineup=lineup)
-    return await _execute(
-        [(conv, spec)], devices=devices, out_dir=out_dir, resume=resume, batched=batched, **options
+    spec = lineup_spec(
+        conv, n, seed=options.seed, mode=options.mode, prefix="", single_job_id=None, lineup=lineup
     )
+    return await _execute([(conv, spec)], options)
 
 
-def rollout(
-    conv: Conversation,
-    n: int | None = None,
-    *,
-    devices: Sequence[str] | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    seed: int = 0,
-    batched: bool = True,
-    resume: bool = True,
-    **options: Any,
-) -> RunReport:
+async def arollout(conv: Conversation, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
+    """Async twin of :func:`rollout` (works under top-level await)."""
+    return await _arollout(conv, check_n("arollout", n), parse_options("arollout", options))
+
+
+def rollout(conv: Conversation, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
+    """Run ``n`` independent copies of ``conv`` (default one, or one per data row); options as :func:`run`."""
     from interlens.scheduler import run_sync
 
-    return run_sync(
-        arollout,
-        conv,
-        n,
-        devices=devices,
-        out_dir=out_dir,
-        seed=seed,
-        batched=batched,
-        resume=resume,
-        **options,
-    )
+    return run_sync(_arollout, conv, check_n("rollout", n), parse_options("rollout", options))

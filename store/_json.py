@@ -51,13 +51,18 @@ class SecretGuard:
 def dumps(value: Any, *, what: str, guard: SecretGuard) -> str:
     """Encode ``value`` as JSON, or raise a TypeError/ValueError naming ``what`` ("the analysis of job x")."""
     try:
-        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except TypeError as exc:
         raise TypeError(
             f"{what} is not JSON-serializable ({exc}). The ledger stores JSON only, never pickle: use dicts, "
             f"lists, str, int, float, bool and None (convert numpy values with .item()/.tolist())."
         ) from exc
-    except ValueError as exc:  # a circular reference
-        raise ValueError(f"{what} cannot be stored as JSON ({exc}).") from exc
+    except ValueError as exc:
+        if "Out of range float" in str(exc):  # NaN/Infinity: not JSON, strict readers reject the file
+            raise ValueError(
+                f"{what} is not JSON: it contains NaN or Infinity, which JSON cannot represent. Store None "
+                f"(or a string such as 'nan') where there is no number."
+            ) from exc
+        raise ValueError(f"{what} cannot be stored as JSON ({exc}).") from exc  # a circular reference
     guard.check(text, what=what)
     return text

@@ -161,8 +161,10 @@ def check_existing(path: Path, *, deep: bool) -> int:
     if not path.exists() or path.stat().st_size == 0:
         return 0
     fix = (
-        f"It was left untouched. Move it away (or pass fresh=True / resume=False to have it moved aside) "
-        f"to start a new ledger in {path.parent}."
+        f"It was left untouched. To start a new ledger in {path.parent}, move the file away yourself, or "
+        f"rerun with resume=False (rollout()/run(); Ledger.open(..., fresh=True) for the ledger on its own), "
+        f"which moves it aside to ledger.<UTC timestamp>.sqlite instead of deleting it; or use another "
+        f"out_dir."
     )
     with path.open("rb") as fh:
         header = fh.read(len(_SQLITE_MAGIC))
@@ -186,9 +188,9 @@ def check_existing(path: Path, *, deep: bool) -> int:
         if version > SCHEMA_VERSION:
             raise LedgerSchemaError(
                 f"{path} was written by a newer interlens (ledger schema version {version}; this version "
-                f"understands up to {SCHEMA_VERSION}). Upgrade interlens to resume it, or use another "
-                f"out_dir (or fresh=True / resume=False, which moves it aside) to start over. It was left "
-                f"untouched."
+                f"understands up to {SCHEMA_VERSION}). Upgrade interlens to resume it, or start over: use "
+                f"another out_dir, or rerun with resume=False (rollout()/run(); Ledger.open(..., fresh=True) "
+                f"for the ledger on its own), which moves it aside. It was left untouched."
             )
         missing = _TABLES - tables
         if version < 1 or missing:

@@ -1,0 +1,63 @@
+"""Small argument checks shared by constructors and run calls, each raising an error that names the argument.
+
+Python's own failures for bad input come from deep inside (``'<' not supported between 'str' and 'int'``)
+and name neither the argument nor the fix. These checks run where the user's call enters interlens. ``bool``
+is an ``int`` in Python, so every int check refuses ``True``/``False`` explicitly: ``n=True`` is a typo,
+never a count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._exceptions import ConfigurationError, ConfigurationTypeError
+
+__all__ = ["check_bool", "check_int", "check_number", "type_name"]
+
+
+def type_name(value: Any) -> str:
+    """``'hot' (str)``: the value and its type, for messages."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_int(value: Any, *, what: str, low: int | None = None, fix: str = "") -> int:
+    """``value`` as an int >= ``low``; ``what`` names the argument ("rollout(): seed")."""
+    bound = f" >= {low}" if low is not None else ""
+    hint = f"; {fix}" if fix else ""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigurationTypeError(f"{what} must be an int{bound}, got {type_name(value)}{hint}")
+    if low is not None and value < low:
+        raise ConfigurationError(f"{what} must be an int{bound}, got {value!r}{hint}")
+    return value
+
+
+def check_number(
+    value: Any, *, what: str, low: float, high: float | None = None, open_low: bool = False, fix: str = ""
+) -> float:
+    """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
+    left = "(" if open_low else "["
+    rule = (
+        f"a number in {left}{low}, {high}]"
+        if high is not None
+        else f"a number {'>' if open_low else '>='} {low}"
+    )
+    hint = f"; {fix}" if fix else ""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigurationTypeError(f"{what} must be {rule}, got {type_name(value)}{hint}")
+    number = float(value)
+    in_range = (low < number if open_low else low <= number) and (high is None or number <= high)
+    if not math.isfinite(number) or not in_range:
+        raise ConfigurationError(f"{what} must be {rule}, got {value!r}{hint}")
+    return number
+
+
+def check_bool(value: Any, *, what: str, allow_none: bool = False, fix: str = "") -> bool | None:
+    """``value`` as True/False (or None when ``allow_none``); a truthy string is not a bool."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        allowed = "True, False or None" if allow_none else "True or False"
+        hint = f"; {fix}" if fix else ""
+        raise ConfigurationTypeError(f"{what} must be {allowed}, got {type_name(value)}{hint}")
+    return value
