@@ -2,7 +2,9 @@
 
 It mirrors the ledger's behaviour where a user could tell the difference: values are stored as their JSON
 round-trip (so a tuple comes back as a list, and a non-JSON value fails the same way it would with a
-ledger), turns are committed in index order, and attempts are counted.
+ledger), a value holding a credential from the environment is refused and error text has credentials
+redacted (the ledger's :class:`~interlens.store.SecretGuard`), turns are committed in index order, and
+attempts are counted.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from interlens.store import SecretGuard, StoreError
+
 from ._errors import DuplicateJobError
 from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
 from ._protocols import JobSpec
@@ -19,13 +23,15 @@ from ._protocols import JobSpec
 __all__ = ["MemoryRecorder"]
 
 
-def _json_copy(value: Any, what: str) -> Any:
+def _json_copy(value: Any, what: str, guard: SecretGuard) -> Any:
     try:
-        return json.loads(json.dumps(value))
+        text = json.dumps(value)
     except (TypeError, ValueError) as exc:
         raise TypeError(
             f"{what} is not JSON-serializable ({exc}); use dicts, lists, str, int, float, bool and None"
         ) from exc
+    guard.check(text, what=what)
+    return json.loads(text)
 
 
 @dataclass
@@ -46,10 +52,11 @@ class _Job:
 class MemoryRecorder:
     """In-memory stand-in for the ledger, with the same async interface as ``LedgerRecorder``."""
 
-    value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError)
+    value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError, StoreError)
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Job] = {}
+        self._guard = SecretGuard()
 
     @property
     def ledger_path(self) -> None:
@@ -85,21 +92,28 @@ class MemoryRecorder:
 
     async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None:
         # Like the ledger: re-recording an index replaces it; turns come back in index order.
-        self._jobs[job_id].turns[index] = _json_copy(dict(turn), f"turn {index} of job {job_id!r}")
+        self._jobs[job_id].turns[index] = _json_copy(
+            dict(turn), f"turn {index} of job {job_id!r}", self._guard
+        )
 
     async def finish(self, job_id: str, outcome: AttemptOutcome) -> None:
         job = self._jobs[job_id]
-        conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}")
-        analysis = _json_copy(outcome.analysis, f"the analysis of job {job_id!r}")
+        conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}", self._guard)
+        analysis = _json_copy(outcome.analysis, f"the analysis of job {job_id!r}", self._guard)
         job.state, job.conversation, job.analysis = "done", conversation, analysis
         job.tokens_generated, job.error = outcome.tokens_generated, None
 
     async def fail(self, job_id: str, outcome: AttemptOutcome) -> None:
         job = self._jobs[job_id]
-        job.conversation = None
+        conversation = None
         if outcome.conversation is not None:
-            job.conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}")
-        job.state, job.error, job.tokens_generated = "failed", outcome.error, outcome.tokens_generated
+            what = f"the conversation of failed job {job_id!r}"
+            conversation = _json_copy(outcome.conversation, what, self._guard)
+        error = (
+            outcome.error.redacted() if outcome.error is not None else None
+        )  # the last line, as the ledger's
+        job.state, job.conversation, job.error = "failed", conversation, error
+        job.tokens_generated = outcome.tokens_generated
 
     async def retry(self, job_id: str) -> None:
         self._jobs[job_id].state = "pending"
