@@ -2,7 +2,8 @@
 
 interlens posts bodies it builds itself (no SDK type checks them), so the fake is what catches a body the
 provider would refuse. Driven through the official SDKs over loopback, exactly as the product sends them;
-the SDK version in use decides the Anthropic API version (2.x: ``2026-10-21``, no sampling parameters).
+the Anthropic API version is pinned per test (each SDK major sends its own: 1.x ``2023-06-01``, 2.x
+``2026-10-21``, which has no sampling parameters).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ async def oa(server: FakeProviderServer) -> AsyncIterator[openai.AsyncOpenAI]:
     await client.close()
 
 
-def anthropic_client(server: FakeProviderServer, **kw: Any) -> anthropic.AsyncAnthropic:
+def anthropic_client(server: FakeProviderServer, version: str = "2026-10-21") -> anthropic.AsyncAnthropic:
+    """``version`` pinned, as each SDK major pins its own (1.x: 2023-06-01, 2.x: 2026-10-21)."""
     return anthropic.AsyncAnthropic(
         base_url=server.anthropic_base_url,
         api_key=SECRET,
         http_client=httpx2.AsyncClient(trust_env=False),
         max_retries=0,
-        **kw,
+        default_headers={"anthropic-version": version},
     )
 
 
@@ -117,17 +119,17 @@ async def test_openrouter_takes_its_own_extras_but_checks_the_shared_parameters(
 async def test_anthropic_2026_10_21_refuses_sampling_parameters(
     server: FakeProviderServer, name: str
 ) -> None:
-    client = anthropic_client(server)  # the 2.x SDK sends anthropic-version 2026-10-21
+    client = anthropic_client(server)
     try:
         with pytest.raises(anthropic.BadRequestError, match=f"{name}: Extra inputs are not permitted"):
             await post(client, "/v1/messages", MSG | {name: 1})  # even the default value
-        assert server.requests[-1].headers["anthropic-version"] == "2026-10-21"
+        assert server.requests[-1].headers["anthropic-version"] == "2026-10-21"  # what the server saw
     finally:
         await client.close()
 
 
 async def test_anthropic_2023_06_01_takes_sampling_parameters_in_range(server: FakeProviderServer) -> None:
-    client = anthropic_client(server, default_headers={"anthropic-version": "2023-06-01"})
+    client = anthropic_client(server, version="2023-06-01")
     try:
         message = await post(client, "/v1/messages", MSG | {"temperature": 0.7, "top_p": 0.9, "top_k": 5})
         assert message["type"] == "message"

@@ -277,7 +277,7 @@ def validate_message(body: Any, *, version: str | None = "2026-10-21") -> str | 
     if not isinstance(body.get("model"), str) or not body["model"]:
         return "model: Field required (a non-empty string)"
     max_tokens, low = body.get("max_tokens"), 1 if ANTHROPIC_VERSIONS[version] else 0  # 0: pre-warm a cache
-    if not _is_int(max_tokens) or max_tokens < low:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < low:
         return f"max_tokens: Field required (an integer >= {low})"
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
