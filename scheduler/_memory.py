@@ -109,9 +109,8 @@ class MemoryRecorder:
         if outcome.conversation is not None:
             what = f"the conversation of failed job {job_id!r}"
             conversation = _json_copy(outcome.conversation, what, self._guard)
-        error = (
-            outcome.error.redacted() if outcome.error is not None else None
-        )  # the last line, as the ledger's
+        # Redacted again, as the ledger does: the last line for an error built from text, not an exception.
+        error = None if outcome.error is None else outcome.error.redacted()
         job.state, job.conversation, job.error = "failed", conversation, error
         job.tokens_generated = outcome.tokens_generated
 

@@ -4,8 +4,8 @@ One file per run directory, ``OUT_DIR/ledger.sqlite``: the scheduler writes it t
 only writer, group-committed, durable against a crash of the process on every acknowledged write); reports
 and the CLI read it through :class:`LedgerReader` (synchronous, read-only, fine while a run is live). Only
 JSON is stored, never pickle, so opening a run directory cannot execute code; no credential is ever stored
-(:class:`SecretGuard` refuses results holding one and redacts error text; :func:`redact_secrets` is the one
-redaction helper the scheduler and interlens reuse).
+(:class:`SecretGuard` refuses results holding one and redacts error text and log lines: the one helper the
+scheduler reuses for that).
 This package imports nothing from interlens or its scheduler.
 """
 
@@ -22,7 +22,7 @@ from ._lock import LOCK_FILENAME
 from ._reader import LedgerReader
 from ._records import JOB_STATES, RUN_STATUSES, TERMINAL_BATCH_STATES, BatchRecord, JobRecord, TurnRecord
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
-from ._secrets import SecretGuard, redact_secrets, redacting_logger
+from ._secrets import SecretGuard, redacting_logger
 
 __all__ = [
     "JOB_STATES",
@@ -43,6 +43,5 @@ __all__ = [
     "SecretGuard",
     "StoreError",
     "TurnRecord",
-    "redact_secrets",
     "redacting_logger",
 ]

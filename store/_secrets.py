@@ -6,7 +6,7 @@ what must never leave the environment. Two treatments, one list of secrets:
 - **Refuse** (:meth:`SecretGuard.check`): a value the ledger would store as a result (a turn, a conversation,
   an analysis, batch metadata) that contains a key is refused with an error naming the variable, never its
   value. Silently changing a result would change the answer; refusing fails that one job loudly.
-- **Redact** (:meth:`SecretGuard.redact`, :func:`redact_secrets`): text that only *describes* a failure (an
+- **Redact** (:meth:`SecretGuard.redact`): text that only *describes* a failure (an
   error message, a traceback, a log line) keeps its meaning with the key replaced by ``[redacted:VARNAME]``,
   so a provider error that echoes the key fails its job like any other error instead of aborting the run.
   The scheduler redacts where an exception becomes text (in a worker process too, so a traceback never
@@ -27,7 +27,7 @@ from typing import Final
 
 from ._errors import StoreError
 
-__all__ = ["RedactSecrets", "SecretGuard", "redact_secrets", "redacting_logger"]
+__all__ = ["RedactSecrets", "SecretGuard", "redacting_logger"]
 
 _SECRET_NAME: Final = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)
 _MIN_SECRET_LEN: Final = 12  # shorter values ("true", "1", a short username) would flag innocent text
@@ -66,11 +66,6 @@ class SecretGuard:
             if value in text:
                 text = text.replace(value, f"[redacted:{name}]")
         return text
-
-
-def redact_secrets(text: str) -> str:
-    """``text`` with the value of every credential-looking environment variable (read now) redacted."""
-    return SecretGuard().redact(text)
 
 
 class RedactSecrets(logging.Filter):
