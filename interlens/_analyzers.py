@@ -46,9 +46,12 @@ def register_analyzer(name: str, fn: Callable[[Conversation], Any]) -> None:
 def register_worker_init(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Run ``fn()`` once in each worker before its first job, e.g. to load a probe once per GPU.
 
-    Call at import time. In a multi-device run ``fn`` is sent to every worker process (a module-level function
-    by reference, a closure by value), so it must pickle; with one device it runs once in this process at the
-    start of each run. Registering the same function twice keeps one. Returns ``fn`` (usable as a decorator).
+    Call at import time. In a multi-device run ``fn`` is sent to every worker process, so it must pickle: a
+    module-level function by reference, one defined in your main script by name (each worker imports the
+    script, as spawn does, and calls its own copy of ``fn``, which shares the script's globals with the
+    analyzers it registered: a probe ``fn`` loads into a global is the one they read), a closure by value.
+    With one device it runs once in this process at the start of each run. Registering the same function
+    twice keeps one. Returns ``fn`` (usable as a decorator).
     """
     if not callable(fn):
         raise ConfigurationError(f"register_worker_init() needs a callable taking no arguments, got {fn!r}")

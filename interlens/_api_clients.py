@@ -8,8 +8,8 @@ inside the SDK client: never in a request, a result, a log line or the ledger.
 
 Single requests go through the SDK's generic ``post`` with the JSON body we built and a raw response that we
 parse ourselves: the typed ``create`` spends about a millisecond per call transforming arguments and
-building models, which caps a 64-wide run on a small machine. ``INTERLENS_API_STRICT=1`` validates every
-response against the SDK's schema instead (the test suite's setting).
+building models, which caps a 64-wide run on a small machine. There is one parsing path, the users' one:
+the tests run it too, against a fake provider that validates what we send and answers like the provider.
 """
 
 from __future__ import annotations
@@ -67,10 +67,6 @@ def read_api_key(provider: str, *, who: str) -> str:
             "(read from the environment at first use, never stored)"
         )
     return key
-
-
-def _strict() -> bool:
-    return os.environ.get("INTERLENS_API_STRICT", "").strip().lower() in ("1", "true", "yes")
 
 
 _SHARD_SIZE = 8
@@ -197,7 +193,6 @@ class OpenAIClient:
         self.provider = provider
         self._base_url = base_url
         self._sdk_module = openai
-        self._strict = _strict()
         headers = {"X-Title": "interlens"} if provider == "openrouter" else None
         self._shards = _Shards(
             lambda http: openai.AsyncOpenAI(
@@ -206,7 +201,6 @@ class OpenAIClient:
                 max_retries=0,
                 http_client=http,
                 default_headers=headers,
-                _strict_response_validation=self._strict,
             ),
             max_in_flight,
         )
@@ -247,10 +241,6 @@ class OpenAIClient:
             raise ProviderResponseError(
                 f"{self.provider} sent a malformed completion ({exc!r})", True
             ) from exc
-        if self._strict:
-            from openai.types.chat import ChatCompletion
-
-            ChatCompletion.model_validate(data)
         usage = data.get("usage") or {}
         return APIResult(
             text=text,
@@ -338,14 +328,12 @@ class AnthropicClient:
 
         self._base_url = base_url
         self._sdk_module = anthropic
-        self._strict = _strict()
         self._shards = _Shards(
             lambda http: anthropic.AsyncAnthropic(
                 api_key=api_key,
                 base_url=base_url,
                 max_retries=0,
                 http_client=http,
-                _strict_response_validation=self._strict,
             ),
             max_in_flight,
         )
@@ -365,10 +353,6 @@ class AnthropicClient:
             stop = data.get("stop_reason")
         except (KeyError, TypeError, AttributeError) as exc:
             raise ProviderResponseError(f"anthropic sent a malformed message ({exc!r})", True) from exc
-        if self._strict:
-            from anthropic.types import Message
-
-            Message.model_validate(data)
         return APIResult(
             text=text,
             finish_reason=_ANTHROPIC_FINISH.get(stop, stop),

@@ -21,13 +21,14 @@ Seams for the scheduler (the wiring):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
+
+from interlens.store import redacting_logger
 
 from ._errors import SchedulerError
 from ._gateway_batch import (
@@ -61,7 +62,7 @@ __all__ = [
     "retry_after_seconds",
 ]
 
-log = logging.getLogger("interlens.gateway")
+log = redacting_logger("interlens.gateway")  # a key echoed in an error is redacted
 
 
 class ProviderCallError(SchedulerError):

@@ -8,12 +8,13 @@ polling, re-attaching) lives in ``_gateway_collect``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+
+from interlens.store import redacting_logger
 
 from ._gateway_limits import Failure, RetryPolicy, _check_number
 
@@ -26,7 +27,7 @@ __all__ = [
     "SubmittedBatch",
 ]
 
-log = logging.getLogger("interlens.gateway")
+log = redacting_logger("interlens.gateway")  # a key echoed in an error is redacted
 
 
 @dataclass(frozen=True)

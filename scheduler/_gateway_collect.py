@@ -26,12 +26,13 @@ so a cancelled poller is simply replaced by the next one. A row that errors or e
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio
+
+from interlens.store import redacting_logger
 
 from ._gateway_batch import (
     Batch,
@@ -48,7 +49,7 @@ from ._signals import Notifier
 
 __all__ = ["BatchBook", "BatchCollector", "Blocker"]
 
-log = logging.getLogger("interlens.gateway")
+log = redacting_logger("interlens.gateway")  # a key echoed in an error is redacted
 
 
 class Blocker(Protocol):

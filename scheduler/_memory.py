@@ -2,7 +2,9 @@
 
 It mirrors the ledger's behaviour where a user could tell the difference: values are stored as their JSON
 round-trip (so a tuple comes back as a list, and a non-JSON value fails the same way it would with a
-ledger), turns are committed in index order, and attempts are counted.
+ledger), a value holding a credential from the environment is refused and error text has credentials
+redacted (the ledger's :class:`~interlens.store.SecretGuard`), turns are committed in index order, and
+attempts are counted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from interlens.store import RecordedJobs
+from interlens.store import RecordedJobs, SecretGuard, StoreError, encode_json
 
 from ._errors import DuplicateJobError
 from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
@@ -21,13 +23,9 @@ from ._protocols import JobSpec
 __all__ = ["MemoryRecorder"]
 
 
-def _json_copy(value: Any, what: str) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what} is not JSON-serializable ({exc}); use dicts, lists, str, int, float, bool and None"
-        ) from exc
+def _json_copy(value: Any, what: str, guard: SecretGuard) -> Any:
+    """What the ledger would store (JSON, no NaN, no credential), so both recorders refuse the same values."""
+    return json.loads(encode_json(value, what=what, guard=guard))
 
 
 @dataclass
@@ -48,10 +46,11 @@ class _Job:
 class MemoryRecorder:
     """In-memory stand-in for the ledger, with the same async interface as ``LedgerRecorder``."""
 
-    value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError)
+    value_errors: tuple[type[BaseException], ...] = (TypeError, ValueError, StoreError)
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Job] = {}
+        self._guard = SecretGuard()
 
     @property
     def ledger_path(self) -> None:
@@ -90,21 +89,27 @@ class MemoryRecorder:
 
     async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None:
         # Like the ledger: re-recording an index replaces it; turns come back in index order.
-        self._jobs[job_id].turns[index] = _json_copy(dict(turn), f"turn {index} of job {job_id!r}")
+        self._jobs[job_id].turns[index] = _json_copy(
+            dict(turn), f"turn {index} of job {job_id!r}", self._guard
+        )
 
     async def finish(self, job_id: str, outcome: AttemptOutcome) -> None:
         job = self._jobs[job_id]
-        conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}")
-        analysis = _json_copy(outcome.analysis, f"the analysis of job {job_id!r}")
+        conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}", self._guard)
+        analysis = _json_copy(outcome.analysis, f"the analysis of job {job_id!r}", self._guard)
         job.state, job.conversation, job.analysis = "done", conversation, analysis
         job.tokens_generated, job.error = outcome.tokens_generated, None
 
     async def fail(self, job_id: str, outcome: AttemptOutcome) -> None:
         job = self._jobs[job_id]
-        job.conversation = None
+        conversation = None
         if outcome.conversation is not None:
-            job.conversation = _json_copy(outcome.conversation, f"the conversation of job {job_id!r}")
-        job.state, job.error, job.tokens_generated = "failed", outcome.error, outcome.tokens_generated
+            what = f"the conversation of failed job {job_id!r}"
+            conversation = _json_copy(outcome.conversation, what, self._guard)
+        # Redacted again, as the ledger does: the last line for an error built from text, not an exception.
+        error = None if outcome.error is None else outcome.error.redacted()
+        job.state, job.conversation, job.error = "failed", conversation, error
+        job.tokens_generated = outcome.tokens_generated
 
     async def retry(self, job_id: str) -> None:
         self._jobs[job_id].state = "pending"

@@ -2,6 +2,7 @@
 
 Everything here is picklable plain data, because an attempt's outcome is what a worker process will send
 back to the parent (issue #5): exception objects do not cross that boundary, their :class:`ErrorInfo` does.
+That is also where an exception becomes text, so that is where credentials are redacted (issue #9).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from interlens.store import SecretGuard
 
 __all__ = ["AttemptOutcome", "ErrorInfo", "JobOutcome", "RunOutcome"]
 
@@ -27,11 +30,23 @@ class ErrorInfo:
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> ErrorInfo:
+        """The exception as text, with the value of every credential in the environment redacted.
+
+        Done here, wherever the exception happened (a worker process included), so a key that a provider or
+        a library put in an error message never travels, is never stored and never printed: it reads
+        ``[redacted:VARNAME]``, and the job fails like any other.
+        """
+        guard = SecretGuard()
         return cls(
             type=type(exc).__qualname__,
-            message=str(exc),
-            traceback="".join(_tb.format_exception(type(exc), exc, exc.__traceback__)),
+            message=guard.redact(str(exc)),
+            traceback=guard.redact("".join(_tb.format_exception(type(exc), exc, exc.__traceback__))),
         )
+
+    def redacted(self) -> ErrorInfo:
+        """This error with credentials redacted (for one built from text rather than from an exception)."""
+        guard = SecretGuard()
+        return ErrorInfo(guard.redact(self.type), guard.redact(self.message), guard.redact(self.traceback))
 
 
 @dataclass(frozen=True)

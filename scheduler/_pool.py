@@ -5,6 +5,11 @@ single device keeps everything in this process (no pickling, no start-up cost); 
 worker process each, started concurrently, so a run fails fast, before any job starts, when one of them
 cannot start. Init hooks run once per worker before its first job: in each worker process, or here once
 for an in-process run.
+
+A hook defined in the main script travels by NAME and is looked up in the worker's copy of the main module
+(each worker imports it, as spawn does), exactly as a registered analyzer is: sent by value (cloudpickle),
+it would run against a private copy of the script's globals, so the probe it loads into a global would be
+invisible to the analyzer that reads it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import pickle
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -112,6 +118,46 @@ def refuse_while_bootstrapping() -> None:
         )
 
 
+@dataclass(frozen=True)
+class _MainHook:
+    """A main-script hook, called in the worker as the function of that name in the worker's main module.
+
+    There it shares its globals with everything else the script defines (the analyzers registered at
+    import time included). ``fallback`` is the function itself, sent by value, for a worker whose main
+    module has no such name (the function was defined under ``if __name__ == "__main__":``).
+    """
+
+    name: str
+    fallback: WorkerInit
+
+    def __call__(self) -> object:
+        fn = getattr(sys.modules.get("__main__"), self.name, None)
+        return (fn if callable(fn) else self.fallback)()
+
+
+def _main_imported_by_workers() -> bool:
+    """Whether a worker process imports this process's main module (``spawn.prepare`` in the worker)."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None:  # `python -m pkg.script`: imported by name, except a package's __main__
+        return spec_name != "__main__" and not spec_name.endswith(".__main__")
+    return getattr(main, "__file__", None) is not None  # a script path (not a REPL or a notebook)
+
+
+def _by_name(hook: WorkerInit) -> WorkerInit:
+    """``hook`` as a :class:`_MainHook` when it is a top-level function of a main script workers import."""
+    name = getattr(hook, "__qualname__", None)
+    if (
+        getattr(hook, "__module__", None) != "__main__"
+        or not isinstance(name, str)
+        or not name.isidentifier()  # nested ("f.<locals>.g") or a method: only top-level names resolve
+        or getattr(sys.modules.get("__main__"), name, None) is not hook
+        or not _main_imported_by_workers()
+    ):
+        return hook
+    return _MainHook(name, hook)
+
+
 def _pickle_hooks(hooks: Sequence[WorkerInit]) -> bytes:
     import cloudpickle
 
@@ -124,7 +170,9 @@ def _pickle_hooks(hooks: Sequence[WorkerInit]) -> bytes:
                 f"({type(exc).__name__}: {exc}); use a module-level function, or a closure over values that "
                 "pickle"
             ) from exc
-    return bytes(cloudpickle.dumps(list(hooks), protocol=pickle.HIGHEST_PROTOCOL)) if hooks else b""
+    if not hooks:
+        return b""
+    return bytes(cloudpickle.dumps([_by_name(hook) for hook in hooks], protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _run_hooks_here(hooks: Sequence[WorkerInit]) -> None:

@@ -3,7 +3,9 @@
 One file per run directory, ``OUT_DIR/ledger.sqlite``: the scheduler writes it through :class:`Ledger` (the
 only writer, group-committed, durable against a crash of the process on every acknowledged write); reports
 and the CLI read it through :class:`LedgerReader` (synchronous, read-only, fine while a run is live). Only
-JSON is stored, never pickle, so opening a run directory cannot execute code; no credential is ever stored.
+JSON is stored, never pickle, so opening a run directory cannot execute code; no credential is ever stored
+(:class:`SecretGuard` refuses results holding one and redacts error text and log lines: the one helper the
+scheduler reuses for that).
 This package imports nothing from interlens or its scheduler.
 """
 
@@ -15,6 +17,7 @@ from ._errors import (
     LedgerSchemaError,
     StoreError,
 )
+from ._json import dumps as encode_json
 from ._ledger import Ledger
 from ._lock import LOCK_FILENAME
 from ._reader import LedgerReader
@@ -28,6 +31,7 @@ from ._records import (
     TurnRecord,
 )
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
+from ._secrets import SecretGuard, redacting_logger
 
 __all__ = [
     "JOB_STATES",
@@ -46,6 +50,9 @@ __all__ = [
     "LedgerReader",
     "LedgerSchemaError",
     "RecordedJobs",
+    "SecretGuard",
     "StoreError",
     "TurnRecord",
+    "encode_json",
+    "redacting_logger",
 ]

@@ -4,48 +4,20 @@ JSON and never pickle, so that opening a run directory cannot execute code. ``js
 ``default=``: a value that is not plain JSON fails in the caller's task, before anything is queued, with an
 error naming the job and the field, rather than being silently stringified.
 
-The secret guard is the last line of the "no key in the ledger" promise: the values of credential-looking
-environment variables (``*_API_KEY``, ``*TOKEN*``, ``*SECRET*``, ...) are collected when the ledger opens,
-and any payload containing one is refused with an error naming the variable, never its value. A leaked key
-in a transcript or a batch's metadata therefore fails one write loudly instead of landing on disk.
+The secret guard (``_secrets``) is the last line of the "no key in the ledger" promise: the values of
+credential-looking environment variables are collected when the ledger opens, and any payload containing
+one is refused with an error naming the variable, never its value. A leaked key in a transcript or a batch's
+metadata therefore fails one write loudly instead of landing on disk.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
-from ._errors import StoreError
+from ._secrets import SecretGuard
 
 __all__ = ["SecretGuard", "dumps"]
-
-_SECRET_NAME: Final = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)
-_MIN_SECRET_LEN: Final = 12  # shorter values ("true", "1", a short username) would flag innocent text
-
-
-class SecretGuard:
-    """Refuses payloads that contain the value of a credential-looking environment variable."""
-
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
-        self._secrets: tuple[tuple[str, str], ...] = tuple(
-            (name, value)
-            for name, value in env.items()
-            if _SECRET_NAME.search(name) and len(value.strip()) >= _MIN_SECRET_LEN
-        )
-
-    def check(self, payload: str, *, what: str) -> None:
-        for name, value in self._secrets:
-            if value in payload:
-                raise StoreError(
-                    f"refusing to store {what}: it contains the value of the environment variable {name}, "
-                    f"which looks like a credential. The ledger never stores secrets; find where the key "
-                    f"leaked into this value (a participant's repr, a prompt, request metadata) and remove "
-                    f"it."
-                )
 
 
 def dumps(value: Any, *, what: str, guard: SecretGuard) -> str:

@@ -427,7 +427,12 @@ class Ledger:
     ) -> None:
         """Mark ``job_id`` failed with its error. Pass ``conversation`` when the conversation finished but its
         analyzer failed: it is kept (analysis empty) so a rerun can redo only the analysis. Without one, a
-        result stored earlier is left in place. Durable on return."""
+        result stored earlier is left in place. Durable on return.
+
+        A credential in the error text is redacted (``[redacted:VARNAME]``), not refused: the text describes
+        the failure, and refusing it would leave the job running and abort the run. A credential in the
+        ``conversation`` is refused (StoreError), like any result; the caller then fails the job without it.
+        """
         run_id = self._require_run("fail_job")
         conversation_json = (
             None
@@ -439,7 +444,7 @@ class Ledger:
         for name, text in (("error_type", error_type), ("message", message), ("traceback", traceback)):
             if not isinstance(text, str):
                 raise TypeError(f"fail_job({job_id!r}): {name} must be a str, got {type(text).__name__}")
-            self._guard.check(text, what=f"the {name} of failed job {job_id!r}")
+        error_type, message, traceback = (self._guard.redact(t) for t in (error_type, message, traceback))
 
         async def apply(conn: aiosqlite.Connection) -> None:
             rows = await conn.execute_fetchall(

@@ -1,9 +1,9 @@
 """Provider batch mode: one batch per round per speaker, rows mapped back, per-row failures, crash re-attach.
 
-Rollouts run against the loopback fake provider through the official SDKs (strict validation). The crash
-test kills a real child process with SIGKILL while it polls, then re-attaches from the real ledger file.
-The last two exercise the scheduler's side of the seam (``JobContext.call_gateway``, the run's ledger handed
-to the gateway, the run's quiescence probe).
+Rollouts run against the loopback fake provider through the official SDKs (the fake validates every body and
+batch row as the provider would). The crash test kills a real child process with SIGKILL while it polls, then
+re-attaches from the real ledger file. The last two exercise the scheduler's side of the seam
+(``JobContext.call_gateway``, the run's ledger handed to the gateway, the run's quiescence probe).
 """
 
 from __future__ import annotations

@@ -137,7 +137,10 @@ async def test_anthropic_messages_round_trip(
     capped = await an.messages.create(**msg_body("Argue NO, please.", max_tokens=3))
     assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 3
     assert [r.provider for r in server.requests] == ["anthropic", "anthropic"]
-    assert server.requests[0].headers["authorization"] == "Bearer ***"
+    sent = server.requests[0].headers  # the 2.x SDKs send the key as a Bearer token, 1.x as x-api-key
+    bearer = int(anthropic.__version__.split(".")[0]) >= 2
+    header, shown = ("authorization", "Bearer ***") if bearer else ("x-api-key", "***")
+    assert sent[header] == shown
 
 
 async def test_openrouter_path_and_extra_fields(server: FakeProviderServer) -> None:

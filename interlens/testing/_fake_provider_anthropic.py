@@ -22,6 +22,7 @@ from ._fake_provider_core import (
     rfc3339,
 )
 from ._fake_provider_http import HttpResponse
+from ._fake_provider_requests import ANTHROPIC_VERSIONS, validate_message
 
 _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _MAX_BATCH_ROWS = 100_000
@@ -39,6 +40,7 @@ class AnthropicBatch:
     ended_at: float | None = None
     cancel_initiated_at: float | None = None
     results: list[dict[str, Any]] | None = None
+    version: str | None = "2026-10-21"  # the anthropic-version it was created with: its rows follow it
 
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(_COUNTS, 0)
@@ -67,26 +69,6 @@ class AnthropicBatch:
         }
 
 
-def validate_message(body: Any) -> str | None:
-    """Why a messages body would be rejected by the real API, or None if it is acceptable."""
-    if not isinstance(body, dict):
-        return "request body must be a JSON object"
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        return "model: Field required (a non-empty string)"
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        return "max_tokens: Field required (an integer >= 1)"
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "messages: must be a non-empty list of {role, content} objects"
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            return f"messages.{i}.role: must be 'user' or 'assistant'"
-    if body.get("stream"):
-        return "stream=true is not supported by FakeProviderServer; call without streaming"
-    return None
-
-
 def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
     gen = state.generate(body, body.get("max_tokens"))
     return {
@@ -108,7 +90,7 @@ def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> di
 
 
 def _messages(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
-    problem = validate_message(ctx.json)
+    problem = validate_message(ctx.json, version=ctx.headers.get("anthropic-version"))
     if problem is not None:
         return ctx.error(400, problem)
     return json_response(message(state, ctx.json))
@@ -133,14 +115,17 @@ def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
             return ctx.error(400, f"requests.{i}.params: must be an object")
         seen.add(cid)
         rows.append((cid, item["params"]))
-    batch = AnthropicBatch(id=new_id("msgbatch_"), requests=rows, created_at=state.now())
+    version = ctx.headers.get("anthropic-version")
+    if version not in ANTHROPIC_VERSIONS:  # the header is checked on the request; the rows when they run
+        return ctx.error(400, str(validate_message({}, version=version)))
+    batch = AnthropicBatch(id=new_id("msgbatch_"), requests=rows, created_at=state.now(), version=version)
     state.anthropic_batches[batch.id] = batch
     state.batches_created["anthropic"] += 1
     return json_response(batch.wire(ctx.base_url))
 
 
-def _row_result(state: State, cid: str, params: Any) -> dict[str, Any]:
-    problem = validate_message(params)
+def _row_result(state: State, cid: str, params: Any, version: str | None) -> dict[str, Any]:
+    problem = validate_message(params, version=version)
     rule = state.row_failure("anthropic", cid, params) if problem is None else None
     if problem is None and rule is None:
         return {"type": "succeeded", "message": message(state, params, tier="batch")}
@@ -161,7 +146,8 @@ def advance(state: State, batch: AnthropicBatch) -> None:
         batch.results = [{"custom_id": cid, "result": {"type": "canceled"}} for cid, _ in batch.requests]
     else:
         batch.results = [
-            {"custom_id": cid, "result": _row_result(state, cid, p)} for cid, p in batch.requests
+            {"custom_id": cid, "result": _row_result(state, cid, p, batch.version)}
+            for cid, p in batch.requests
         ]
     batch.status, batch.ended_at = "ended", state.now()
 

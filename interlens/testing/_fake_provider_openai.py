@@ -15,6 +15,7 @@ from typing import Any
 
 from ._fake_provider_core import Ctx, Route, State, json_response, jsonl, new_id, openai_error_type
 from ._fake_provider_http import HttpResponse
+from ._fake_provider_requests import validate_chat
 
 _BATCH_ENDPOINTS = (
     "/v1/responses",
@@ -91,23 +92,6 @@ class OpenAIBatch:
         return out
 
 
-def validate_chat(body: Any) -> str | None:
-    """Why a chat-completions body would be rejected by the real API, or None if it is acceptable."""
-    if not isinstance(body, dict):
-        return "request body must be a JSON object"
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        return "you must provide a model parameter (a non-empty string)"
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list of {role, content} objects"
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            return f"messages[{i}] must be an object with a string 'role'"
-    if body.get("stream"):
-        return "stream=true is not supported by FakeProviderServer; call without streaming"
-    return None
-
-
 def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[str, Any]:
     gen = state.generate(body, body.get("max_completion_tokens", body.get("max_tokens")))
     finish = "length" if gen.truncated else "stop"
@@ -147,7 +131,7 @@ def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[s
 
 
 def _chat(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
-    problem = validate_chat(ctx.json)
+    problem = validate_chat(ctx.json, provider=ctx.provider)
     if problem is not None:
         return ctx.error(400, problem)
     return json_response(chat_completion(state, ctx.provider, ctx.json))

@@ -235,10 +235,22 @@ async def test_a_planted_api_key_never_reaches_the_run_directory(
                 analysis=None,
                 tokens_generated=1,
             )
+        # A key in a failure's text is redacted instead: the job fails, the run goes on. In a result it kept
+        # for the failed job, it is refused like any result.
         with pytest.raises(StoreError, match="OPENAI_API_KEY"):
             await ledger.fail_job(
-                "b", error_type="AuthenticationError", message=f"bad key {key}", traceback=""
+                "b", error_type="E", message="", traceback="", conversation={"t": [f"key {key}"]}
             )
+        await ledger.fail_job(
+            "b", error_type="AuthenticationError", message=f"bad key {key}", traceback=f"at {key}\n"
+        )
+        with LedgerReader(tmp_path) as reader:  # a reader is fine while the writer is live
+            failed = reader.job("b")
+        assert failed is not None and failed.state == "failed"
+        assert (failed.error_message, failed.traceback) == (
+            "bad key [redacted:OPENAI_API_KEY]",
+            "at [redacted:OPENAI_API_KEY]\n",
+        )
         with pytest.raises(StoreError, match=r"'api_key' field"):
             await ledger.record_batch(
                 BatchRecord("openai", "b1", "in_progress", meta={"headers": {"api_key": "x"}})
