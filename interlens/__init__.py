@@ -38,7 +38,7 @@ from ._message import Message, Transcript
 from ._model_participant import AutoModelParticipant, ModelParticipant
 from ._participant import Participant, ScriptedParticipant, View
 from ._report import RunReport, RunResult
-from ._rollout import arun, run
+from ._run import arun, run
 from ._stop import MaxTurns, StopCondition, StopStrings, TokenBudget
 from ._templating import dataset_field
 

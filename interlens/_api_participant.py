@@ -21,9 +21,9 @@ from interlens.scheduler._gateway import BatchPolicy, BatchRowError, ProviderCal
 
 from ._api_clients import PROVIDERS, open_client, resolve_base_url
 from ._api_request import APIRequest, APIResult, fold_view
+from ._context import CURRENT_JOB
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError
 from ._message import MODERATOR, Message
-from ._model_participant import CURRENT_JOB
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
 from ._templating import Template, template_from_json
 

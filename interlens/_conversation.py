@@ -5,7 +5,12 @@ every modifier returns a new Conversation around a new record and leaves the ori
 (copy-on-write). Participants are shared between copies, so loaded weights are shared by reference.
 
 Live use mutates the dialogue: ``run``/``step`` append turns to ``transcript``; ``sample`` generates without
-committing. ``rollout`` never mutates: it runs independent copies (see ``_rollout``).
+committing. ``rollout`` never mutates: it runs independent copies (see ``_rollout``), each made by
+:meth:`Conversation.for_row` and run by the same turn loop as ``run`` (:meth:`Conversation.advance`).
+
+Imports run one way: ``_rollout`` → ``_report`` → here → ``_context`` (the per-job context); the only
+import back up is the lazy one in the ``rollout`` facade. The JSON form lives in ``_persist``, the reading of
+``.data()`` rows in ``_rows``.
 """
 
 from __future__ import annotations
@@ -16,31 +21,24 @@ import json
 import os
 import reprlib
 import uuid
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
+from ._context import CURRENT_JOB, turn_seed
 from ._exceptions import (
     ConfigurationError,
     ConfigurationTypeError,
-    InterlensError,
-    SchemaVersionError,
+    TemplateError,
     UnknownParticipantError,
     UnrunConversationError,
 )
 from ._message import MODERATOR, Message, Transcript
-from ._participant import GenerationOptions, Participant, View, ViewMessage, participant_from_json
-from ._stop import MaxTurns, StopCondition, ambient_conditions, condition_from_json, turn_cap
-from ._templating import (
-    Template,
-    check_template,
-    import_callable,
-    is_templated,
-    resolve,
-    template_from_json,
-    template_to_json,
-)
+from ._participant import GenerationOptions, Participant, View, ViewMessage
+from ._persist import SCHEMA_VERSION, check_schema, json_safe, load, recipe_json, save
+from ._rows import OnceRows, RowReader, row_reader
+from ._stop import MaxTurns, StopCondition, ambient_conditions, turn_cap
+from ._templating import Template, check_template, is_templated, resolve
 
 if TYPE_CHECKING:
     from ._options import RunOptions
@@ -48,53 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "Conversation"]
 
-SCHEMA_VERSION = 1
-"""Version of the JSON written by ``save`` and stored in the ledger. A newer one is refused on load."""
-
 _UNSET: Any = object()
-_SAVE_FILE = "conversation.json"
-
-
-class OnceRows:
-    """Rows from an iterator given to ``.data()`` (a generator, an open file): one rollout can read them.
-
-    The recipe holds this in place of the iterator, and every recipe given the same iterator shares it
-    (copies included), so a second rollout is refused with a clear error instead of silently running on
-    whatever rows the first one left — usually none.
-    """
-
-    __slots__ = ("__weakref__", "read", "rows")
-
-    #: id(iterator) → its wrapper, while a recipe holds it (the wrapper holds the iterator: the id stays its).
-    _wrappers: ClassVar[weakref.WeakValueDictionary[int, OnceRows]] = weakref.WeakValueDictionary()
-
-    def __init__(self, rows: Iterator[Any]) -> None:
-        self.rows = rows
-        self.read = False
-
-    @classmethod
-    def of(cls, rows: Iterator[Any]) -> OnceRows:
-        wrapper = cls._wrappers.get(id(rows))
-        if wrapper is None or wrapper.rows is not rows:
-            wrapper = cls._wrappers[id(rows)] = cls(rows)
-        return wrapper
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.read:
-            raise self.consumed_error()
-        self.read = True
-        return self.rows
-
-    @staticmethod
-    def consumed_error(lineup: str | None = None) -> InterlensError:
-        which = f"lineup {lineup!r}: " if lineup else ""
-        return ConfigurationError(
-            f"{which}the rows given to .data() are an iterator (a generator, say), which can be read only "
-            "once, and an earlier rollout of this recipe (or another lineup of this run) already read it: "
-            "this rollout would run on whatever rows are left, maybe none. Pass rows that can be read again: "
-            "a list, a datasets.Dataset or IterableDataset, or a zero-argument callable that makes the "
-            "iterator, e.g. .data(lambda: make_rows())"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,9 +244,6 @@ class Conversation:
             conditions.append(MaxTurns(self._recipe.turns))
         return conditions
 
-    def _should_stop(self, conditions: Sequence[StopCondition]) -> bool:
-        return any(c.should_stop(self) for c in conditions)
-
     def next_speaker(self) -> Participant:
         """Round-robin from the first participant, continuing after the last one who spoke."""
         last = self.last_generated
@@ -323,6 +272,41 @@ class Conversation:
         system = "\n\n".join(p for p in system_parts if p) or None
         return View(speaker=participant.name, system=system, messages=tuple(messages))
 
+    # ------------------------------------------------------------------ the copies a rollout runs
+    def for_row(self, row: Any, *, index: int | None = None, seed: int) -> Conversation:
+        """The copy a rollout runs for ``row`` (``None`` without data): row attached, templates resolved
+        (participants' system prompts, shared system prompt and context), ``seed`` set. ``index`` (the row's
+        position) only names the row in errors."""
+        if row is not None and not hasattr(row, "keys"):
+            raise TemplateError(
+                f"data row {index} is a {type(row).__name__}, not a mapping of column -> value"
+            )
+        row_dict = dict(row) if row is not None else None
+        participants = tuple(
+            p.replace(system_prompt=resolve(p.system_prompt, row_dict, field=f"{p.name}.system_prompt"))
+            if is_templated(p.system_prompt)
+            else p
+            for p in self._recipe.participants
+        )
+        system = resolve(self._recipe.shared_system_prompt, row_dict, field="shared_system_prompt")
+        conv = self.set(participants=participants, shared_system_prompt=system)
+        conv.row, conv.seed = row_dict, seed
+        conv._seed_transcript()
+        return conv
+
+    def replay(self, turns: Iterable[Mapping[str, Any]], *, stream_id: str) -> Conversation:
+        """A copy that continues after ``turns`` (``Message.to_json()`` dicts, e.g. those a job already
+        committed) on its own stream ``stream_id`` (a job id: a local model keeps its KV cache per stream)."""
+        conv = self._copy()
+        conv._stream_id = stream_id
+        for turn in turns:
+            conv.transcript.append(Message.from_json(turn))
+        return conv
+
+    def read_rows(self, n: int | None, *, lineup: str) -> RowReader:
+        """How a rollout reads at most ``n`` of the rows given to ``.data()`` (see ``_rows``)."""
+        return row_reader(self._recipe.data, n, lineup)
+
     # ------------------------------------------------------------------ live use
     def _check_ready(self) -> None:
         if is_templated(self._recipe.shared_context) and self.row is None:
@@ -331,8 +315,6 @@ class Conversation:
     def _options(
         self, conditions: Sequence[StopCondition], participant: Participant, *, ephemeral: bool = False
     ) -> GenerationOptions:
-        from ._rollout import turn_seed  # the per-turn seed rule lives with the execution modes
-
         sample = None
         if ephemeral:
             sample = self._samples_taken = self._samples_taken + 1
@@ -373,17 +355,35 @@ class Conversation:
                 "this conversation would never stop: pass run(turns=n), set .turns(n), or add a stop "
                 "condition with .run_until(...)"
             )
-        while not self._should_stop(conditions):
+        return await self.advance(conditions)
+
+    def run(self, turns: int | None = None) -> Transcript:
+        """Sync twin of :meth:`arun`; works in scripts and inside a running event loop (Jupyter)."""
+        return _run_sync(self.arun, turns)
+
+    async def advance(
+        self,
+        until: Sequence[StopCondition] | None = None,
+        *,
+        on_turn: Callable[[int, Message], Awaitable[None]] | None = None,
+    ) -> Transcript:
+        """THE turn loop: generate turns, appending each, until one of ``until`` holds.
+
+        ``until`` defaults to the recipe's: ``.turns(n)``, its stop conditions and the ambient ones. After
+        each turn ``on_turn(index, message)`` is awaited (index: 0 for the first generated turn). Live
+        :meth:`arun` and every rollout job (which records each turn in the ledger from ``on_turn``) run
+        through here, so a conversation runs the same way live and in a rollout.
+        """
+        conditions = self._conditions() if until is None else until
+        while not any(c.should_stop(self) for c in conditions):
             participant = self.next_speaker()
             message = await participant.agenerate(
                 self.view(participant), self._options(conditions, participant)
             )
             self.transcript.append(message)
+            if on_turn is not None:
+                await on_turn(self.generated_turns - 1, message)
         return self.transcript
-
-    def run(self, turns: int | None = None) -> Transcript:
-        """Sync twin of :meth:`arun`; works in scripts and inside a running event loop (Jupyter)."""
-        return _run_sync(self.arun, turns)
 
     async def asample(self, speaker: str, prompt: str | None = None) -> Message:
         """Generate what ``speaker`` would say next (after ``prompt``, if given) WITHOUT committing it."""
@@ -426,29 +426,10 @@ class Conversation:
 
         return await arollout(self, n, **options)
 
-    # ------------------------------------------------------------------ JSON
+    # ------------------------------------------------------------------ JSON (see _persist)
     def recipe_json(self, *, strict: bool = True) -> dict[str, Any]:
         """The recipe as JSON. ``strict=False`` names lambdas by their code instead of refusing them."""
-        r = self._recipe
-        if strict:
-            participants = [p.to_json() for p in r.participants]
-            context = template_to_json(r.shared_context, field="shared_context")
-            system = template_to_json(r.shared_system_prompt, field="shared_system_prompt")
-        else:
-            from ._participant import _describe_template
-
-            participants = [p.describe() for p in r.participants]
-            context = _describe_template(r.shared_context)
-            system = _describe_template(r.shared_system_prompt)
-        return {
-            "participants": participants,
-            "shared_context": context,
-            "shared_system_prompt": system,
-            "turns": r.turns,
-            "stop": [c.to_json() for c in r.stop],
-            "analyzer": _analyzer_json(r.analyzer, strict=strict),
-            "name": r.name,
-        }
+        return recipe_json(self, strict=strict)
 
     def fingerprint(self) -> str:
         """A stable hash of the recipe: a rerun into the same out_dir with another fingerprint is refused.
@@ -467,13 +448,14 @@ class Conversation:
             "schema": SCHEMA_VERSION,
             "recipe": self.recipe_json(strict=strict),
             "transcript": self.transcript.to_json(),
-            "row": _json_safe(self.row),
+            "row": json_safe(self.row),
             "seed": self.seed,
         }
 
-    def _with_state(self, state: Mapping[str, Any]) -> Conversation:
-        """A copy of this recipe carrying the dialogue state of ``state`` (from ``to_json``)."""
-        _check_schema(state)
+    def with_state(self, state: Mapping[str, Any]) -> Conversation:
+        """A copy of this recipe carrying the dialogue state (transcript, row, seed) of ``state`` (from
+        :meth:`to_json`, e.g. a finished job's in the ledger)."""
+        check_schema(state)
         clone = self._copy()
         clone.transcript = Transcript.from_json(state.get("transcript", []))
         clone.row = state.get("row")
@@ -482,14 +464,7 @@ class Conversation:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write recipe + transcript to ``directory/conversation.json`` (JSON, never pickle)."""
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        payload = self.to_json(strict=True)
-        target = path / _SAVE_FILE
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, indent=2, ensure_ascii=False))
-        os.replace(tmp, target)
-        return target
+        return save(self, directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Conversation:
@@ -498,58 +473,7 @@ class Conversation:
         A file that is not such a conversation (corrupt, truncated, some other JSON) is refused with an
         error naming it, and left untouched: loading only ever reads.
         """
-        target = Path(directory) / _SAVE_FILE
-        if not target.exists():
-            raise ConfigurationError(f"no saved conversation at {target} (save(dir) writes {_SAVE_FILE})")
-        refused = f"{target} is not a conversation saved by Conversation.save() (the file was left untouched)"
-        try:
-            payload = json.loads(target.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigurationError(f"{refused}: it is not valid JSON ({exc})") from None
-        if not isinstance(payload, dict) or not isinstance(payload.get("schema"), int):
-            keys = sorted(payload)[:8] if isinstance(payload, dict) else type(payload).__name__
-            raise ConfigurationError(f"{refused}: it has no interlens 'schema' version (found {keys})")
-        try:
-            _check_schema(payload)
-            return cls._from_payload(payload)
-        except InterlensError as exc:
-            raise type(exc)(f"cannot load {target}: {exc}") from exc
-        except ImportError as exc:
-            raise ConfigurationError(
-                f"cannot load {target}: a function it names cannot be imported ({exc}); make its module "
-                "importable (on sys.path) before loading"
-            ) from exc
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ConfigurationError(
-                f"cannot load {target}: it does not have the shape Conversation.save() writes "
-                f"({type(exc).__name__}: {exc}); the file was left untouched"
-            ) from exc
-
-    @classmethod
-    def _from_payload(cls, payload: Mapping[str, Any]) -> Conversation:
-        recipe = payload["recipe"]
-        stop = []
-        for item in recipe.get("stop", []):
-            condition = condition_from_json(item)
-            if condition is None:
-                raise ConfigurationError(
-                    f"cannot rebuild custom stop condition {item} from JSON; "
-                    "re-attach it with .run_until(...) after loading"
-                )
-            stop.append(condition)
-        conv = cls(
-            [participant_from_json(p) for p in recipe["participants"]],
-            shared_context=template_from_json(recipe.get("shared_context")),
-            shared_system_prompt=template_from_json(recipe.get("shared_system_prompt")),
-            turns=recipe.get("turns"),
-            analyzer=_analyzer_from_json(recipe.get("analyzer")),
-            name=recipe.get("name"),
-            stop=stop,
-        )
-        conv.transcript = Transcript.from_json(payload.get("transcript", []))
-        conv.row = payload.get("row")
-        conv.seed = payload.get("seed")
-        return conv
+        return load(cls, directory)
 
     def __repr__(self) -> str:
         names = ", ".join(p.name for p in self._recipe.participants)
@@ -626,59 +550,6 @@ def _validate(recipe: _Recipe) -> None:
         )
 
 
-def _check_schema(payload: Mapping[str, Any]) -> None:
-    version = payload.get("schema")
-    if not isinstance(version, int):
-        raise SchemaVersionError(f"not an interlens conversation (no schema version): keys {sorted(payload)}")
-    if version > SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"this conversation was saved with schema {version}, newer than this interlens understands "
-            f"({SCHEMA_VERSION}); upgrade interlens to load it"
-        )
-
-
-def _analyzer_json(analyzer: Any, *, strict: bool) -> Any:
-    if analyzer is None or isinstance(analyzer, str):
-        return analyzer
-    from ._participant import _describe_callable
-    from ._templating import callable_path
-
-    if strict:
-        try:
-            return {"$callable": callable_path(analyzer, what="analyzer")}
-        except ConfigurationError:
-            return {"$unsaved": _describe_callable(analyzer)}  # a closure: the dialogue still saves
-    return {"$callable": _describe_callable(analyzer)}
-
-
-def _analyzer_from_json(data: Any) -> Any:
-    if data is None or isinstance(data, str):
-        return data
-    if "$callable" in data:
-        return import_callable(data["$callable"])
-    return None  # a closure could not be saved; re-attach with .analyzer(...)
-
-
-def _json_safe(value: Any) -> Any:
-    """Rows can hold anything (numpy scalars, images); keep what JSON can say, stringify the rest."""
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            return _json_safe(item())
-        except (TypeError, ValueError):
-            pass
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return _json_safe(tolist())
-    return str(value)
-
-
 def _run_sync(fn: Callable[..., Any], *args: Any) -> Any:
     """Run an async method from sync code: a script, a notebook, or an analyzer's worker thread.
 
@@ -686,8 +557,6 @@ def _run_sync(fn: Callable[..., Any], *args: Any) -> Any:
     loop (where the batcher and the job's device live) instead of starting a new one.
     """
     import anyio.from_thread
-
-    from ._model_participant import CURRENT_JOB
 
     if CURRENT_JOB.get() is not None:
         return anyio.from_thread.run(fn, *args)

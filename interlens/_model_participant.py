@@ -11,7 +11,6 @@ directly with a batch of one.
 
 from __future__ import annotations
 
-import contextvars
 import difflib
 import json
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ._context import CURRENT_JOB
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, ModelLoadError
 from ._message import Message
 from ._participant import GenerationOptions, Participant, View, register_participant_kind
@@ -27,9 +27,6 @@ from ._templating import Template, template_from_json
 from ._validate import check_int, check_number
 
 __all__ = ["AutoModelParticipant", "ModelParticipant", "register_family"]
-
-# Set by a rollout job while it runs: turns then go through the scheduler instead of a direct call.
-CURRENT_JOB: contextvars.ContextVar[Any] = contextvars.ContextVar("interlens_current_job", default=None)
 
 _FAMILIES: dict[str, type[ModelParticipant]] = {}
 

@@ -43,11 +43,8 @@ class RunResult:
         """The finished conversation, live: ``sample()`` and ``run()`` work on it."""
         if self._state is None or self._recipe is None:
             return None
-        from ._rollout import _expand_one
-
-        base = self._recipe.data(None)
-        conv = _expand_one(base, self._state.get("row"), self.row_index, self.seed)
-        return conv._with_state(self._state)
+        conv = self._recipe.data(None).for_row(self._state.get("row"), index=self.row_index, seed=self.seed)
+        return conv.with_state(self._state)
 
     @property
     def transcript(self) -> Transcript | None:

@@ -1,83 +1,51 @@
-"""From conversations to scheduler jobs and back: ``rollout``, ``run`` and their async twins.
+"""From conversations to scheduler jobs and back: ``Conversation.rollout`` and the pool ``run`` shares.
 
 A lineup (one Conversation) expands lazily into jobs: one per sample (``rollout_0000``...) or per data row
-(``row_00000``...), each an independent copy with its templates resolved for its row and its own seed, and
-with the fingerprint of what it is asked (``_inputs``), which a rerun compares. The scheduler runs them; this
-module only translates between the two worlds.
+(``row_00000``...), each an independent copy made by ``Conversation.for_row`` (templates resolved for its row,
+its own seed), with the fingerprint of what it is asked (``_inputs``), which a rerun compares. The scheduler
+runs them (:class:`ConversationJob`); :func:`execute` runs a run's lineups and wraps the outcome in a
+``RunReport``. This module only translates between the two worlds.
+
+It imports ``Conversation`` for type checking only: ``Conversation.rollout`` imports this module (the one lazy
+import of the package), so imports run one way, rollout → report → conversation → context.
+``interlens.run``, which must check it was given Conversations, lives in ``_run``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
-from ._exceptions import ConfigurationError, ConfigurationTypeError, InterlensError, TemplateError, translate
+from ._context import in_job
+from ._exceptions import ConfigurationError, InterlensError, MissingColumnError, TemplateError, translate
 from ._inputs import explain_change, input_fingerprint
-from ._model_participant import CURRENT_JOB
+from ._message import Message
 from ._options import Options, RunOptions, check_n, parse_options, prepare_out_dir
-from ._participant import Participant
+from ._report import RunReport
 from ._stop import ambient_conditions
-from ._templating import DatasetField, is_templated, resolve
+from ._templating import DatasetField, is_templated
 
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
     from ._conversation import Conversation
-    from ._report import RunReport
 
-__all__ = ["arollout", "arun", "rollout", "run", "turn_seed"]
+__all__ = ["arollout", "execute", "lineup_spec", "rollout"]
 
 log = logging.getLogger("interlens")
 
 
-def _mix(*parts: int | str) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def turn_seed(conv: Conversation, participant: Participant, *, sample: int | None = None) -> int | None:
-    """The sampling seed of the next turn of ``participant``, or None for torch's global RNG.
-
-    Inside a rollout EVERY local turn is seeded, in both execution modes, from (participant ``seed=`` or 0,
-    the rollout seed of this job, the job's id, the turn index): two jobs, two lineups of one ``run`` or two
-    turns never share a random stream, and rerunning the same recipe with the same ``seed=`` draws the same
-    random numbers for every turn. What that buys depends on the mode:
-
-    * ``batched=False`` (deterministic): each turn is generated alone, so a rollout is token-identical on
-      the same hardware and software, whatever else runs beside it.
-    * batched (the default): the turn's random draws are the same, but its logits come from a batched
-      forward pass whose other rows (and their padding) depend on timing, and a turn that happens to run
-      alone may continue its stream's kept KV cache (logits a few ulps off a fresh prefill). The tokens
-      are reproducible only where the forward pass is batch-invariant, i.e. gives each row bitwise the same
-      logits whatever its batch mates; it is for the tiny test models on CPU, it generally is NOT on GPUs
-      (kernels pick different reduction orders for different batch shapes). Otherwise a rerun is
-      reproducible in distribution only: same seeds, same sampling law, possibly different tokens.
-
-    ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
-    stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,
-    and a sample never shifts the seed of a turn. Outside a rollout (``conv.run()``, ``conv.sample()`` on a
-    result) a participant with ``seed=`` is seeded the same way without a job id; one without a seed draws
-    from torch's global RNG.
-    """
-    job = CURRENT_JOB.get()
-    pinned = getattr(participant, "seed", None)
-    if job is None and pinned is None:
-        return None
-    parts: list[int | str] = [pinned or 0, conv.seed or 0, job.job_id if job is not None else ""]
-    parts.append(conv.generated_turns)
-    if sample is not None:
-        parts += ["sample", sample]
-    return _mix(*parts)
-
-
 @dataclass
 class ConversationJob:
-    """One expanded conversation, run by the scheduler (satisfies ``interlens.scheduler.Job``)."""
+    """One expanded conversation, run by the scheduler (satisfies ``interlens.scheduler.Job``).
+
+    A thin adapter: it replays what an earlier attempt committed, runs the conversation's own turn loop
+    (``Conversation.advance``, the one live ``run`` uses) as this job, recording each turn as it ends, then
+    runs the analyzer while the models are still resident.
+    """
 
     conversation: Conversation
     needs_device: bool
@@ -86,32 +54,21 @@ class ConversationJob:
     async def run(self, ctx: JobContext) -> JobResult:
         from interlens.scheduler import JobResult
 
-        from ._message import Message
-
         if self.error is not None:
             raise self.error
-        conv = self.conversation._copy()
-        conv._stream_id = ctx.job_id
-        for turn in ctx.committed_turns:  # resume: replay what an earlier attempt already committed
-            conv.transcript.append(Message.from_json(turn))
-        token = CURRENT_JOB.set(ctx)
-        try:
-            conditions = conv._conditions()
-            while not conv._should_stop(conditions):
-                participant = conv.next_speaker()
-                message = await participant.agenerate(
-                    conv.view(participant), conv._options(conditions, participant)
-                )
-                conv.transcript.append(message)
-                await ctx.record_turn(conv.generated_turns - 1, message.to_json())
+        conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
+
+        async def record(index: int, message: Message) -> None:
+            await ctx.record_turn(index, message.to_json())
+
+        with in_job(ctx):
+            await conv.advance(on_turn=record)
             analysis, analysis_error = None, None
             if conv.analyzer_fn is not None:
                 try:
                     analysis = await run_analyzer(conv.analyzer_fn, conv)
                 except Exception as exc:
                     analysis_error = exc
-        finally:
-            CURRENT_JOB.reset(token)
         return JobResult(
             conversation=conv.to_json(),
             tokens_generated=conv.tokens_generated,
@@ -121,36 +78,6 @@ class ConversationJob:
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
-
-
-def _rows(data: Any, n: int | None, lineup: str) -> tuple[Callable[[], Iterator[Any]], bool, int | None]:
-    """How to read at most ``n`` rows of ``data``: a function that starts a fresh read, whether a second
-    read is possible (not for a one-shot iterator), and the number of rows when known."""
-    from ._conversation import OnceRows
-
-    if isinstance(data, OnceRows):
-        if data.read:
-            raise OnceRows.consumed_error(lineup)
-        return lambda: itertools.islice(iter(data), n), False, n
-    if callable(data) and not isinstance(data, Iterable):
-        return lambda: itertools.islice(iter(_call_rows(data, lineup)), n), True, n
-    try:
-        total: int | None = len(data)
-    except TypeError:
-        total = None
-    if n is not None:
-        total = n if total is None else min(n, total)
-    return lambda: itertools.islice(iter(data), n), True, total
-
-
-def _call_rows(make: Callable[[], Any], lineup: str) -> Iterable[Any]:
-    rows = make()
-    if rows is None or isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
-        raise ConfigurationError(
-            f"lineup {lineup!r}: the callable given to .data() must return an iterable of rows (a list, a "
-            f"generator, a Dataset), got {type(rows).__name__}"
-        )
-    return rows
 
 
 class _Jobs:
@@ -190,24 +117,6 @@ def _template_columns(conv: Conversation) -> set[str]:
     return columns
 
 
-def _expand_one(base: Conversation, row: Any, index: int | None, seed: int) -> Conversation:
-    """The job's own copy of ``base``: its row attached, its templates resolved, its seed set."""
-    if row is not None and not hasattr(row, "keys"):
-        raise TemplateError(f"data row {index} is a {type(row).__name__}, not a mapping of column -> value")
-    row_dict = dict(row) if row is not None else None
-    participants = tuple(
-        p.replace(system_prompt=resolve(p.system_prompt, row_dict, field=f"{p.name}.system_prompt"))
-        if is_templated(p.system_prompt)
-        else p
-        for p in base.participants
-    )
-    system = resolve(base.shared_system_prompt, row_dict, field="shared_system_prompt")
-    conv = base.set(participants=participants, shared_system_prompt=system)
-    conv.row, conv.seed = row_dict, seed
-    conv._seed_transcript()
-    return conv
-
-
 def lineup_spec(
     conv: Conversation,
     n: int | None,
@@ -224,7 +133,7 @@ def lineup_spec(
     ambient = ambient_conditions()
     if ambient:
         conv = conv.run_until(*ambient)
-    if not conv._conditions():
+    if conv.turns() is None and not conv.stop_conditions:
         raise ConfigurationError(
             f"lineup {lineup!r} would never stop: set .turns(n) or add a stop condition with .run_until(...)"
         )
@@ -235,7 +144,7 @@ def lineup_spec(
     def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
         expanded: Conversation | None = None
         try:
-            expanded = _expand_one(base, row, row_index, seed + i)
+            expanded = base.for_row(row, index=row_index, seed=seed + i)
             job = ConversationJob(expanded, needs_device)
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
@@ -244,29 +153,26 @@ def lineup_spec(
             job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=row_index, input_fp=fingerprint
         )
 
-    data = conv._recipe.data
-    if data is not None:
-        columns = getattr(data, "column_names", None)
+    if conv.data_source is not None:
+        columns = getattr(conv.data_source, "column_names", None)
         missing = sorted(_template_columns(conv) - set(columns)) if isinstance(columns, list) else []
         if missing:
-            from ._exceptions import MissingColumnError
-
             raise MissingColumnError(
                 f"lineup {lineup!r} uses dataset_field({missing[0]!r}) but the data has no column "
                 f"{missing[0]!r}; available columns: {sorted(columns or [])}"
             )
-        read, again, total = _rows(data, n, lineup)
+        rows = conv.read_rows(n, lineup=lineup)
         base = conv.data(None)
 
         def jobs() -> Iterator[JobSpec]:
-            for i, row in enumerate(read()):
+            for i, row in enumerate(rows.read()):
                 yield job_spec(base, f"{prefix}row_{i:05d}", i, row, i)
 
         return LineupSpec(
             name=lineup,
             fingerprint=settings,
-            jobs=_Jobs(jobs) if again else jobs(),
-            n_jobs=total,
+            jobs=_Jobs(jobs) if rows.again else jobs(),
+            n_jobs=rows.total,
             describe=conv.recipe_json(strict=False),
             explain_input=explain_change,
         )
@@ -313,11 +219,9 @@ def _versions() -> dict[str, str]:
     return out
 
 
-async def _execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: Options) -> RunReport:
+async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: Options) -> RunReport:
     """Run the expanded lineups; every option was checked by ``parse_options`` in the user's call."""
     from interlens.scheduler import available_devices, run_jobs, validate_devices
-
-    from ._report import RunReport
 
     devices = options.devices
     if devices is None:  # only local models need a device: don't import torch to run scripted or API jobs
@@ -381,90 +285,12 @@ def _shorten(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _lineups(
-    conversations: Iterable[Conversation], seed: int, mode: ExecutionMode
-) -> list[tuple[Conversation, LineupSpec]]:
-    from ._conversation import Conversation, OnceRows
-
-    convs = list(conversations) if not isinstance(conversations, Conversation) else [conversations]
-    if not convs:
-        raise ConfigurationError("run() needs at least one Conversation")
-    out = []
-    for i, conv in enumerate(convs):
-        if not isinstance(conv, Conversation):
-            raise ConfigurationError(
-                f"run() takes Conversation objects, got {type(conv).__name__} at index {i}"
-            )
-        name = conv.name() or f"conv{i}"
-        single = name if conv.data_source is None else None
-        spec = lineup_spec(
-            conv, None, seed=seed, mode=mode, prefix=f"{name}/", single_job_id=single, lineup=name
-        )
-        out.append((conv, spec))
-    once = [conv._recipe.data for conv, _ in out if isinstance(conv._recipe.data, OnceRows)]
-    if len({id(rows) for rows in once}) < len(once):  # the second lineup would get what the first left
-        raise OnceRows.consumed_error()
-    names = [spec.name for _, spec in out]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigurationError(
-            f"two lineups share the name(s) {duplicates}: give each a distinct .name(...)"
-        )
-    return out
-
-
-async def _arun(conversations: Iterable[Conversation], options: Options) -> RunReport:
-    from ._conversation import Conversation
-
-    if not isinstance(conversations, Conversation) and (
-        isinstance(conversations, str | bytes | Mapping) or not isinstance(conversations, Iterable)
-    ):
-        raise ConfigurationTypeError(
-            f"{options.caller}() takes a list of Conversation objects (one per lineup), got "
-            f"{type(conversations).__name__}; e.g. {options.caller}([pair, solo], out_dir='runs/x')"
-        )
-    return await _execute(_lineups(conversations, options.seed, options.mode), options)
-
-
-async def arun(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:
-    """Async twin of :func:`run` (works under top-level await)."""
-    return await _arun(conversations, parse_options("arun", options))
-
-
-def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:
-    """Run many lineups in one pool under one ``out_dir``/resume namespace.
-
-    Each conversation expands to its own jobs (one per ``.data()`` row, else a single job), namespaced by its
-    ``.name()``: ``pair_7b``, ``gpqa/row_00000``... (unnamed lineups are ``conv0``, ``conv1``...).
-
-    Options (keyword only; checked before anything runs, an unknown one is refused):
-    ``devices`` (None: every visible GPU, or the CPU when no local model; else a list such as
-    ``["cuda:0", "cuda:1"]``), ``out_dir`` (None: in memory; a directory: checkpointed and resumable),
-    ``seed`` (0; per-job seeds are seed, seed+1, ...), ``resume`` (True; False moves an old ledger aside and
-    starts fresh), ``batched`` (True) or ``mode`` (``ExecutionMode.BATCHED``; ``DETERMINISTIC`` is
-    ``batched=False``), ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress``
-    (None: a bar when interactive), ``max_batch_wait`` (0.05 s), ``worker_start_timeout`` (300 s).
-    Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
-    how many failed and why the first did.
-    """
-    from interlens.scheduler import run_sync
-
-    return run_sync(_arun, conversations, parse_options("run", options))
-
-
 async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunReport:
-    from ._conversation import Conversation
-
-    if not isinstance(conv, Conversation):
-        raise ConfigurationTypeError(
-            f"{options.caller}() rolls out a Conversation, got {type(conv).__name__}; call "
-            f"conv.{options.caller}(n=...) on a Conversation"
-        )
     lineup = conv.name() or "rollout"
     spec = lineup_spec(
         conv, n, seed=options.seed, mode=options.mode, prefix="", single_job_id=None, lineup=lineup
     )
-    return await _execute([(conv, spec)], options)
+    return await execute([(conv, spec)], options)
 
 
 async def arollout(conv: Conversation, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:

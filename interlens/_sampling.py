@@ -1,7 +1,7 @@
 """Next-token choice for a batch of rows with per-row settings and per-row random streams, and the
 special ids the decode loop needs (which tokens end a turn, which pads a prompt).
 
-Every local turn of a rollout carries a seed (see ``interlens._rollout.turn_seed``), so a batch of 64 rows is
+Every local turn of a rollout carries a seed (see ``interlens._context.turn_seed``), so a batch of 64 rows is
 64 seeded rows: sampling them one ``torch.multinomial`` call per row (each with its own ``torch.Generator``)
 cost 2.75x the unseeded path per step at a real vocabulary on CPU. Instead each step draws ONE uniform per
 row (from the row's own stream, or from torch's global RNG for an unseeded row) and samples every row at

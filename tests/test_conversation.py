@@ -176,9 +176,7 @@ def test_templating_str_field_callable_tuple():
         shared_context=("Solve:\n", dataset_field("question")),
         shared_system_prompt=lambda r: f"Row about {r['topic']}",
     )
-    from interlens._rollout import _expand_one
-
-    job = _expand_one(conv, row, 0, 5)
+    job = conv.for_row(row, index=0, seed=5)
     assert job.transcript[0].content == "Solve:\n2+2?"
     assert job.view("s").system == "Row about math\n\nExpert in math."
     assert job.row == row and job.seed == 5
@@ -188,10 +186,8 @@ def test_missing_column_names_column_and_available_columns():
     conv = Conversation(
         participants=[ScriptedParticipant("s", ["x"])], shared_context=dataset_field("qestion")
     )
-    from interlens._rollout import _expand_one
-
     with pytest.raises(MissingColumnError) as info:
-        _expand_one(conv, {"question": "q", "answer": "a"}, 3, 0)
+        conv.for_row({"question": "q", "answer": "a"}, index=3, seed=0)
     assert "'qestion'" in str(info.value) and "['answer', 'question']" in str(info.value)
 
 
