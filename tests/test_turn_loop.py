@@ -62,9 +62,9 @@ def test_advance_stops_where_the_given_conditions_say_not_the_recipe() -> None:
 
 def test_a_rollout_job_runs_the_live_loop_on_its_own_stream_with_job_seeds() -> None:
     live_witness, job_witness = Witness("w"), Witness("w")
-    live = Conversation([live_witness, ScriptedParticipant("s", ["ok"])], turns=4, stop=[StopStrings("never")])
+    live = Conversation([live_witness, ScriptedParticipant("s", ["ok"])], turns=4)
     live.run()
-    recipe = Conversation([job_witness, ScriptedParticipant("s", ["ok"])], turns=4, stop=[StopStrings("never")])
+    recipe = Conversation([job_witness, ScriptedParticipant("s", ["ok"])], turns=4)
     report = recipe.rollout(2, seed=7)
 
     for job_id in ("rollout_0000", "rollout_0001"):
