@@ -227,7 +227,7 @@ def _describe_callable(fn: Any) -> str:
     code = getattr(fn, "__code__", None)
     if code is None and not hasattr(fn, "__qualname__"):  # a callable instance: its class says what it does
         owner = type(fn)
-        code = getattr(getattr(owner, "__call__", None), "__code__", None)
+        code = getattr(owner.__call__, "__code__", None)
     digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
     name = getattr(owner, "__qualname__", type(fn).__qualname__)
     return f"{getattr(owner, '__module__', '?')}:{name}#{digest}"
