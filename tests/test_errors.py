@@ -99,7 +99,7 @@ def test_an_unknown_option_names_the_call_and_lists_the_valid_options(entry, tmp
         )
     assert isinstance(info.value, TypeError) and isinstance(info.value, InterlensError)
     message = str(info.value)
-    assert message.startswith(f"{entry}() has no option 'outdir'; did you mean out_dir=?")
+    assert message.startswith(f"{entry}() has no option 'outdir'; did you mean out_dir=...? Its options are")
     assert "run_jobs" not in message
     for option in ALL_OPTIONS:
         assert option in message
