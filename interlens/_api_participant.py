@@ -1,10 +1,12 @@
 """Hosted models as participants: OpenAI, Anthropic and OpenRouter through their official async SDKs.
 
 An :class:`APIParticipant` is plain settings (it pickles to a worker with no key inside): the speaker's view
-becomes an :class:`~interlens._api_request.APIRequest` where the job runs, and the request goes to the API
-gateway in the parent, which holds the one SDK client per provider configuration, bounds the requests in
-flight, retries, and, with ``batch=True``, gathers a round's turns from every live conversation into ONE
-provider batch that a crashed run re-attaches to instead of paying for twice.
+becomes a provider-neutral :class:`~interlens._provider_base.APIRequest` where the job runs (folded to what
+the provider accepts), and the request goes to the API gateway in the parent, which holds the one client per
+provider configuration, bounds the requests in flight, retries, and, with ``batch=True``, gathers a round's
+turns from every live conversation into ONE provider batch that a crashed run re-attaches to instead of
+paying for twice. What each provider wants on the wire lives in its own module, found by name through
+``_providers``.
 
 Routing: a rollout job whose context offers ``call_gateway`` sends the request there (the run's gateway);
 otherwise the running event loop's gateway serves it (live use, and jobs in the parent's own loop).
@@ -17,14 +19,20 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from interlens.scheduler._gateway import BatchPolicy, BatchRowError, ProviderCallError, RetryPolicy
+from interlens.scheduler.gateway import (
+    BatchPolicy,
+    BatchRowError,
+    ProviderCallError,
+    ProviderClient,
+    RetryPolicy,
+)
 
-from ._api_clients import PROVIDERS, open_client, resolve_base_url
-from ._api_request import APIRequest, APIResult, fold_view
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError
 from ._message import MODERATOR, Message
 from ._model_participant import CURRENT_JOB
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
+from ._provider_base import APIRequest, APIResult
+from ._providers import PROVIDERS, fold_view, open_client, resolve_base_url
 from ._templating import Template, template_from_json
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "DEFAULT_MAX_TOKENS", "DEFAULT_TIMEOUT", "APIParticipant"]
@@ -183,8 +191,8 @@ class APIParticipant(Participant):
             return None
         return (self.client_key, self.model_id, self.temperature, self.top_p, self.stop, self.batch_policy)
 
-    def open_client(self) -> Any:
-        """The SDK adapter; reads the key from the environment (in the parent, at first use)."""
+    def open_client(self) -> ProviderClient:
+        """The provider's client for the gateway; reads the key from the environment (parent, first use)."""
         return open_client(
             self.provider,
             base_url=self.base_url,
