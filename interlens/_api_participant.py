@@ -33,6 +33,7 @@ from ._model_participant import CURRENT_JOB
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
 from ._provider_base import APIRequest, APIResult
 from ._providers import PROVIDERS, fold_view, open_client, resolve_base_url
+from ._providers import provider as provider_named
 from ._templating import Template, template_from_json
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "DEFAULT_MAX_TOKENS", "DEFAULT_TIMEOUT", "APIParticipant"]
@@ -141,10 +142,12 @@ class APIParticipant(Participant):
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
         if not isinstance(batch, bool):
             raise ConfigurationError(f"{name}: batch must be True or False, got {batch!r}")
-        if batch and provider == "openrouter":
+        if batch and not provider_named(provider).batch:
+            batching = "/".join(p for p in PROVIDERS if provider_named(p).batch)
             raise ConfigurationError(
-                f"{name}: OpenRouter has no batch API, so batch=True cannot work with provider='openrouter' "
-                "(interlens never falls back to serial calls silently). Use batch=False, or openai/anthropic."
+                f"{name}: {provider_named(provider).title} has no batch API, so batch=True cannot work "
+                f"with provider={provider!r} (interlens never falls back to serial calls silently). Use "
+                f"batch=False, or {batching}."
             )
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigurationError(f"{name}: max_tokens must be a positive int, got {max_tokens!r}")

@@ -165,6 +165,7 @@ class AnthropicClient:
 
 ANTHROPIC = Provider(
     name="anthropic",
+    title="Anthropic",
     key_variable="ANTHROPIC_API_KEY",
     url_variable="ANTHROPIC_BASE_URL",
     default_url="https://api.anthropic.com",

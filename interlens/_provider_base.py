@@ -111,11 +111,12 @@ class Provider:
     ``fold``: the (role, content) pairs of a view as the provider accepts them (the system block goes apart);
     ``body``: the JSON request body of an :class:`APIRequest`; ``client``: builds the gateway's
     :class:`ProviderClient` from ``(provider=, base_url=, api_key=, max_in_flight=)``; ``batch``: whether the
-    provider has a batch API. Keys and endpoints come from ``key_variable``/``url_variable`` (the names the
-    official SDKs read), else ``default_url``.
+    provider has a batch API; ``title``: its name in messages. Keys and endpoints come from
+    ``key_variable``/``url_variable`` (the names the official SDKs read), else ``default_url``.
     """
 
     name: str
+    title: str
     key_variable: str
     url_variable: str
     default_url: str
