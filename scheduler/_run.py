@@ -25,9 +25,6 @@ from interlens.store import RecordedJobs
 from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
-from ._gateway import Gateway
-from ._gateway_batch import BatchStore
-from ._gateway_collect import Blocker
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
 from ._pool import Service, WorkerInit, check_services, open_workers, refuse_while_bootstrapping
@@ -36,6 +33,7 @@ from ._protocols import ExecutionMode, JobSpec, LineupSpec
 from ._resume import InputRefusal, input_changed, verify_recorded_inputs
 from ._signals import Notifier
 from ._worker import Worker
+from .gateway import BatchStore, Blocker, Gateway
 
 __all__ = ["run_jobs"]
 

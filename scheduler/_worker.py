@@ -25,7 +25,7 @@ from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
 from ._signals import Notifier
 
 if TYPE_CHECKING:
-    from ._gateway_collect import Blocker
+    from .gateway import Blocker
 
 __all__ = ["HOST_DEVICE", "CallGateway", "CallParent", "InProcessWorker", "RecordTurn", "Worker"]
 

@@ -25,11 +25,11 @@ from typing import Any, NoReturn
 import anyio
 
 from ._errors import JobPickleError
-from ._gateway_collect import Blocker
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import ExecutionMode, JobSpec
 from ._wire import Calls, Connection
 from ._worker import InProcessWorker
+from .gateway import Blocker
 
 __all__ = ["bootstrapping", "main"]
 
