@@ -265,7 +265,7 @@ class Calls:
         finally:
             del self._pending[call_id]
             while pending.blocked:  # a note the parent could not send (cancelled, or the parent died)
-                self.note(pending, blocked=False)
+                self._note(pending, blocked=False)
         if not pending.ok:
             raise pending.value
         return pending.value
@@ -279,10 +279,10 @@ class Calls:
     def noted(self, note: Blocked | Unblocked) -> None:
         pending = self._pending.get(note.call)
         if pending is not None:  # None: the call ended meanwhile (and undid its notes)
-            self.note(pending, blocked=isinstance(note, Blocked))
+            self._note(pending, blocked=isinstance(note, Blocked))
 
     @staticmethod
-    def note(pending: _Pending, *, blocked: bool) -> None:
+    def _note(pending: _Pending, *, blocked: bool) -> None:
         if pending.blocker is None:
             return
         if blocked:
