@@ -92,6 +92,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
     """Adapts one stdlib connection to :data:`Handler`; keep-alive is the stdlib's HTTP/1.1 default."""
 
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # head and body are two writes: no wait for the client's delayed ACK
     server: _HttpServer
 
     def setup(self) -> None:
