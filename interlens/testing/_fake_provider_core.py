@@ -2,8 +2,8 @@
 
 Everything mutable lives in :class:`State`, guarded by one re-entrant lock, because it is written by the
 server's connection threads and read (meters, records, batch states) or configured (faults) from the test's
-thread. Handlers
-run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen outside it.
+thread. Handlers run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen
+outside it.
 """
 
 from __future__ import annotations
