@@ -46,7 +46,7 @@ from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import ExecutionMode
 
 if TYPE_CHECKING:
-    from ._gateway_collect import Blocker
+    from .gateway import Blocker
 
 __all__ = [
     "Answers",
