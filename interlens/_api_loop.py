@@ -14,7 +14,7 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from interlens.scheduler._gateway import Gateway
+from interlens.scheduler.gateway import Gateway
 
 __all__ = ["loop_gateway"]
 

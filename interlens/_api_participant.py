@@ -1,10 +1,12 @@
 """Hosted models as participants: OpenAI, Anthropic and OpenRouter through their official async SDKs.
 
 An :class:`APIParticipant` is plain settings (it pickles to a worker with no key inside): the speaker's view
-becomes an :class:`~interlens._api_request.APIRequest` where the job runs, and the request goes to the API
-gateway in the parent, which holds the one SDK client per provider configuration, bounds the requests in
-flight, retries, and, with ``batch=True``, gathers a round's turns from every live conversation into ONE
-provider batch that a crashed run re-attaches to instead of paying for twice.
+becomes a provider-neutral :class:`~interlens._provider_base.APIRequest` where the job runs (folded to what
+the provider accepts), and the request goes to the API gateway in the parent, which holds the one client per
+provider configuration, bounds the requests in flight, retries, and, with ``batch=True``, gathers a round's
+turns from every live conversation into ONE provider batch that a crashed run re-attaches to instead of
+paying for twice. What each provider wants on the wire lives in its own module, found by name through
+``_providers``.
 
 Routing: a rollout job whose context offers ``call_gateway`` sends the request there (the run's gateway);
 otherwise the running event loop's gateway serves it (live use, and jobs in the parent's own loop).
@@ -17,14 +19,21 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from interlens.scheduler._gateway import BatchPolicy, BatchRowError, ProviderCallError, RetryPolicy
+from interlens.scheduler.gateway import (
+    BatchPolicy,
+    BatchRowError,
+    ProviderCallError,
+    ProviderClient,
+    RetryPolicy,
+)
 
-from ._api_clients import PROVIDERS, open_client, resolve_base_url
-from ._api_request import APIRequest, APIResult, fold_view
 from ._context import CURRENT_JOB
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError
 from ._message import MODERATOR, Message
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
+from ._provider_base import APIRequest, APIResult
+from ._providers import PROVIDERS, fold_view, open_client, resolve_base_url
+from ._providers import provider as provider_named
 from ._templating import Template, template_from_json
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "DEFAULT_MAX_TOKENS", "DEFAULT_TIMEOUT", "APIParticipant"]
@@ -133,10 +142,12 @@ class APIParticipant(Participant):
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
         if not isinstance(batch, bool):
             raise ConfigurationError(f"{name}: batch must be True or False, got {batch!r}")
-        if batch and provider == "openrouter":
+        if batch and not provider_named(provider).batch:
+            batching = "/".join(p for p in PROVIDERS if provider_named(p).batch)
             raise ConfigurationError(
-                f"{name}: OpenRouter has no batch API, so batch=True cannot work with provider='openrouter' "
-                "(interlens never falls back to serial calls silently). Use batch=False, or openai/anthropic."
+                f"{name}: {provider_named(provider).title} has no batch API, so batch=True cannot work "
+                f"with provider={provider!r} (interlens never falls back to serial calls silently). Use "
+                f"batch=False, or {batching}."
             )
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigurationError(f"{name}: max_tokens must be a positive int, got {max_tokens!r}")
@@ -183,8 +194,8 @@ class APIParticipant(Participant):
             return None
         return (self.client_key, self.model_id, self.temperature, self.top_p, self.stop, self.batch_policy)
 
-    def open_client(self) -> Any:
-        """The SDK adapter; reads the key from the environment (in the parent, at first use)."""
+    def open_client(self) -> ProviderClient:
+        """The provider's client for the gateway; reads the key from the environment (parent, first use)."""
         return open_client(
             self.provider,
             base_url=self.base_url,

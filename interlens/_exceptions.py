@@ -31,8 +31,8 @@ the classes above also inherit from the foreign ones where they correspond, so
 
 from __future__ import annotations
 
-from interlens.scheduler import _errors as _scheduler_errors
-from interlens.store import _errors as _store_errors
+import interlens.scheduler as _scheduler_errors  # the packages' public faces export their errors
+import interlens.store as _store_errors
 
 __all__ = [
     "AnalyzerError",

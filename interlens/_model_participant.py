@@ -1,12 +1,17 @@
 """Local HuggingFace models as participants.
 
 A :class:`ModelParticipant` is a lazy load recipe: building one reads at most the model's ``config.json``
-(to pick the family class); weights load on first use, through a process-wide cache keyed by the load
-recipe, so two participants naming one model share one model object, and pickling ships no weights.
+(to record its family and refuse a directory that is no model); weights load on first use, through a
+process-wide cache keyed by the load recipe, so two participants naming one model share one model
+object, and pickling ships no weights.
 
 In a rollout the participant is the scheduler's ``EngineSpec``: its turns go to the coalescing batcher of
 the engine on the job's device (one batched generate for many conversations). Live, it calls the engine
 directly with a batch of one.
+
+There are no per-family classes: every family's chat template is probed from its tokenizer
+(``_chat_template``). The old empty subclasses (``Qwen2Participant`` ...) and ``register_family`` remain
+importable from this module as deprecated aliases (see ``__getattr__``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import difflib
 import json
 import time
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from ._context import CURRENT_JOB
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, ModelLoadError
@@ -26,20 +32,40 @@ from ._participant import GenerationOptions, Participant, View, register_partici
 from ._templating import Template, template_from_json
 from ._validate import check_int, check_number
 
-__all__ = ["AutoModelParticipant", "ModelParticipant", "register_family"]
+__all__ = ["AutoModelParticipant", "ModelParticipant"]
 
-_FAMILIES: dict[str, type[ModelParticipant]] = {}
+#: Removed names -> what replaces them; reached through the module ``__getattr__`` with a warning.
+_DEPRECATED_CLASSES = ("Qwen2Participant", "LlamaParticipant", "Gemma2Participant", "Gemma3Participant")
 
 
-def register_family(model_type: str) -> Any:
-    """Class decorator: use this ModelParticipant subclass for models whose ``config.model_type`` matches."""
+def _register_family(model_type: str) -> Any:
+    """The deprecated ``register_family`` decorator: a no-op, chat templates are probed per tokenizer."""
 
     def decorate(cls: type[ModelParticipant]) -> type[ModelParticipant]:
-        _FAMILIES[model_type] = cls
-        cls.family = model_type
         return cls
 
     return decorate
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED_CLASSES:
+        warnings.warn(
+            f"interlens._model_participant.{name} is deprecated: every family is a ModelParticipant (chat "
+            "templates are probed from the tokenizer); use AutoModelParticipant.from_pretrained or "
+            "ModelParticipant",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ModelParticipant
+    if name == "register_family":
+        warnings.warn(
+            "register_family is deprecated and does nothing: chat templates are probed from the tokenizer, "
+            "so no per-family participant class is needed; drop the decorator",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _register_family
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +132,6 @@ class ModelParticipant(Participant):
 
     kind = "model"
     needs_device = True
-    family: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -119,7 +144,7 @@ class ModelParticipant(Participant):
         max_new_tokens: int = 256,
         stop: Sequence[str] = (),
         seed: int | None = None,
-        kv_reuse: bool | str = "auto",
+        kv_reuse: bool | str = True,
         device: str | None = None,
         dtype: str | None = None,
         revision: str | None = None,
@@ -137,8 +162,19 @@ class ModelParticipant(Participant):
         check_int(
             max_new_tokens, what=f"{who}: max_new_tokens", low=1, fix="the output cap per turn, e.g. 256"
         )
-        if not (isinstance(kv_reuse, bool) or kv_reuse == "auto"):
-            raise ConfigurationError(f"{who}: kv_reuse must be True, False or 'auto', got {kv_reuse!r}")
+        if kv_reuse == "auto":
+            warnings.warn(
+                f"{who}: kv_reuse='auto' is deprecated; it always meant True (keep the KV cache between "
+                "turns in batched mode; deterministic mode never reuses it): pass kv_reuse=True or omit it",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kv_reuse = True
+        if not isinstance(kv_reuse, bool):
+            raise ConfigurationError(
+                f"{who}: kv_reuse must be True or False, got {kv_reuse!r}; True (the default) keeps each "
+                "participant's KV cache between its turns in batched mode"
+            )
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
@@ -159,6 +195,8 @@ class ModelParticipant(Participant):
         self.stop = tuple(stop)
         self.seed = seed
         self.kv_reuse = kv_reuse
+        self.family: str | None = None
+        """``config.model_type`` as ``from_pretrained`` read it (None if unknown): recorded, not used."""
         self.device = device
         self.dtype = dtype
         self.revision = revision
@@ -267,9 +305,12 @@ class ModelParticipant(Participant):
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ModelParticipant:
-        target = _FAMILIES.get(data.get("family") or "", ModelParticipant)
         kwargs = {k: v for k, v in data.items() if k not in ("kind", "family", "model_id", "system_prompt")}
-        return target(data["model_id"], system_prompt=template_from_json(data.get("system_prompt")), **kwargs)
+        if kwargs.get("kv_reuse") == "auto":  # written before 'auto' was deprecated: the same as True
+            kwargs["kv_reuse"] = True
+        out = cls(data["model_id"], system_prompt=template_from_json(data.get("system_prompt")), **kwargs)
+        out.family = data.get("family")
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)  # holds no weights: engines live in the process-wide cache
@@ -279,26 +320,6 @@ class ModelParticipant(Participant):
 
 
 register_participant_kind(ModelParticipant.kind, ModelParticipant.from_json)
-
-
-@register_family("qwen2")
-class Qwen2Participant(ModelParticipant):
-    """Qwen2 / Qwen2.5 (ChatML template, system role supported)."""
-
-
-@register_family("llama")
-class LlamaParticipant(ModelParticipant):
-    """Llama 2/3 family (header-based template, system role supported)."""
-
-
-@register_family("gemma2")
-class Gemma2Participant(ModelParticipant):
-    """Gemma 2: no system role, strict alternation (the view is folded, see ``_chat_template``)."""
-
-
-@register_family("gemma3_text")
-class Gemma3Participant(ModelParticipant):
-    """Gemma 3 text models."""
 
 
 def _read_model_type(id_or_path: str, revision: str | None) -> str | None:
@@ -346,7 +367,7 @@ _SETTINGS = (
 
 
 class AutoModelParticipant:
-    """Factory: ``AutoModelParticipant.from_pretrained(id_or_path, name=...)`` picks the family class."""
+    """Factory: ``AutoModelParticipant.from_pretrained(id_or_path, name=...)`` builds a ModelParticipant."""
 
     def __init__(self) -> None:
         raise TypeError("use AutoModelParticipant.from_pretrained(id_or_path, name=...)")
@@ -359,7 +380,7 @@ class AutoModelParticipant:
         to forbid it), once per process and device, shared by every participant with the same load recipe.
 
         Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
-        ``kv_reuse`` ("auto" | True | False), ``device``, ``dtype``, ``revision``.
+        ``kv_reuse`` (True | False), ``device``, ``dtype``, ``revision``.
         """
         unknown = sorted(set(settings) - set(_SETTINGS))
         if unknown:
@@ -376,5 +397,6 @@ class AutoModelParticipant:
             )
         model_id = str(id_or_path)
         model_type = _read_model_type(model_id, settings.get("revision"))
-        cls = _FAMILIES.get(model_type or "", ModelParticipant)
-        return cls(model_id, name=name, **settings)
+        participant = ModelParticipant(model_id, name=name, **settings)
+        participant.family = model_type
+        return participant

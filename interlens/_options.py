@@ -147,10 +147,10 @@ def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:
     hint = _INSTEAD.get(name)
     if hint is None:
         close = difflib.get_close_matches(name, list(OPTION_DEFAULTS), n=1)
-        hint = f"did you mean {close[0]}=?" if close else ""
-    hint = f"; {hint}" if hint else ""
+        hint = f"did you mean {close[0]}=...?" if close else ""
+    hint = f"; {hint}{'' if hint.endswith('?') else '.'}" if hint else "."
     return ConfigurationTypeError(
-        f"{caller}() has no option {name!r}{hint}. Its options are: {valid} (see help(interlens.run))"
+        f"{caller}() has no option {name!r}{hint} Its options are: {valid} (see help(interlens.run))."
     )
 
 

@@ -212,12 +212,25 @@ def _template_json(value: Template) -> Any:
 
 
 def _describe_callable(fn: Any) -> str:
-    """Name + a hash of the code: stable across runs, changes when the function body changes."""
+    """Name + a hash of the code: stable across runs, changes when the function body changes.
+
+    Never a repr: a callable object's default repr holds its memory address, which would make every rerun's
+    recipe fingerprint differ. An instance with ``__call__`` is named by its class and that method's code;
+    a ``functools.partial`` by its function and arguments.
+    """
+    import functools
     import hashlib
 
+    if isinstance(fn, functools.partial):
+        return f"partial({_describe_callable(fn.func)}, args={fn.args!r}, keywords={fn.keywords!r})"
+    owner: Any = fn
     code = getattr(fn, "__code__", None)
+    if code is None and not hasattr(fn, "__qualname__"):  # a callable instance: its class says what it does
+        owner = type(fn)
+        code = getattr(owner.__call__, "__code__", None)
     digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}#{digest}"
+    name = getattr(owner, "__qualname__", type(fn).__qualname__)
+    return f"{getattr(owner, '__module__', '?')}:{name}#{digest}"
 
 
 def _describe_template(value: Template) -> Any:

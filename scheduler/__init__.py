@@ -9,16 +9,12 @@ from ._errors import (
     EngineLoadError,
     JobPickleError,
     NoDeviceError,
-    NoServiceError,
     ParentCallError,
     SchedulerConfigError,
     SchedulerError,
     WorkerLostError,
     WorkerStartError,
 )
-from ._gateway import APISpec, Gateway, ProviderCallError, ProviderClient
-from ._gateway_batch import BatchPolicy, BatchRowError
-from ._gateway_limits import AdaptiveLimiter, RetryPolicy
 from ._outcome import ErrorInfo, JobOutcome, RunOutcome
 from ._protocols import (
     BatchCancelled,
@@ -33,6 +29,16 @@ from ._protocols import (
 )
 from ._run import run_jobs
 from ._worker import HOST_DEVICE
+from .gateway import (
+    AdaptiveLimiter,
+    APISpec,
+    BatchPolicy,
+    BatchRowError,
+    Gateway,
+    ProviderCallError,
+    ProviderClient,
+    RetryPolicy,
+)
 
 __all__ = [
     "HOST_DEVICE",
@@ -58,7 +64,6 @@ __all__ = [
     "JobSpec",
     "LineupSpec",
     "NoDeviceError",
-    "NoServiceError",
     "ParentCallError",
     "ProviderCallError",
     "ProviderClient",

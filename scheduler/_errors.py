@@ -1,4 +1,4 @@
-"""Errors the scheduler raises on purpose.
+"""Every error the scheduler raises on purpose, in one place.
 
 The hierarchy::
 
@@ -9,26 +9,31 @@ The hierarchy::
     ├── EngineLoadError             ``EngineSpec.load_engine`` raised; fails the jobs that needed it
     ├── BatchResultError            ``Engine.generate_batch`` returned the wrong number of results
     ├── NoDeviceError               a job with ``needs_device=False`` called ``ctx.generate``
-    ├── NoServiceError              ``ctx.call_parent`` named a service the run does not have
     ├── WorkerStartError            a worker process could not start (bad device, import error, init hook)
     ├── WorkerLostError             a job's worker process died under it (recorded on the job, not raised)
     ├── JobPickleError              a job cannot be sent to (or rebuilt in) a worker process
-    └── ParentCallError             ``ctx.call_parent`` failed in the parent in a way that cannot be re-raised
+    ├── ParentCallError             a worker's call to the parent (a gateway call, a turn to record) failed
+    │                               with an exception that cannot be sent back over the pipe as itself
+    └── ProviderCallError           a hosted-model call failed for good (the API gateway's, defined there)
 
-The scheduler never imports interlens, so these are its own classes; interlens translates them at its
-boundary (``DeviceError`` here corresponds to ``interlens.DeviceError``).
+    BatchCancelled                  an engine stopped a batch because its ``cancelled`` event was set (an
+                                    Exception of the engine contract, not a failure: never reaches a job)
+
+The API gateway's own row error (``BatchRowError``: one row of a provider batch failed) is the gateway's
+and lives with it. The scheduler never imports interlens, so these are its own classes; interlens translates
+them at its boundary (``DeviceError`` here corresponds to ``interlens.DeviceError``).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BatchCancelled",
     "BatchResultError",
     "DeviceError",
     "DuplicateJobError",
     "EngineLoadError",
     "JobPickleError",
     "NoDeviceError",
-    "NoServiceError",
     "ParentCallError",
     "SchedulerConfigError",
     "SchedulerError",
@@ -78,8 +83,8 @@ class JobPickleError(SchedulerError):
 
 
 class ParentCallError(SchedulerError):
-    """A ``call_parent`` service raised an exception that could not be sent back as itself."""
+    """A worker's call to the parent raised an exception that could not be sent back as itself."""
 
 
-class NoServiceError(SchedulerError, LookupError):
-    """``ctx.call_parent(kind, ...)`` named a service that this run was not given."""
+class BatchCancelled(Exception):
+    """Raised by an engine that stopped a batch because its ``cancelled`` event was set."""

@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import pickle
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from ._errors import NoServiceError, SchedulerConfigError, WorkerStartError
+from ._errors import SchedulerConfigError, WorkerStartError
 from ._protocols import ExecutionMode
-from ._worker import CallGateway, CallParent, InProcessWorker, Worker
+from ._worker import CallGateway, InProcessWorker, Worker
 
-__all__ = ["Service", "WorkerInit", "check_services", "open_workers", "refuse_while_bootstrapping"]
+__all__ = ["WorkerInit", "open_workers", "refuse_while_bootstrapping"]
 
-#: A parent service: ``await service(job_id, payload)`` answers a job's ``ctx.call_parent(name, payload)``.
-Service = Callable[[str, Any], Awaitable[Any]]
 #: A picklable callable run once in each worker before its first job (e.g. load a probe onto its device).
 WorkerInit = Callable[[], object]
 
@@ -44,7 +42,6 @@ async def open_workers(
     max_concurrency: int,
     max_batch_wait: float,
     worker_init: Sequence[WorkerInit],
-    services: Mapping[str, Service] | None,
     start_timeout: float,
     call_gateway: CallGateway | None = None,
 ) -> tuple[list[Worker], list[Worker]]:
@@ -52,7 +49,6 @@ async def open_workers(
 
     ``call_gateway`` serves every worker's ``ctx.call_gateway`` in this process (the run's API gateway).
     """
-    call_parent = _service_caller(services)
     settings: dict[str, Any] = {
         "mode": mode,
         "max_batch_size": max_batch_size,
@@ -69,7 +65,6 @@ async def open_workers(
                 device,
                 capacity=max_batch_size,
                 hooks=hooks,
-                call_parent=call_parent,
                 start_timeout=start_timeout,
                 **settings,
             )
@@ -90,21 +85,10 @@ async def open_workers(
     else:
         _run_hooks_here(worker_init)
         for device in devices:
-            worker = InProcessWorker(device, capacity=max_batch_size, call_parent=call_parent, **settings)
+            worker = InProcessWorker(device, capacity=max_batch_size, **settings)
             device_workers.append(await stack.enter_async_context(worker))
-    host = InProcessWorker(None, capacity=max_concurrency, call_parent=call_parent, **settings)
+    host = InProcessWorker(None, capacity=max_concurrency, **settings)
     return device_workers, [await stack.enter_async_context(host)]
-
-
-def check_services(services: object) -> None:
-    if services is None:
-        return
-    if not isinstance(services, Mapping) or not all(
-        isinstance(name, str) and callable(fn) for name, fn in services.items()
-    ):
-        raise SchedulerConfigError(
-            f"services must map a name to an async function (job_id, payload) -> answer, got {services!r}"
-        )
 
 
 def refuse_while_bootstrapping() -> None:
@@ -182,21 +166,3 @@ def _run_hooks_here(hooks: Sequence[WorkerInit]) -> None:
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             raise WorkerStartError(f"the worker init hook {hook!r} failed: {why}") from exc
-
-
-def _service_caller(services: Mapping[str, Service] | None) -> CallParent | None:
-    if not services:
-        return None
-    table = dict(services)
-
-    async def call(job_id: str, kind: str, payload: Any) -> Any:
-        try:
-            service = table[kind]
-        except KeyError:
-            raise NoServiceError(
-                f"job {job_id!r} called ctx.call_parent({kind!r}, ...) but this run's services are "
-                f"{sorted(table)}"
-            ) from None
-        return await service(job_id, payload)
-
-    return call

@@ -29,6 +29,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ._errors import BatchCancelled
+
 __all__ = [
     "BatchCancelled",
     "Engine",
@@ -42,10 +44,6 @@ __all__ = [
 ]
 
 JSON = Any  # a value that json.dumps accepts
-
-
-class BatchCancelled(Exception):
-    """Raised by an engine that stopped a batch because its ``cancelled`` event was set."""
 
 
 class ExecutionMode(enum.Enum):
@@ -122,22 +120,14 @@ class JobContext(Protocol):
         """Commit one finished turn; returns once it is durable (out_dir set) or recorded in memory."""
         ...
 
-    async def call_parent(self, kind: str, payload: Any) -> Any:
-        """Ask the parent process's service ``kind`` (``run_jobs(services=...)``) and await its answer.
-
-        The seam for what only the parent may do (it holds the API keys, the provider concurrency limits and
-        batch collectors): in-process it is a direct call, from a worker process a request over the pipe.
-        ``payload`` and the answer must pickle; the service's exception is raised here.
-        """
-        ...
-
     async def call_gateway(self, spec: Any, request: Any) -> Any:
         """Send one hosted-model ``request`` for ``spec`` (an ``APISpec``) through the run's API gateway.
 
         The gateway lives in the parent (it holds the API keys, the provider limits and the batch collectors,
         and records provider batches in the run's ledger): from a worker process the pair crosses the pipe.
-        Returns the provider adapter's result or raises its error (``ProviderCallError``, ``BatchRowError``).
-        While the call is pending the job counts as blocked for the device batcher's quiescence.
+        ``spec``, ``request``, the result and the error must pickle. Returns the provider adapter's result or
+        raises its error (``ProviderCallError``, ``BatchRowError``). While its request waits on a provider
+        batch, the job counts as blocked for the device batcher's quiescence (in either placement).
         """
         ...
 

@@ -25,17 +25,15 @@ from interlens.store import RecordedJobs
 from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
-from ._gateway import Gateway
-from ._gateway_batch import BatchStore
-from ._gateway_collect import Blocker
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
-from ._pool import Service, WorkerInit, check_services, open_workers, refuse_while_bootstrapping
+from ._pool import WorkerInit, open_workers, refuse_while_bootstrapping
 from ._progress import Progress, progress_wanted
 from ._protocols import ExecutionMode, JobSpec, LineupSpec
 from ._resume import InputRefusal, input_changed, verify_recorded_inputs
 from ._signals import Notifier
 from ._worker import Worker
+from .gateway import BatchStore, Blocker, Gateway
 
 __all__ = ["run_jobs"]
 
@@ -94,7 +92,6 @@ async def run_jobs(
     versions: Mapping[str, str] | None = None,
     max_batch_wait: float = 0.05,
     worker_init: Sequence[WorkerInit] = (),
-    services: Mapping[str, Service] | None = None,
     worker_start_timeout: float = 300.0,
 ) -> RunOutcome:
     """Run every job of ``lineups`` and return how each ended.
@@ -108,9 +105,8 @@ async def run_jobs(
     everything in memory.
     ``max_attempts``: attempts per job in this run when ``job.is_transient`` says a failure may pass; also
     how many times a job may lose its worker process before it is failed as the one that kills it.
-    ``worker_init``: picklable callables run once in each worker before its first job. ``services``: what
-    ``ctx.call_parent(name, payload)`` reaches, always in this process: ``await services[name](job_id,
-    payload)``. ``worker_start_timeout``: seconds a worker process has to report ready.
+    ``worker_init``: picklable callables run once in each worker before its first job.
+    ``worker_start_timeout``: seconds a worker process has to report ready.
     ``max_batch_wait``: seconds a queued generation waits for more company when some live job is busy with
     something the scheduler cannot see. Cancelling this coroutine stops within seconds and leaves the
     ledger consistent (the run is marked interrupted; running jobs are requeued by the next run).
@@ -125,7 +121,6 @@ async def run_jobs(
         versions=versions,
         out_dir=out_dir,
     )
-    check_services(services)
     if not isinstance(worker_start_timeout, int | float) or not worker_start_timeout > 0:
         raise SchedulerConfigError(f"worker_start_timeout must be seconds > 0, got {worker_start_timeout!r}")
     refuse_while_bootstrapping()
@@ -142,7 +137,6 @@ async def run_jobs(
         max_batch_wait=max_batch_wait,
         progress=progress_wanted(progress),
         worker_init=tuple(worker_init),
-        services=services,
         worker_start_timeout=float(worker_start_timeout),
     )
     status = "failed"
@@ -195,12 +189,10 @@ class _Run:
         max_batch_wait: float,
         progress: bool,
         worker_init: Sequence[WorkerInit] = (),
-        services: Mapping[str, Service] | None = None,
         worker_start_timeout: float = 300.0,
     ) -> None:
         self._lineups = lineups
         self._worker_init = worker_init
-        self._services = services
         self._worker_start_timeout = worker_start_timeout
         self._rec = recorder
         self._devices = devices
@@ -257,7 +249,6 @@ class _Run:
                     max_concurrency=self._max_concurrency,
                     max_batch_wait=self._max_batch_wait,
                     worker_init=self._worker_init,
-                    services=self._services,
                     start_timeout=self._worker_start_timeout,
                     call_gateway=self._call_gateway,
                 )

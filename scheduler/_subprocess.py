@@ -3,8 +3,9 @@
 One per device when a run has several (``devices=["cuda:0", "cuda:1"]``, or ``["cpu", "cpu"]``): CUDA and
 fork do not mix, so the process is spawned (a fresh interpreter), and one process per device keeps each
 GPU's allocator, engines and batcher to itself. The parent keeps everything that must have ONE owner: the
-ledger (turns come back over the pipe and are durable before the worker hears "ok"), the services a job may
-call (``ctx.call_parent``: API keys, provider limits, batch collectors), placement and retries.
+ledger (turns come back over the pipe and are durable before the worker hears "ok"), the API gateway its jobs
+call (``ctx.call_gateway``: API keys, provider limits, batch rounds), placement and retries. The messages
+are ``_wire``'s; this is the parent's end of each exchange.
 
 Faults: the death of the process (SIGKILL, segfault, the OOM killer) shows up at once as EOF on the pipe;
 every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from itertools import count
 from multiprocessing import spawn
 from types import TracebackType
@@ -29,12 +31,26 @@ from typing import Any, Self
 import anyio
 from anyio.abc import Process, TaskGroup
 
-from ._errors import JobPickleError, WorkerLostError, WorkerStartError
+from ._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import ExecutionMode, JobSpec
 from ._signals import Notifier
-from ._wire import Connection, transportable_error
-from ._worker import CallGateway, CallParent, RecordTurn
+from ._wire import (
+    Answers,
+    Call,
+    Cancel,
+    Connection,
+    GatewayCall,
+    Init,
+    Ready,
+    Reply,
+    Result,
+    Run,
+    StartFailed,
+    TurnCall,
+    transportable_error,
+)
+from ._worker import CallGateway, RecordTurn
 
 __all__ = ["SubprocessWorker"]
 
@@ -55,21 +71,20 @@ class SubprocessWorker:
         max_batch_size: int,
         max_batch_wait: float,
         hooks: bytes,
-        call_parent: CallParent | None,
         start_timeout: float,
         call_gateway: CallGateway | None = None,
     ) -> None:
         self._device = device
         self._capacity = capacity
-        self._settings = {
-            "device": device,
-            "capacity": capacity,
-            "mode": mode.value,
-            "max_batch_size": max_batch_size,
-            "max_batch_wait": max_batch_wait,
-        }
-        self._hooks = hooks
-        self._call_parent = call_parent
+        self._init = partial(  # the preparation data is taken at each spawn
+            Init,
+            hooks=hooks,
+            device=device,
+            capacity=capacity,
+            mode=mode,
+            max_batch_size=max_batch_size,
+            max_batch_wait=max_batch_wait,
+        )
         self._call_gateway = call_gateway
         self._start_timeout = start_timeout
         self._live = 0
@@ -166,7 +181,7 @@ class SubprocessWorker:
             pending = child.attempts[req] = _Attempt(record_turn)
             try:
                 try:
-                    await child.conn.send(("run", req, payload, attempt, list(committed_turns)))
+                    await child.conn.send(Run(req, payload, attempt, list(committed_turns)))
                 except _SEND_FAILED:
                     pass  # it died: its reader buries it and ends this attempt as lost
                 await pending.done.wait()
@@ -175,7 +190,7 @@ class SubprocessWorker:
                 if not child.closed:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                         try:
-                            await child.conn.send(("cancel", req))
+                            await child.conn.send(Cancel(req))
                         except _SEND_FAILED:
                             pass
                 raise
@@ -223,7 +238,7 @@ class SubprocessWorker:
         what = f"the worker process for device {self._device!r} (pid {process.pid})"
         try:
             conn = await Connection.from_socket(ours)
-            await conn.send(("init", {"preparation": _preparation(), "hooks": self._hooks} | self._settings))
+            await conn.send(self._init(preparation=_preparation()))
             with anyio.fail_after(self._start_timeout):
                 message = await conn.recv()
         except TimeoutError:
@@ -236,95 +251,80 @@ class SubprocessWorker:
             with anyio.CancelScope(shield=True):
                 await _reap(process, grace=0)
             raise
-        if message is None:
-            status = _describe(await _reap(process, grace=_REAP_S))
-            raise WorkerStartError(f"{what} exited during start-up ({status}); its output above says why")
-        if message[0] == "start_failed":
-            await _reap(process, grace=_REAP_S)
-            err: ErrorInfo = message[1]
-            raise WorkerStartError(
-                f"{what} could not start: {err.type}: {err.message}\n\n"
-                f"Traceback in the worker:\n{err.traceback}"
-            )
-        child = _Child(process, conn)
+        match message:
+            case Ready():
+                pass
+            case StartFailed(err):
+                await _reap(process, grace=_REAP_S)
+                raise WorkerStartError(
+                    f"{what} could not start: {err.type}: {err.message}\n\n"
+                    f"Traceback in the worker:\n{err.traceback}"
+                )
+            case None:
+                status = _describe(await _reap(process, grace=_REAP_S))
+                raise WorkerStartError(f"{what} exited during start-up ({status}); its output above says why")
+            case _:
+                await _reap(process, grace=0)
+                raise WorkerStartError(f"{what} sent {type(message).__name__} before it was ready")
+        child = _Child(process, conn, Answers(conn, self._tg))
         self._tg.start_soon(self._read, child, name=f"interlens worker {process.pid} reader")
         return child
 
     async def _read(self, child: _Child) -> None:
+        assert self._tg is not None
         why: str | None = None
         try:
             while True:
-                message = await child.conn.recv()
-                if message is None:
-                    break
-                kind = message[0]
-                if kind == "result":
-                    pending = child.attempts.pop(message[1], None)
-                    if pending is not None:
-                        pending.outcome = message[2]
-                        pending.done.set()
-                elif kind == "call":
-                    assert self._tg is not None
-                    self._tg.start_soon(self._serve_call, child, *message[1:])
-                else:
-                    raise ValueError(f"unexpected message {kind!r}")
+                match await child.conn.recv():
+                    case None:
+                        break
+                    case Result(req, outcome):
+                        pending = child.attempts.pop(req, None)
+                        if pending is not None:
+                            pending.outcome = outcome
+                            pending.done.set()
+                    case Call(call_id, TurnCall() as turn):
+                        self._tg.start_soon(self._answer, child, call_id, turn)
+                    case Call(call_id, GatewayCall() as api):
+                        self._tg.start_soon(self._serve_gateway, child, call_id, api)
+                    case message:
+                        raise ValueError(f"unexpected message {type(message).__name__}")
         except Exception as exc:  # a worker talking nonsense cannot be trusted with more jobs
             why = f"it broke the pipe protocol: {type(exc).__name__}: {exc}"
         finally:
             with anyio.CancelScope(shield=True):
                 await self._bury(child, why)
 
-    async def _serve_call(self, child: _Child, call_id: int, kind: str, payload: Any) -> None:
-        if kind == "gateway":
-            # An API call can wait for a provider batch for hours: it is stopped when its process dies (the
-            # attempt is lost and retried elsewhere), not left holding a place in the gateway's rounds.
-            with anyio.CancelScope() as scope:
-                child.scopes.add(scope)
-                try:
-                    await self._answer(child, call_id, kind, payload)
-                finally:
-                    child.scopes.discard(scope)
-        else:
-            await self._answer(child, call_id, kind, payload)
+    async def _serve_gateway(self, child: _Child, call_id: int, api: GatewayCall) -> None:
+        # An API call can wait for a provider batch for hours: it is stopped when its process dies (the
+        # attempt is lost and retried elsewhere), not left holding a place in the gateway's rounds.
+        with anyio.CancelScope() as scope:
+            child.scopes.add(scope)
+            try:
+                await self._answer(child, call_id, api)
+            finally:
+                child.scopes.discard(scope)
 
-    async def _answer(self, child: _Child, call_id: int, kind: str, payload: Any) -> None:
+    async def _answer(self, child: _Child, call_id: int, request: TurnCall | GatewayCall) -> None:
         try:
-            if kind == "record_turn":
-                req, index, turn = payload
-                pending = child.attempts.get(req)
-                if pending is None:
-                    raise RuntimeError("the attempt this turn belongs to is no longer running")
-                await pending.record_turn(index, turn)
-                reply: tuple[Any, ...] = ("reply", call_id, True, None)
-            elif kind == "service":
-                name, job_id, data = payload
-                if self._call_parent is None:
-                    from ._errors import NoServiceError
-
-                    raise NoServiceError(
-                        f"job {job_id!r} called ctx.call_parent({name!r}, ...) but this run has no parent "
-                        "services; pass services={name: async_fn(job_id, payload)} to run_jobs"
-                    )
-                reply = ("reply", call_id, True, await self._call_parent(job_id, name, data))
-            elif kind == "gateway":
-                job_id, spec, request = payload
-                if self._call_gateway is None:
-                    from ._errors import NoServiceError
-
-                    raise NoServiceError(
-                        f"job {job_id!r} called ctx.call_gateway(...) but the run has no gateway"
-                    )
-                reply = ("reply", call_id, True, await self._call_gateway(job_id, spec, request, None))
-            else:
-                raise ValueError(f"unknown call {kind!r}")
+            match request:
+                case TurnCall(req, index, turn):
+                    pending = child.attempts.get(req)
+                    if pending is None:
+                        raise RuntimeError("the attempt this turn belongs to is no longer running")
+                    await pending.record_turn(index, turn)
+                    reply = Reply(call_id, True, None)
+                case GatewayCall(job_id, spec, api_request, notes):
+                    if self._call_gateway is None:
+                        raise SchedulerError(
+                            f"job {job_id!r} called ctx.call_gateway(...) but the run has no gateway"
+                        )
+                    blocker = child.answers.blocker(call_id) if notes else None
+                    result = await self._call_gateway(job_id, spec, api_request, blocker)
+                    reply = Reply(call_id, True, result)
         except Exception as exc:
-            reply = ("reply", call_id, False, transportable_error(exc))
-        try:
-            await child.conn.send(reply)
-        except _SEND_FAILED:
-            pass  # the worker is gone; its reader buries it
-        except Exception as exc:  # the answer itself does not pickle
-            await child.conn.send(("reply", call_id, False, transportable_error(exc)))
+            reply = Reply(call_id, False, transportable_error(exc))
+        await child.answers.reply(reply)  # after the Blocked/Unblocked notes of this call
 
     async def _bury(self, child: _Child, why: str | None) -> None:
         """The process is gone (or must go): reap it and end its attempts as lost."""
@@ -360,9 +360,10 @@ class _Attempt:
 class _Child:
     """One live worker process and its pipe."""
 
-    def __init__(self, process: Process, conn: Connection) -> None:
+    def __init__(self, process: Process, conn: Connection, answers: Answers) -> None:
         self.process = process
         self.conn = conn
+        self.answers = answers  # replies to its calls, after the Blocked/Unblocked notes of its API calls
         self.attempts: dict[int, _Attempt] = {}
         self.scopes: set[anyio.CancelScope] = set()  # its jobs' API calls being served in the parent
         self.closed = False

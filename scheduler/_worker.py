@@ -19,22 +19,20 @@ from anyio.abc import TaskGroup
 
 from ._batcher import Batcher
 from ._engines import EngineCache
-from ._errors import NoDeviceError, NoServiceError
+from ._errors import NoDeviceError, SchedulerError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
 from ._signals import Notifier
 
 if TYPE_CHECKING:
-    from ._gateway_collect import Blocker
+    from .gateway import Blocker
 
-__all__ = ["HOST_DEVICE", "CallGateway", "CallParent", "InProcessWorker", "RecordTurn", "Worker"]
+__all__ = ["HOST_DEVICE", "CallGateway", "InProcessWorker", "RecordTurn", "Worker"]
 
 #: The ``device`` of jobs that need no local model (scripted or API-only): they run in the host worker.
 HOST_DEVICE = "host"
 
 RecordTurn = Callable[[int, Mapping[str, Any]], Awaitable[None]]
-#: How a job reaches the parent's services: ``(job_id, kind, payload) -> answer`` (see ``JobContext``).
-CallParent = Callable[[str, str, Any], Awaitable[Any]]
 #: How a job reaches the run's API gateway: ``(job_id, spec, request, blocker) -> result`` (see
 #: ``JobContext``); ``blocker`` (or None) is told while the request waits on a provider batch.
 CallGateway = Callable[[str, Any, Any, "Blocker | None"], Awaitable[Any]]
@@ -102,11 +100,9 @@ class InProcessWorker:
         mode: ExecutionMode,
         max_batch_size: int,
         max_batch_wait: float,
-        call_parent: CallParent | None = None,
         call_gateway: CallGateway | None = None,
     ) -> None:
         self._device = device
-        self._call_parent = call_parent
         self._call_gateway = call_gateway
         self._capacity = capacity
         self._mode = mode
@@ -208,17 +204,9 @@ class InProcessWorker:
         key, loaded = await self._engines.get(engine)
         return await self._batcher.submit(key, loaded, request, owner=ctx)
 
-    async def call_parent(self, ctx: _Context, kind: str, payload: Any) -> Any:
-        if self._call_parent is None:
-            raise NoServiceError(
-                f"job {ctx.job_id!r} called ctx.call_parent({kind!r}, ...) but this run has no parent "
-                "services; pass services={name: async_fn(job_id, payload)} to run_jobs"
-            )
-        return await self._call_parent(ctx.job_id, kind, payload)
-
     async def call_gateway(self, ctx: _Context, spec: Any, request: Any) -> Any:
         if self._call_gateway is None:
-            raise NoServiceError(
+            raise SchedulerError(
                 f"job {ctx.job_id!r} called ctx.call_gateway(...) but this worker has no API gateway; "
                 "workers built by run_jobs always have one (pass call_gateway= when building one yourself)"
             )
@@ -257,9 +245,6 @@ class _Context:
 
     async def generate(self, engine: EngineSpec, request: Any) -> Any:
         return await self._worker.generate(self, engine, request)
-
-    async def call_parent(self, kind: str, payload: Any) -> Any:
-        return await self._worker.call_parent(self, kind, payload)
 
     async def call_gateway(self, spec: Any, request: Any) -> Any:
         return await self._worker.call_gateway(self, spec, request)

@@ -3,7 +3,9 @@
 It imports the user's main module the way multiprocessing's spawn does (so names registered at import time
 exist here), runs the init hooks, then serves jobs from the pipe with an :class:`InProcessWorker` for its
 device: the same class, batcher and engine cache as in the parent, so jobs co-step here exactly as they
-would in-process. Turns go back to the parent (the ledger's only writer) and are durable when acknowledged.
+would in-process. Turns go back to the parent (the ledger's only writer) and are durable when acknowledged;
+API calls go to the parent's gateway, whose Blocked/Unblocked notes reach the job's device batcher as they
+would in-process. The messages are ``_wire``'s; this is the worker's end of each exchange.
 
 A worker never outlives its parent: EOF on the pipe (the parent closed it, or died and the kernel closed it)
 ends the process at once with ``os._exit``, and a watchdog thread ends it if it is re-parented while its
@@ -18,18 +20,32 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing import spawn
 from typing import Any, NoReturn
 
 import anyio
 
 from ._errors import JobPickleError
-from ._gateway_collect import Blocker
 from ._outcome import AttemptOutcome, ErrorInfo
-from ._protocols import ExecutionMode, JobSpec
-from ._wire import Calls, Connection
+from ._protocols import JobSpec
+from ._wire import (
+    Blocked,
+    Calls,
+    Cancel,
+    Connection,
+    GatewayCall,
+    Init,
+    Ready,
+    Reply,
+    Result,
+    Run,
+    StartFailed,
+    TurnCall,
+    Unblocked,
+)
 from ._worker import InProcessWorker
+from .gateway import Blocker
 
 __all__ = ["bootstrapping", "main"]
 
@@ -74,21 +90,20 @@ def _watch_parent(parent: int) -> None:
 
 async def _serve(sock: socket.socket) -> int:
     conn = await Connection.from_socket(sock)
-    message = await conn.recv()
-    if message is None or message[0] != "init":
+    init = await conn.recv()
+    if not isinstance(init, Init):
         return 1
-    config: Mapping[str, Any] = message[1]
     try:
-        _prepare(config)
+        _prepare(init)
     except BaseException as exc:  # an import error, a failing init hook, even SystemExit: report it
-        await conn.send(("start_failed", ErrorInfo.from_exception(exc)))
+        await conn.send(StartFailed(ErrorInfo.from_exception(exc)))
         return 1
-    return await _Server(conn, config).serve()
+    return await _Server(conn, init).serve()
 
 
-def _prepare(config: Mapping[str, Any]) -> None:
+def _prepare(init: Init) -> None:
     global _bootstrapping
-    preparation = dict(config["preparation"])
+    preparation = dict(init.preparation)
     _bootstrapping = True
     try:
         spawn.prepare(preparation)  # sys.path, cwd, and the main module as __mp_main__
@@ -101,88 +116,79 @@ def _prepare(config: Mapping[str, Any]) -> None:
         ) from exc
     finally:
         _bootstrapping = False
-    hooks = pickle.loads(config["hooks"]) if config["hooks"] else ()
+    hooks = pickle.loads(init.hooks) if init.hooks else ()
     for hook in hooks:
         hook()
 
 
 class _Server:
-    def __init__(self, conn: Connection, config: Mapping[str, Any]) -> None:
+    def __init__(self, conn: Connection, init: Init) -> None:
         self._conn = conn
         self._calls = Calls(conn)
-        self._config = config
+        self._init = init
         self._scopes: dict[int, anyio.CancelScope] = {}
 
     async def serve(self) -> int:
-        c = self._config
+        init = self._init
         worker = InProcessWorker(
-            c["device"],
-            capacity=c["capacity"],
-            mode=ExecutionMode(c["mode"]),
-            max_batch_size=c["max_batch_size"],
-            max_batch_wait=c["max_batch_wait"],
-            call_parent=self._call_parent,
+            init.device,
+            capacity=init.capacity,
+            mode=init.mode,
+            max_batch_size=init.max_batch_size,
+            max_batch_wait=init.max_batch_wait,
             call_gateway=self._call_gateway,
         )
         async with worker, anyio.create_task_group() as tg:
-            await self._conn.send(("ready", os.getpid()))
+            await self._conn.send(Ready(os.getpid()))
             while True:
-                message = await self._conn.recv()
-                if message is None:  # the parent is done with us, or dead: nothing left to report to
-                    _exit(0)
-                kind = message[0]
-                if kind == "run":
-                    tg.start_soon(self._run, worker, *message[1:])
-                elif kind == "reply":
-                    self._calls.resolve(message[1], message[2], message[3])
-                elif kind == "cancel":
-                    scope = self._scopes.get(message[1])
-                    if scope is not None:
-                        scope.cancel()
+                match await self._conn.recv():
+                    case None:  # the parent is done with us, or dead: nothing left to report to
+                        _exit(0)
+                    case Run() as run:
+                        tg.start_soon(self._run, worker, run)
+                    case Reply() as reply:
+                        self._calls.resolve(reply)
+                    case Blocked() | Unblocked() as note:
+                        self._calls.noted(note)
+                    case Cancel(req):
+                        scope = self._scopes.get(req)
+                        if scope is not None:
+                            scope.cancel()
+                    case message:
+                        raise ValueError(f"unexpected message {type(message).__name__} from the parent")
         return 0  # pragma: no cover (the loop only ends through _exit)
-
-    async def _call_parent(self, job_id: str, kind: str, payload: Any) -> Any:
-        return await self._calls.call("service", (kind, job_id, payload))
 
     async def _call_gateway(self, job_id: str, spec: Any, request: Any, blocker: Blocker | None) -> Any:
         """The gateway is the parent's (keys, limits, batch rounds, the ledger): the pair crosses the pipe.
 
-        ``blocker`` cannot cross it, so here the job counts as blocked for the whole call and stops when the
-        reply arrives (the replies of one provider batch arrive close together)."""
-        if blocker is None:
-            return await self._calls.call("gateway", (job_id, spec, request))
-        blocker.block()
-        try:
-            return await self._calls.call("gateway", (job_id, spec, request))
-        finally:
-            blocker.unblock()
+        ``blocker`` cannot cross it: the parent's gateway tells a stand-in, whose Blocked/Unblocked notes
+        come back and are handed to ``blocker`` here."""
+        return await self._calls.call(GatewayCall(job_id, spec, request, blocker is not None), blocker)
 
-    async def _run(
+    async def _run(self, worker: InProcessWorker, run: Run) -> None:
+        outcome: AttemptOutcome | None = None
+        with anyio.CancelScope() as scope:
+            self._scopes[run.req] = scope
+            try:
+                outcome = await self._attempt(worker, run.req, run.spec, run.attempt, run.committed_turns)
+            finally:
+                self._scopes.pop(run.req, None)
+        if outcome is None:  # cancelled by the parent, which no longer waits for it
+            return
+        try:
+            await self._conn.send(Result(run.req, outcome))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            error = JobPickleError(f"the job's outcome cannot be sent back to the parent: {exc}")
+            bad = AttemptOutcome(error=ErrorInfo.from_exception(error))
+            await self._conn.send(Result(run.req, bad))
+
+    async def _attempt(
         self,
         worker: InProcessWorker,
         req: int,
         payload: bytes,
         attempt: int,
-        committed: list[dict[str, Any]],
-    ) -> None:
-        outcome: AttemptOutcome | None = None
-        with anyio.CancelScope() as scope:
-            self._scopes[req] = scope
-            try:
-                outcome = await self._attempt(worker, req, payload, attempt, committed)
-            finally:
-                self._scopes.pop(req, None)
-        if outcome is None:  # cancelled by the parent, which no longer waits for it
-            return
-        try:
-            await self._conn.send(("result", req, outcome))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            error = JobPickleError(f"the job's outcome cannot be sent back to the parent: {exc}")
-            bad = AttemptOutcome(error=ErrorInfo.from_exception(error))
-            await self._conn.send(("result", req, bad))
-
-    async def _attempt(
-        self, worker: InProcessWorker, req: int, payload: bytes, attempt: int, committed: list[dict[str, Any]]
+        committed: Sequence[Mapping[str, Any]],
     ) -> AttemptOutcome:
         try:
             spec = pickle.loads(payload)
@@ -196,7 +202,7 @@ class _Server:
             return AttemptOutcome(error=ErrorInfo.from_exception(error))
 
         async def record_turn(index: int, turn: Mapping[str, Any]) -> None:
-            await self._calls.call("record_turn", (req, index, turn))
+            await self._calls.call(TurnCall(req, index, turn))
 
         worker.admit()
         try:

@@ -1,4 +1,4 @@
-"""Errors raised by the ledger.
+"""Every error the ledger raises on purpose, in one place (exported from ``interlens.store``).
 
 The hierarchy::
 

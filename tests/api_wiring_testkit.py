@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from interlens._api_participant import APIParticipant
-from interlens._api_request import APIRequest
+from interlens._provider_base import APIRequest
 from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
 

@@ -23,12 +23,12 @@ import anyio
 import pytest
 
 from interlens import Conversation, dataset_field
-from interlens._api_clients import request_digest
 from interlens._api_participant import APIParticipant
-from interlens._api_request import APIRequest
 from interlens._message import Transcript
 from interlens._participant import GenerationOptions
-from interlens.scheduler._gateway import BatchPolicy, Gateway, RetryPolicy
+from interlens._provider_base import APIRequest, request_digest
+from interlens._providers import request_body
+from interlens.scheduler.gateway import BatchPolicy, Gateway, RetryPolicy
 from interlens.store import Ledger, LedgerReader
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 
@@ -72,7 +72,7 @@ def assert_replies_match_their_conversation(conv: Conversation, transcript: Tran
         live.transcript = Transcript(list(transcript)[:i])
         speaker = live.participant(transcript[i].author)
         assert isinstance(speaker, APIParticipant)
-        body = speaker.request(live.view(speaker), GenerationOptions()).body()
+        body = request_body(speaker.request(live.view(speaker), GenerationOptions()))
         assert transcript[i].content == default_reply(body), (i, transcript[i].author)
 
 
@@ -195,7 +195,7 @@ async def test_rounds_split_at_max_rows_and_a_cancelled_caller_leaves_its_round(
     assert server.batch_count("openai") == 1
     assert sorted(results) == [*range(9), 11, 12, 13, 14]
     for i, result in results.items():
-        assert result.text == default_reply(request(i).body()) and result.batch_id in server.batches
+        assert result.text == default_reply(request_body(request(i))) and result.batch_id in server.batches
     last = next(b for b in server.batches.values() if b.id == results[11].batch_id)
     assert len(last.custom_ids) == 4  # the cancelled row was never sent
 
@@ -216,8 +216,8 @@ _CHILD = textwrap.dedent(
     """
     import sys, anyio
     from interlens._api_participant import APIParticipant
-    from interlens._api_request import APIRequest
-    from interlens.scheduler._gateway import BatchPolicy, Gateway
+    from interlens._provider_base import APIRequest
+    from interlens.scheduler.gateway import BatchPolicy, Gateway
     from interlens.store import Ledger, LedgerReader
 
     async def main(out_dir):
@@ -286,7 +286,7 @@ async def test_sigkill_while_polling_then_reattach_without_resubmitting(
         assert await ledger.open_batches() == []  # collected: a later rerun will not wait on it again
     assert server.batch_count("openai") == 1  # zero new batches: nothing paid twice
     for i, result in results.items():
-        assert result.batch_id == batch_id and result.text == default_reply(request(i).body())
+        assert result.batch_id == batch_id and result.text == default_reply(request_body(request(i)))
 
 
 async def _rerun(tmp_path: Path, requests: dict[int, APIRequest]) -> tuple[dict[int, Any], dict[str, Any]]:
@@ -330,12 +330,12 @@ async def test_a_job_whose_request_changed_since_the_crash_is_sent_anew_not_reat
     [new_batch] = set(server.batches) - {old_batch}
     assert sorted(server.batches[new_batch].custom_ids) == ["r0", "r1"]  # only the two changed requests
     for i in (0, 2, 4):  # unchanged: answered by the batch already paid for
-        assert results[i].batch_id == old_batch and results[i].text == default_reply(now[i].body())
+        assert results[i].batch_id == old_batch and results[i].text == default_reply(request_body(now[i]))
     for i in (1, 3):  # changed: the provider got (and answered) the NEW request, never the old row's answer
-        assert results[i].batch_id == new_batch and results[i].text == default_reply(now[i].body())
-    assert results[1].text != default_reply(request(1).body())
+        assert results[i].batch_id == new_batch and results[i].text == default_reply(request_body(now[i]))
+    assert results[1].text != default_reply(request_body(request(1)))
     # The old batch's five rows, and the two changed requests as they are now (temperature included).
-    expected = [request(i).body() for i in range(5)] + [now[1].body(), now[3].body()]
+    expected = [request_body(request(i)) for i in range(5)] + [request_body(now[1]), request_body(now[3])]
     assert sorted(map(str, sent)) == sorted(map(str, expected))
     refused = [r.getMessage() for r in caplog.records if "not re-attached" in r.getMessage()]
     assert len(refused) == 2 and all(old_batch in m and "is different" in m for m in refused)
@@ -345,7 +345,7 @@ async def test_a_job_whose_request_changed_since_the_crash_is_sent_anew_not_reat
     assert states == {old_batch: "collected", new_batch: "collected"}
     assert sorted(new_record.requests.values()) == [("job1", 0), ("job3", 0)]
     # What a later rerun compares: the digest of each row's request as it was sent, to that endpoint.
-    sent_as = {cid: now[int(job[-1])].body() for cid, (job, _) in new_record.requests.items()}
+    sent_as = {cid: request_body(now[int(job[-1])]) for cid, (job, _) in new_record.requests.items()}
     base_url = os.environ["OPENAI_BASE_URL"]
     assert new_record.request_hashes == {
         cid: request_digest("openai", base_url, "/v1/chat/completions", body) for cid, body in sent_as.items()
@@ -354,7 +354,7 @@ async def test_a_job_whose_request_changed_since_the_crash_is_sent_anew_not_reat
 
 def test_request_digest_covers_every_parameter_and_no_credential() -> None:
     def digest(req: APIRequest, base_url: str = "https://api.openai.com/v1") -> str:
-        return request_digest("openai", base_url, "/v1/chat/completions", req.body())
+        return request_digest("openai", base_url, "/v1/chat/completions", request_body(req))
 
     base = digest(request(0))
     assert digest(request(0)) == base  # stable
@@ -399,7 +399,8 @@ async def test_a_row_recorded_without_a_request_hash_is_never_reattached(
     assert (stats["rows_reattached"], stats["rows_refused"], stats["batches_submitted"]) == (0, 5, 1)
     [new_batch] = set(server.batches) - {old_batch}
     assert all(
-        r.batch_id == new_batch and r.text == default_reply(request(i).body()) for i, r in results.items()
+        r.batch_id == new_batch and r.text == default_reply(request_body(request(i)))
+        for i, r in results.items()
     )
     assert server.batches[old_batch].polls == polls  # the unverifiable batch was not even polled
     with LedgerReader(tmp_path) as reader:

@@ -16,7 +16,7 @@ import pytest
 from interlens import Conversation, GenerationError, dataset_field
 from interlens._api_loop import loop_gateway
 from interlens._api_participant import APIParticipant
-from interlens.scheduler._gateway import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from interlens.scheduler.gateway import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 
 KEY = "sk-gateway-test-0123456789"

@@ -13,7 +13,8 @@ from interlens import AutoModelParticipant, Conversation
 from interlens._api_participant import APIParticipant
 from interlens._message import Transcript
 from interlens._participant import GenerationOptions
-from interlens.scheduler._gateway import BatchPolicy
+from interlens._providers import request_body
+from interlens.scheduler.gateway import BatchPolicy
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 
 KEY = "sk-mixed-test-0123456789"
@@ -65,7 +66,7 @@ def test_mixed_local_and_api_debate_keeps_local_turns_batched(
         for i in (2, 4):  # each hosted turn answers its own conversation's history
             live = conv.set()
             live.transcript = Transcript(list(transcript)[:i])
-            body = hosted.request(live.view(hosted), GenerationOptions()).body()
+            body = request_body(hosted.request(live.view(hosted), GenerationOptions()))
             assert transcript[i].content == default_reply(body)
     if not batch:
         replies = sorted(

@@ -21,11 +21,12 @@ import pytest
 from interlens import Conversation, GenerationError, ScriptedParticipant, TokenBudget
 from interlens._api_loop import loop_gateway
 from interlens._api_participant import APIParticipant
-from interlens._api_request import CONTINUE_TURN, OPENING_TURN, fold_view
 from interlens._exceptions import ConfigurationError
 from interlens._participant import GenerationOptions, View, ViewMessage
+from interlens._provider_base import CONTINUE_TURN, OPENING_TURN
+from interlens._providers import fold_view
 from interlens.scheduler._errors import SchedulerError
-from interlens.scheduler._gateway import RetryPolicy
+from interlens.scheduler.gateway import RetryPolicy
 from interlens.testing._fake_provider import FakeProviderServer, count_tokens, default_reply
 
 KEY = "sk-planted-SECRET-4f1c9a7e2b"

@@ -16,8 +16,9 @@ import pytest
 from api_wiring_testkit import MixedJob, ask, lineup
 
 from interlens._api_participant import APIParticipant
+from interlens._providers import request_body
 from interlens.scheduler import run_jobs
-from interlens.scheduler._gateway import BatchPolicy
+from interlens.scheduler.gateway import BatchPolicy
 from interlens.store import Ledger
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 
@@ -64,7 +65,9 @@ async def test_workers_share_the_parents_gateway_batches_and_ledger(
     pids = set()
     for i in range(4):
         conv = outcome.outcome(f"mixed/{i:04d}").conversation
-        assert conv["text"] == default_reply(ask(f"question {i}").body()) and conv["batch_id"] == batch.id
+        assert (
+            conv["text"] == default_reply(request_body(ask(f"question {i}"))) and conv["batch_id"] == batch.id
+        )
         # Jobs blocked on the provider batch count as blocked for their device batcher: the local-first
         # jobs of a worker generate at once without the api-first ones, which generate together later.
         assert conv["local"]["batch"] == 2 // len(devices)
@@ -103,4 +106,6 @@ async def test_a_rerun_reattaches_to_a_batch_left_open_and_pays_nothing_twice(
     assert outcome.api["rows_reattached"] == 3 and outcome.api["batches_submitted"] == 0
     for i in range(3):
         conv = outcome.outcome(f"api/{i:04d}").conversation
-        assert conv["batch_id"] == batch_id and conv["text"] == default_reply(ask(f"question {i}").body())
+        assert conv["batch_id"] == batch_id and conv["text"] == default_reply(
+            request_body(ask(f"question {i}"))
+        )

@@ -99,7 +99,7 @@ def test_an_unknown_option_names_the_call_and_lists_the_valid_options(entry, tmp
         )
     assert isinstance(info.value, TypeError) and isinstance(info.value, InterlensError)
     message = str(info.value)
-    assert message.startswith(f"{entry}() has no option 'outdir'; did you mean out_dir=?")
+    assert message.startswith(f"{entry}() has no option 'outdir'; did you mean out_dir=...? Its options are")
     assert "run_jobs" not in message
     for option in ALL_OPTIONS:
         assert option in message
@@ -325,7 +325,7 @@ def test_message_fields_are_checked(args, says):
         ({"max_new_tokens": True}, ConfigurationTypeError, "max_new_tokens must be an int >= 1, got True"),
         ({"stop": [""]}, ConfigurationTypeError, "stop must be a str or a list of non-empty str"),
         ({"seed": "7"}, ConfigurationTypeError, "seed must be an int >= 0, got '7' (str)"),
-        ({"kv_reuse": 1}, ConfigurationError, "kv_reuse must be True, False or 'auto', got 1"),
+        ({"kv_reuse": 1}, ConfigurationError, "kv_reuse must be True or False, got 1"),
         (
             {"temprature": 0.5},
             ConfigurationTypeError,

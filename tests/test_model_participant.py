@@ -15,10 +15,7 @@ from interlens import (
     TokenBudget,
 )
 from interlens._chat_template import fold_messages, probe_template, render_view
-from interlens._model_participant import Gemma2Participant, LlamaParticipant, Qwen2Participant
 from interlens.testing import TINY_FAMILIES, tiny_model
-
-FAMILY_CLASSES = {"qwen2": Qwen2Participant, "llama": LlamaParticipant, "gemma2": Gemma2Participant}
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama", "gemma2"])
@@ -48,8 +45,32 @@ def test_from_pretrained_resolves_family_without_loading_weights(family):
     clear_engine_cache()
     name, path = family
     p = AutoModelParticipant.from_pretrained(path, name="x")
-    assert type(p) is FAMILY_CLASSES[name]
-    assert isinstance(p, ModelParticipant) and p.needs_device
+    assert type(p) is ModelParticipant and p.needs_device  # one class: templates are probed, not dispatched
+    assert p.family == name and p.to_json()["family"] == name  # the config's model_type, recorded
+
+
+@pytest.mark.parametrize(
+    "old", ["Qwen2Participant", "LlamaParticipant", "Gemma2Participant", "Gemma3Participant"]
+)
+def test_removed_family_classes_warn_and_resolve_to_model_participant(old):
+    import interlens._model_participant as module
+
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+        assert getattr(module, old) is ModelParticipant
+    with pytest.warns(DeprecationWarning, match="register_family is deprecated"):
+        decorate = module.register_family("qwen2")
+    assert decorate(ModelParticipant) is ModelParticipant
+    with pytest.raises(AttributeError):
+        _ = module.NoSuchParticipant
+
+
+def test_kv_reuse_auto_is_a_deprecated_alias_of_true():
+    assert ModelParticipant("m", name="x").kv_reuse is True  # the default
+    with pytest.warns(DeprecationWarning, match="kv_reuse='auto' is deprecated"):
+        p = ModelParticipant("m", name="x", kv_reuse="auto")
+    assert p.kv_reuse is True
+    old = p.to_json() | {"kv_reuse": "auto"}  # a recipe saved before the deprecation loads silently
+    assert ModelParticipant.from_json(old).kv_reuse is True
 
 
 def test_views_render_with_family_template(family):

@@ -323,3 +323,23 @@ def test_model_rerun_with_another_mode_or_temperature_is_refused(qwen2_path: str
     same = debate(temperature=0.9).rollout(n=3, devices=["cpu"], out_dir=tmp_path, progress=False)
     assert same.skipped == ["rollout_0000", "rollout_0001"] and _ran(same) == ["rollout_0002"]
     assert same.results["rollout_0001"].transcript == first.results["rollout_0001"].transcript
+
+
+class _Echo:
+    """A callable object: its default repr holds its memory address, which differs in every process."""
+
+    def __call__(self, view: View) -> str:
+        return f"echo {view.messages[0].content}"
+
+
+def test_a_callable_object_as_replies_resumes_from_a_fresh_instance(tmp_path: Path) -> None:
+    def quiz() -> Conversation:
+        solver = ScriptedParticipant("solver", _Echo())  # a new object at a new address, as in a new process
+        return Conversation(participants=[solver], shared_context=dataset_field("q")).turns(1)
+
+    rows = [{"q": "A0"}, {"q": "A1"}]
+    first = quiz().data(rows).rollout(out_dir=tmp_path)
+    assert first.failed == [] and first.skipped == []
+    again = quiz().data(rows).rollout(out_dir=tmp_path)
+    assert again.skipped == ["row_00000", "row_00001"]
+    assert again.results["row_00001"].transcript[-1].content == "echo A1"

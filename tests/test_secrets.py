@@ -20,7 +20,7 @@ import pytest
 from interlens import Conversation, LedgerError, ScriptedParticipant, dataset_field, register_analyzer
 from interlens._api_participant import APIParticipant
 from interlens.scheduler import ErrorInfo
-from interlens.scheduler._gateway import RetryPolicy
+from interlens.scheduler.gateway import RetryPolicy
 from interlens.store import LedgerReader
 from interlens.testing import FakeProviderServer
 

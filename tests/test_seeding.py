@@ -95,7 +95,7 @@ def logits_log(qwen2_path: str) -> Iterator[list[tuple[tuple[int, ...], str]]]:
 def test_deterministic_turns_compute_bitwise_the_same_logits_whatever_ran_before(
     qwen2_path: str, logits_log: list[tuple[tuple[int, ...], str]]
 ) -> None:
-    """Default settings (kv_reuse="auto"). A KV cache kept from an earlier turn or run gives logits a few
+    """Default settings (kv_reuse=True). A KV cache kept from an earlier turn or run gives logits a few
     ulps off a fresh prefill (for this model on CPU, ~1e-6): too little to flip a token in a short test,
     but enough on other hardware. So the check is on the logits themselves."""
     conv = debate(qwen2_path)

@@ -95,7 +95,7 @@ def test_two_workers_give_the_in_process_results_token_for_token(runs: tuple[Run
 
 @pytest.mark.parametrize("batched", [False, True], ids=["deterministic", "batched"])
 def test_default_settings_give_the_in_process_tokens_in_two_workers(qwen2_path: str, batched: bool) -> None:
-    """The same token-for-token check with the settings users get (KV reuse "auto", no participant seed).
+    """The same token-for-token check with the settings users get (KV reuse on, no participant seed).
 
     Deterministic mode guarantees it. Batched, each worker batches 3 rows where one process batches 6: the
     tokens agree because these models' batched forward pass is batch-invariant on CPU (see turn_seed).

@@ -14,7 +14,6 @@ created by one client can be polled by another, even from a fresh process after 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -44,7 +43,7 @@ from ._fake_provider_core import (
     new_id,
     redact,
 )
-from ._fake_provider_http import Connection, HttpRequest, HttpResponse, LoopServer
+from ._fake_provider_http import Connection, HttpRequest, HttpResponse, Server
 
 __all__ = ["BatchSnapshot", "FakeProviderServer", "RequestRecord", "count_tokens", "default_reply"]
 
@@ -96,7 +95,7 @@ class FakeProviderServer:
             → finalizing → completed (or failed when the input file is invalid); Anthropic batches go
             in_progress → ended. Results are computed when the batch finishes, by ``reply``.
         reply: maps a request body (chat/messages body, or a batch row's body) to the reply text. The default
-            is :func:`default_reply`. Called on the server thread under its lock: keep it fast, and do not
+            is :func:`default_reply`. Called on a server thread under its lock: keep it fast, and do not
             wait on the server from inside it.
         hold_timeout: the longest a request waits while the server is :meth:`hold`-ing (the server never hangs
             forever on a forgotten :meth:`release`).
@@ -117,10 +116,10 @@ class FakeProviderServer:
             raise TypeError(f"reply must be a callable body -> str, got {type(reply).__name__}")
         self._hold_timeout = check_positive("hold_timeout", hold_timeout, allow_zero=False, upper=_MAX_HOLD)
         self._state = State(latency=float(latency), polls_per_state=polls_per_state, reply=reply)
-        self._server = LoopServer(self._handle)
+        self._server = Server(self._handle)
         self._phase = "new"
         self._held = False
-        self._waiters: list[asyncio.Event] = []
+        self._waiters: set[Connection] = set()
 
     # -- lifecycle
 
@@ -291,9 +290,9 @@ class FakeProviderServer:
         """Let every held request (and later ones) through."""
         with self._state.lock:
             self._held = False
-            waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            self._server.call_soon(waiter.set)
+            waiters, self._waiters = self._waiters, set()
+        for conn in waiters:
+            conn.wake()
 
     # -- observation
 
@@ -393,7 +392,7 @@ class FakeProviderServer:
 
     # -- request handling (server thread)
 
-    async def _handle(self, req: HttpRequest, conn: Connection) -> HttpResponse | None:
+    def _handle(self, req: HttpRequest, conn: Connection) -> HttpResponse | None:
         provider = _classify(req)
         payload: Any = None
         bad_json = False
@@ -428,7 +427,7 @@ class FakeProviderServer:
         self._state.begin(record)
         status: int | None = None
         try:
-            resp = await self._respond(ctx, conn, authed, bad_json)
+            resp = self._respond(ctx, conn, authed, bad_json)
             if resp is not None:
                 resp.headers.setdefault("x-request-id", ctx.request_id)
                 resp.headers.setdefault("request-id", ctx.request_id)
@@ -437,7 +436,7 @@ class FakeProviderServer:
         finally:
             self._state.end(record, status)
 
-    async def _respond(self, ctx: Ctx, conn: Connection, authed: bool, bad_json: bool) -> HttpResponse | None:
+    def _respond(self, ctx: Ctx, conn: Connection, authed: bool, bad_json: bool) -> HttpResponse | None:
         if not authed:
             how = (
                 "Authorization: Bearer <key> or x-api-key" if ctx.provider == "anthropic" else "Bearer <key>"
@@ -451,13 +450,13 @@ class FakeProviderServer:
             return error_response(ctx.provider, fault.status, fault.message, ctx.request_id, headers=headers)
         if fault is not None and fault.kind == "malformed":
             return HttpResponse(status=200, body=_MALFORMED_BODY, content_type=fault.content_type)
-        if fault is not None and not await conn.sleep(fault.seconds):
+        if fault is not None and not conn.wait(fault.seconds):
             return None  # simulated timeout: the client gave up first
         found = self._route(ctx)
         if isinstance(found, HttpResponse):
             return found
         route, match = found
-        if route.generation and not await self._delay(conn):
+        if route.generation and not self._delay(conn):
             return None
         with self._state.lock:
             try:
@@ -485,14 +484,17 @@ class FakeProviderServer:
             return ctx.error(405, f"{ctx.method} is not allowed on {ctx.path}; use {' or '.join(allowed)}")
         return ctx.error(404, f"FakeProviderServer has no {ctx.provider} route {ctx.method} {ctx.path}")
 
-    async def _delay(self, conn: Connection) -> bool:
+    def _delay(self, conn: Connection) -> bool:
         """Hold gate, then latency; False if the client hung up meanwhile."""
-        waiter: asyncio.Event | None = None
         with self._state.lock:
-            if self._held:
-                waiter = asyncio.Event()
-                self._waiters.append(waiter)
+            held = self._held
+            if held:
+                self._waiters.add(conn)  # before the first check: a release in between still wakes it
             latency = self._state.latency
-        if waiter is not None and not await conn.wait_for(waiter, self._hold_timeout):
-            return False
-        return await conn.sleep(latency)
+        try:
+            if held and not conn.wait(self._hold_timeout, until=lambda: not self._held):
+                return False
+        finally:
+            with self._state.lock:
+                self._waiters.discard(conn)
+        return conn.wait(latency)

@@ -1,8 +1,9 @@
 """Shared state, records and wire helpers of the fake provider server.
 
 Everything mutable lives in :class:`State`, guarded by one re-entrant lock, because it is written by the
-server thread and read (meters, records, batch states) or configured (faults) from the test's thread. Handlers
-run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen outside it.
+server's connection threads and read (meters, records, batch states) or configured (faults) from the test's
+thread. Handlers run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen
+outside it.
 """
 
 from __future__ import annotations

@@ -108,7 +108,10 @@ async def test_ctrl_c_stops_the_run_and_leaves_the_ledger_consistent(tmp_path: P
         async with await anyio.open_process(cmd, stderr=subprocess.STDOUT) as proc:
             assert proc.stdout is not None
             while b"READY" not in seen:
-                seen += await proc.stdout.receive()
+                try:
+                    seen += await proc.stdout.receive()
+                except anyio.EndOfStream:  # the child died before its batch started: show why
+                    pytest.fail(f"the child ended before READY:\n{seen.decode(errors='replace')}")
             proc.send_signal(signal.SIGINT)
             async for chunk in proc.stdout:
                 seen += chunk

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 from workers_testkit import (
+    PARENT_CALLS,
     CallingJob,
     LockedJob,
     WorkerJob,
@@ -29,7 +30,7 @@ from workers_testkit import (
 from interlens.scheduler import (
     DeviceError,
     JobPickleError,
-    NoServiceError,
+    ProviderCallError,
     SchedulerConfigError,
     WorkerLostError,
     WorkerStartError,
@@ -38,6 +39,13 @@ from interlens.scheduler import (
 from interlens.store import LedgerReader
 
 TWO = ["cpu", "cpu"]
+
+
+@pytest.fixture
+def parent_calls() -> Any:
+    """What the jobs' ``ParentSpec`` gateway calls run in this process; cleared after the test."""
+    yield PARENT_CALLS
+    PARENT_CALLS.clear()
 
 
 def _texts(out: Any) -> dict[str, list[str]]:
@@ -65,13 +73,16 @@ async def test_two_workers_share_the_jobs_costep_and_match_the_in_process_run(tm
     assert children() == set()  # every worker process exited and was reaped
 
 
-async def test_a_worker_killed_mid_run_is_replaced_and_its_jobs_retried(tmp_path: Path) -> None:
+async def test_a_worker_killed_mid_run_is_replaced_and_its_jobs_retried(
+    tmp_path: Path, parent_calls: dict[str, Any]
+) -> None:
     """SIGKILL one worker while all 8 jobs wait in the parent after their first committed turn."""
     reached: list[tuple[str, int]] = []
     all_there, released = anyio.Event(), anyio.Event()
     victim: list[int] = []
 
-    async def checkpoint(job_id: str, pid: int) -> None:
+    async def checkpoint(request: tuple[str, int]) -> None:
+        job_id, pid = request
         reached.append((job_id, pid))
         if len(reached) == 8:
             all_there.set()
@@ -83,17 +94,12 @@ async def test_a_worker_killed_mid_run_is_replaced_and_its_jobs_retried(tmp_path
         os.kill(victim[0], signal.SIGKILL)
         released.set()
 
+    parent_calls["checkpoint"] = checkpoint
     jobs = [WorkerJob(turns=3, checkpoint_at=0) for _ in range(8)]
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(kill_one)
-            out = await run_jobs(
-                [lineup("k", jobs)],
-                devices=TWO,
-                out_dir=tmp_path,
-                max_batch_size=4,
-                services={"checkpoint": checkpoint},
-            )
+            out = await run_jobs([lineup("k", jobs)], devices=TWO, out_dir=tmp_path, max_batch_size=4)
     assert out.counts["done"] == 8 and out.failed == []
     hit = {job_id for job_id, pid in reached if pid == victim[0]}
     assert len(hit) == 4  # the victim's four jobs, no others
@@ -122,41 +128,33 @@ async def test_a_job_that_kills_its_worker_every_time_fails_alone_after_the_boun
     assert children() == set()
 
 
-async def test_calls_to_the_parent_run_concurrently_and_answer_out_of_order() -> None:
+async def test_calls_to_the_parent_run_concurrently_and_answer_out_of_order(
+    parent_calls: dict[str, Any],
+) -> None:
     second_answered = anyio.Event()
 
-    async def order(job_id: str, key: str) -> str:
+    async def order(request: tuple[str, str]) -> str:
+        job_id, key = request
         if key == "first":  # answered only after "second": a pipe serving calls in order would deadlock
             await second_answered.wait()
         else:
             second_answered.set()
         return f"{key} for {job_id}"
 
-    async def refuse(job_id: str, payload: Any) -> None:
-        raise ValueError(f"no quota left for {payload}")
+    async def refuse(request: tuple[str, None]) -> None:
+        raise ValueError(f"no quota left for {request[0]}")
 
-    jobs = [CallingJob(), CallingJob(then=["refuse"]), CallingJob(then=["nope"]), LockedJob()]
+    parent_calls.update(order=order, refuse=refuse)
+    jobs = [CallingJob(), CallingJob(then=["refuse"]), LockedJob()]
     with anyio.fail_after(60):
-        out = await run_jobs(
-            [lineup("c", jobs)],
-            devices=TWO,
-            out_dir=None,
-            services={"order": order, "refuse": refuse},
-        )
+        out = await run_jobs([lineup("c", jobs)], devices=TWO, out_dir=None)
     assert out.outcome("c/0000").conversation == {
         "answers": {"first": "first for c/0000", "second": "second for c/0000"}
     }
-    refused = out.outcome("c/0001").error  # the service's own exception, raised in the worker's job
-    assert (
-        refused is not None and refused.type == "ValueError" and "no quota left for c/0001" in refused.message
-    )
-    unknown = out.outcome("c/0002").error
-    assert (
-        unknown is not None
-        and unknown.type == NoServiceError.__name__
-        and "'order', 'refuse'" in unknown.message
-    )
-    locked = out.outcome("c/0003").error  # cannot be pickled: fails alone, before it reaches a worker
+    refused = out.outcome("c/0001").error  # raised in the parent, typed in the worker's job
+    assert refused is not None and refused.type == ProviderCallError.__name__
+    assert "ValueError: no quota left for c/0001" in refused.message
+    locked = out.outcome("c/0002").error  # cannot be pickled: fails alone, before it reaches a worker
     assert locked is not None and locked.type == JobPickleError.__name__ and "lock" in locked.message
 
 

@@ -10,16 +10,26 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
+from interlens.scheduler import (
+    BatchPolicy,
+    ExecutionMode,
+    JobContext,
+    JobResult,
+    JobSpec,
+    LineupSpec,
+    RetryPolicy,
+)
 
 #: Filled by :func:`mark_init` in a worker (and read back through each job's analysis).
 INIT_MARKS: list[str] = []
+#: Set by a test, read in the parent (where the run's gateway lives): what a :class:`ParentSpec`'s calls run.
+PARENT_CALLS: dict[str, Callable[[Any], Awaitable[Any]]] = {}
 
 
 def mark_init() -> None:
@@ -62,8 +72,9 @@ class PidEngineSpec:
 class WorkerJob:
     """``turns`` generated turns, each recorded (so durable in the parent) before the next.
 
-    ``checkpoint_at``: after that turn, on attempt 1 only, ``ctx.call_parent("checkpoint", pid)`` (the test
-    decides when it returns). ``kill_worker_at``: SIGKILL its own worker process at that turn, every attempt.
+    ``checkpoint_at``: after that turn, on attempt 1 only, a gateway call to ``ParentSpec("checkpoint")``
+    with ``(job_id, pid)`` (the test decides when it returns). ``kill_worker_at``: SIGKILL its own worker
+    process at that turn, every attempt.
     ``noise``: print to stdout and write raw bytes to fds 1 and 2 first (none of it may reach the pipe).
     """
 
@@ -88,7 +99,7 @@ class WorkerJob:
             await ctx.record_turn(i, turn)
             turns.append(turn)
             if i == self.checkpoint_at and ctx.attempt == 1:
-                await ctx.call_parent("checkpoint", os.getpid())
+                await ctx.call_gateway(ParentSpec("checkpoint"), (ctx.job_id, os.getpid()))
         analysis = {
             "pid": os.getpid(),
             "attempt": ctx.attempt,
@@ -103,7 +114,8 @@ class WorkerJob:
 
 @dataclass
 class CallingJob:
-    """Two concurrent ``call_parent`` calls, then the calls in ``then`` one by one; returns every answer."""
+    """Two concurrent gateway calls to ``ParentSpec("order")``, then one to ``ParentSpec(name)`` for each name
+    in ``then``, one by one; returns every answer."""
 
     then: Sequence[str] = ()
     needs_device: bool = True
@@ -112,17 +124,64 @@ class CallingJob:
         answers: dict[str, Any] = {}
 
         async def ask(key: str) -> None:
-            answers[key] = await ctx.call_parent("order", key)
+            answers[key] = await ctx.call_gateway(ParentSpec("order"), (ctx.job_id, key))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(ask, "first")
             tg.start_soon(ask, "second")
-        for kind in self.then:
-            answers[kind] = await ctx.call_parent(kind, ctx.job_id)
+        for name in self.then:
+            answers[name] = await ctx.call_gateway(ParentSpec(name), (ctx.job_id, None))
         return JobResult(conversation={"answers": answers})
 
     def is_transient(self, exc: BaseException) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class _Final:
+    """A failure the gateway does not retry (the ``Failure`` a provider adapter reports)."""
+
+    retryable: bool = False
+    rate_limited: bool = False
+    retry_after: float | None = None
+
+
+class ParentClient:
+    """Stands in for a provider, in the parent: each request is handed to ``PARENT_CALLS[name]``."""
+
+    provider = "parent"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def send(self, request: Any) -> Any:
+        return await PARENT_CALLS[self.name](request)
+
+    def classify(self, exc: BaseException) -> _Final:
+        return _Final()
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ParentSpec:
+    """An ``APISpec`` of single requests, answered by the test's function in the parent (the gateway's
+    process), so a job in a worker process can wait on, or fail by, something the test controls."""
+
+    name: str
+    max_in_flight: int = 64
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+    batch_policy: BatchPolicy = field(default_factory=BatchPolicy)
+    batch_key: None = None
+    model_id: str = "parent"
+
+    @property
+    def client_key(self) -> tuple[str, str]:
+        return ("parent", self.name)
+
+    def open_client(self) -> ParentClient:
+        return ParentClient(self.name)
 
 
 @dataclass

@@ -30,8 +30,8 @@ import anyio
 
 from interlens.store import redacting_logger
 
-from ._errors import SchedulerError
-from ._gateway_batch import (
+from .._errors import SchedulerError
+from ._batch import (
     BatchLimits,
     BatchPolicy,
     BatchRowError,
@@ -41,8 +41,8 @@ from ._gateway_batch import (
     classify,
     describe_error,
 )
-from ._gateway_collect import BatchBook, BatchCollector, Blocker
-from ._gateway_limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._collect import BatchBook, BatchCollector, Blocker
+from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 
 __all__ = [
     "APISpec",

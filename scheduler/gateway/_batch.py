@@ -3,7 +3,7 @@
 A provider batch is paid for when it is submitted, so everything here is built around never losing track of
 one: a submitted batch is recorded in a :class:`BatchStore` (the run's ledger) before it is polled, and a row
 that fails becomes a :class:`BatchRowError` for its own caller only. The round logic (collecting, flushing,
-polling, re-attaching) lives in ``_gateway_collect``.
+polling, re-attaching) lives in ``_collect``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import anyio
 
 from interlens.store import redacting_logger
 
-from ._gateway_limits import Failure, RetryPolicy, _check_number
+from ._limits import Failure, RetryPolicy, _check_number
 
 __all__ = [
     "BatchLimits",
@@ -114,7 +114,7 @@ class BatchStore(Protocol):
 
 
 class BatchClient(Protocol):
-    """The batch half of a provider adapter (see ``ProviderClient`` in ``_gateway``)."""
+    """The batch half of a provider adapter (see ``ProviderClient`` in ``_core``)."""
 
     provider: str
     batch_limits: BatchLimits

@@ -34,7 +34,8 @@ import anyio
 
 from interlens.store import redacting_logger
 
-from ._gateway_batch import (
+from .._signals import Notifier
+from ._batch import (
     Batch,
     BatchClient,
     BatchPolicy,
@@ -44,8 +45,7 @@ from ._gateway_batch import (
     describe_error,
     retrying,
 )
-from ._gateway_limits import RetryPolicy
-from ._signals import Notifier
+from ._limits import RetryPolicy
 
 __all__ = ["BatchBook", "BatchCollector", "Blocker"]
 

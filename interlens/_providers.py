@@ -1,0 +1,76 @@
+"""Which providers there are, and the few things interlens asks of a provider by name.
+
+Each provider module (``_provider_openai``: OpenAI and OpenRouter; ``_provider_anthropic``) owns its request
+body, response parsing, batch submission and result mapping around the provider-neutral
+:class:`~interlens._provider_base.APIRequest`, and describes itself with a
+:class:`~interlens._provider_base.Provider`. This registry looks them up: the view folded for a provider, a
+request's body, a provider's endpoint and key (read from the environment in the parent, at first use, never
+stored), and its client for the gateway. Adding a provider is one module and one line here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from interlens.scheduler.gateway import ProviderClient
+
+from ._exceptions import ConfigurationError
+from ._participant import View
+from ._provider_anthropic import ANTHROPIC
+from ._provider_base import APIRequest, Messages, Provider
+from ._provider_openai import OPENAI, OPENROUTER
+
+__all__ = [
+    "PROVIDERS",
+    "fold_view",
+    "open_client",
+    "provider",
+    "read_api_key",
+    "request_body",
+    "resolve_base_url",
+]
+
+_REGISTRY: dict[str, Provider] = {p.name: p for p in (OPENAI, ANTHROPIC, OPENROUTER)}
+
+PROVIDERS = tuple(_REGISTRY)
+"""The provider names an ``APIParticipant`` accepts, in the order its error message lists them."""
+
+
+def provider(name: str) -> Provider:
+    """The provider called ``name`` (a name outside :data:`PROVIDERS` is refused by the participant first)."""
+    return _REGISTRY[name]
+
+
+def fold_view(view: View, name: str) -> Messages:
+    """The view's messages as (role, content) pairs the provider accepts (the system block goes apart)."""
+    return _REGISTRY[name].fold(tuple((m.role, m.content) for m in view.messages))
+
+
+def request_body(request: APIRequest) -> dict[str, Any]:
+    """The JSON body ``request`` is sent with (chat completions, or Anthropic messages)."""
+    return _REGISTRY[request.provider].body(request)
+
+
+def resolve_base_url(name: str, base_url: str | None) -> str:
+    """An explicit ``base_url`` wins, then the provider's ``*_BASE_URL`` variable, then the public one."""
+    entry = _REGISTRY[name]
+    return (base_url or os.environ.get(entry.url_variable) or entry.default_url).rstrip("/")
+
+
+def read_api_key(name: str, *, who: str) -> str:
+    variable = _REGISTRY[name].key_variable
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ConfigurationError(
+            f"{who} needs an API key for {name}: set the environment variable {variable} "
+            "(read from the environment at first use, never stored)"
+        )
+    return key
+
+
+def open_client(name: str, *, base_url: str | None, max_in_flight: int, who: str) -> ProviderClient:
+    """The gateway's client for provider ``name`` (called by the gateway, in the parent, at first use)."""
+    key = read_api_key(name, who=who)
+    url = resolve_base_url(name, base_url)
+    return _REGISTRY[name].client(provider=name, base_url=url, api_key=key, max_in_flight=max_in_flight)
