@@ -29,7 +29,6 @@ outside the vocabulary) is returned in place as an exception instance, so it fai
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -38,44 +37,46 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from interlens._exceptions import ConfigurationError
-from interlens._sampling import Sampler, eos_ids, pad_id
+from interlens._sampling import Sampler, SamplingSettings, eos_ids, pad_id
 from interlens.scheduler import BatchCancelled, ExecutionMode
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GenerationRequest", "GenerationResult", "LocalEngine"]
+__all__ = ["GenerationRequest", "GenerationResult", "LocalEngine", "SamplingSettings"]
 
 _FINISH_REASONS = ("eos", "length", "stop")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class GenerationRequest:
-    """One row of a batched generate: a tokenized prompt and how to continue it.
-
-    Validated on construction, so a bad value fails in the participant that built it, not deep inside a
-    batch shared with other conversations.
+    """One row of a batched generate: a tokenized prompt and how to continue it (``sampling=``, as
+    ``ChatEngine`` passes the participant's on, or the settings as keywords). Validated on construction, so
+    a bad value fails in the participant that built it, not deep inside a batch shared with others.
     """
 
     prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float = 1.0  # <= 0 means greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()  # generation of the row ends once its text contains one of these
-    seed: int | None = None  # the row's own random stream: its draws do not depend on its batch mates
-    reuse_key: Hashable | None = None  # KV reuse stream across turns (single-row requests); None = no reuse
+    sampling: SamplingSettings
+    reuse_key: Hashable | None  # KV reuse stream across turns (single-row requests); None = no reuse
 
-    def __post_init__(self) -> None:
-        # Accept any sequence for the tuple fields (a list is the natural thing to pass), store tuples.
-        if not isinstance(self.prompt_ids, tuple):
-            object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
-        if isinstance(self.stop, str):
-            raise ConfigurationError(
-                f"GenerationRequest(stop={self.stop!r}): stop must be a sequence of strings, not one string; "
-                f"write stop=({self.stop!r},)."
-            )
-        if not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        reuse_key: Hashable | None = None,
+        *,
+        sampling: SamplingSettings | None = None,
+    ) -> None:
+        if sampling is None:  # a missing max_new_tokens fails check() below: it must be an int >= 1
+            sampling = SamplingSettings(max_new_tokens, temperature, top_p, stop, seed)  # type: ignore[arg-type]
+        # Accept any sequence of prompt ids (a list is the natural thing to pass), store a tuple.
+        object.__setattr__(self, "prompt_ids", tuple(prompt_ids))
+        object.__setattr__(self, "sampling", sampling)
+        object.__setattr__(self, "reuse_key", reuse_key)
         if not self.prompt_ids:
             raise ConfigurationError(
                 "GenerationRequest(prompt_ids=()): the prompt is empty; pass at least one token id "
@@ -86,26 +87,7 @@ class GenerationRequest:
                 "GenerationRequest(prompt_ids=...): every prompt id must be a non-negative int; "
                 "pass the token ids the tokenizer returned (e.g. tokenizer(text).input_ids)."
             )
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigurationError(
-                f"GenerationRequest(max_new_tokens={self.max_new_tokens!r}): must be an int >= 1."
-            )
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
-            raise ConfigurationError(
-                f"GenerationRequest(temperature={self.temperature!r}): must be a finite number "
-                "(<= 0 means greedy decoding)."
-            )
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise ConfigurationError(
-                f"GenerationRequest(top_p={self.top_p!r}): must be in (0, 1]; use 1.0 to disable nucleus "
-                "sampling."
-            )
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigurationError(
-                f"GenerationRequest(stop={self.stop!r}): stop strings must be non-empty strings."
-            )
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ConfigurationError(f"GenerationRequest(seed={self.seed!r}): seed must be an int or None.")
+        sampling.check("GenerationRequest")
         if self.reuse_key is not None:
             try:
                 hash(self.reuse_key)
@@ -114,6 +96,26 @@ class GenerationRequest:
                     f"GenerationRequest(reuse_key={self.reuse_key!r}): reuse_key must be hashable "
                     "(a string or a tuple such as (job_id, participant))."
                 ) from None
+
+    @property  # what the sampler and the decode loop read (``_sampling._Settings``)
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.seed
 
 
 @dataclass

@@ -29,6 +29,7 @@ from ._context import CURRENT_JOB
 from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, ModelLoadError
 from ._message import Message
 from ._participant import GenerationOptions, Participant, View, register_participant_kind
+from ._sampling import SamplingSettings
 from ._templating import Template, template_from_json
 from ._validate import check_int, check_number
 
@@ -70,14 +71,10 @@ def __getattr__(name: str) -> Any:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """One turn to generate: the speaker's view and its sampling settings."""
+    """One turn to generate: the speaker's view and its sampling settings (handed on to the engine as is)."""
 
     view: View
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
+    sampling: SamplingSettings
     reuse_key: Hashable | None = None
 
 
@@ -101,17 +98,7 @@ class ChatEngine:
             try:
                 text = render_view(self.tokenizer, req.view)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                prepared.append(
-                    GenerationRequest(
-                        prompt_ids=tuple(ids),
-                        max_new_tokens=req.max_new_tokens,
-                        temperature=req.temperature,
-                        top_p=req.top_p,
-                        stop=req.stop,
-                        seed=req.seed,
-                        reuse_key=req.reuse_key,
-                    )
-                )
+                prepared.append(GenerationRequest(tuple(ids), sampling=req.sampling, reuse_key=req.reuse_key))
             except Exception as exc:  # a view the template cannot render fails its own row only
                 prepared.append(GenerationError(f"cannot render the view of {req.view.speaker!r}: {exc}"))
         rows = [p for p in prepared if not isinstance(p, Exception)]
@@ -230,22 +217,15 @@ class ModelParticipant(Participant):
         reuse = None
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None:
             reuse = (options.stream_id, self.name)
-        return ChatRequest(
-            view=view,
-            max_new_tokens=cap,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop=self.stop,
-            seed=options.seed,
-            reuse_key=reuse,
-        )
+        sampling = SamplingSettings(cap, self.temperature, self.top_p, self.stop, options.seed)
+        return ChatRequest(view=view, sampling=sampling, reuse_key=reuse)
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
         import anyio
 
         options = options or GenerationOptions()
         request = self.request(view, options)
-        if request.max_new_tokens <= 0:  # a spent budget: an empty turn, nothing generated
+        if request.sampling.max_new_tokens <= 0:  # a spent budget: an empty turn, nothing generated
             return Message(self.name, "", {"n_tokens": 0, "finish_reason": "length", "model": self.model_id})
         job = CURRENT_JOB.get()
         if job is not None:

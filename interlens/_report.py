@@ -22,21 +22,58 @@ if TYPE_CHECKING:
 __all__ = ["RunReport", "RunResult"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RunResult:
-    """One job's result: its finished conversation (``None`` if it failed before finishing) and facts."""
+    """One job's result: its finished conversation (``None`` if it failed before finishing) and facts.
 
-    job_id: str
-    error: ErrorInfo | None  # None when the job succeeded
-    analysis: Any
-    device: str | None
-    tokens_generated: int
-    attempts: int
-    skipped: bool  # done by an earlier run of the same out_dir, loaded from its ledger
-    row_index: int | None
-    seed: int
-    _state: Mapping[str, Any] | None
+    It wraps the scheduler's :class:`~interlens.scheduler.JobOutcome` (one record per job, never copied
+    field by field) and adds what only ``interlens`` knows: the live ``conversation`` and the ``transcript``.
+    """
+
+    _outcome: JobOutcome
     _recipe: Conversation | None
+
+    @property
+    def job_id(self) -> str:
+        return self._outcome.job_id
+
+    @property
+    def error(self) -> ErrorInfo | None:
+        """``None`` when the job succeeded."""
+        return self._outcome.error
+
+    @property
+    def analysis(self) -> Any:
+        return self._outcome.analysis
+
+    @property
+    def device(self) -> str | None:
+        return self._outcome.device
+
+    @property
+    def tokens_generated(self) -> int:
+        return self._outcome.tokens_generated
+
+    @property
+    def attempts(self) -> int:
+        return self._outcome.attempts
+
+    @property
+    def skipped(self) -> bool:
+        """Done by an earlier run of the same out_dir, loaded from its ledger."""
+        return self._outcome.skipped
+
+    @property
+    def row_index(self) -> int | None:
+        return self._outcome.row_index
+
+    @property
+    def seed(self) -> int:
+        return self._outcome.seed
+
+    @property
+    def _state(self) -> Mapping[str, Any] | None:
+        return self._outcome.conversation
 
     @functools.cached_property
     def conversation(self) -> Conversation | None:
@@ -91,19 +128,7 @@ class RunReport:
         self.results: Mapping[str, RunResult] = _Results(self)
 
     def _result(self, outcome: JobOutcome) -> RunResult:
-        return RunResult(
-            job_id=outcome.job_id,
-            error=outcome.error,
-            analysis=outcome.analysis,
-            device=outcome.device,
-            tokens_generated=outcome.tokens_generated,
-            attempts=outcome.attempts,
-            skipped=outcome.skipped,
-            row_index=outcome.row_index,
-            seed=outcome.seed,
-            _state=outcome.conversation,
-            _recipe=self._lineups.get(outcome.lineup),
-        )
+        return RunResult(_outcome=outcome, _recipe=self._lineups.get(outcome.lineup))
 
     @property
     def failed(self) -> list[str]:

@@ -16,17 +16,66 @@ the same uniforms on CPU and GPU (the logits, of course, may differ between them
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from interlens._exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sampler", "eos_ids", "pad_id"]
+__all__ = ["Sampler", "SamplingSettings", "eos_ids", "pad_id"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How one local turn is sampled: the ONE record of these settings from the participant's ``ChatRequest``
+    to the engine's ``GenerationRequest`` (each holds it; none copies its fields).
+
+    Unvalidated on its own: a participant's spent budget is a ``max_new_tokens`` of 0, answered without the
+    engine; :meth:`check` is called by the record that goes to the engine (``GenerationRequest``).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0  # <= 0 means greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # generation of the row ends once its text contains one of these
+    seed: int | None = None  # the row's own random stream: its draws do not depend on its batch mates
+
+    def __post_init__(self) -> None:
+        # Accept any sequence of stop strings (a list is the natural thing to pass), store a tuple; one string
+        # is refused by check() with its fix, so it is kept as given.
+        if not isinstance(self.stop, tuple | str):
+            object.__setattr__(self, "stop", tuple(self.stop))
+
+    def check(self, who: str) -> None:
+        """Raise ConfigurationError naming ``who(setting=value)`` for a setting the decode loop cannot use."""
+        if isinstance(self.stop, str):
+            raise ConfigurationError(
+                f"{who}(stop={self.stop!r}): stop must be a sequence of strings, not one string; "
+                f"write stop=({self.stop!r},)."
+            )
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigurationError(f"{who}(max_new_tokens={self.max_new_tokens!r}): must be an int >= 1.")
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ConfigurationError(
+                f"{who}(temperature={self.temperature!r}): must be a finite number "
+                "(<= 0 means greedy decoding)."
+            )
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigurationError(
+                f"{who}(top_p={self.top_p!r}): must be in (0, 1]; use 1.0 to disable nucleus sampling."
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigurationError(f"{who}(stop={self.stop!r}): stop strings must be non-empty strings.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ConfigurationError(f"{who}(seed={self.seed!r}): seed must be an int or None.")
 
 
 class _Settings(Protocol):
-    """What the sampler reads from a request (``GenerationRequest`` satisfies it)."""
+    """What the sampler reads from a request (``GenerationRequest`` and ``SamplingSettings`` satisfy it)."""
 
     @property
     def temperature(self) -> float: ...
