@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from crash_testkit import children, exited
 
 import interlens
 from interlens import (
@@ -90,7 +90,7 @@ def test_two_workers_give_the_in_process_results_token_for_token(runs: tuple[Run
     with LedgerReader(multi.out_dir) as reader:  # the parent wrote what the workers generated
         assert reader.counts()["done"] == 6
         assert len(reader.turns("closure/row_00002")) == 3
-    assert _children() == set()  # both worker processes exited and were reaped
+    assert children(os.getpid()) == set()  # both worker processes exited and were reaped
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["deterministic", "batched"])
@@ -110,7 +110,7 @@ def test_default_settings_give_the_in_process_tokens_in_two_workers(qwen2_path: 
             (m.author, m.content) for m in res.transcript
         ]
     assert all(r.transcript[1].n_tokens > 0 for r in single.results.values())
-    assert _children() == set()
+    assert children(os.getpid()) == set()
 
 
 def test_both_workers_get_jobs_and_run_named_and_closure_analyzers(runs: tuple[RunReport, RunReport]) -> None:
@@ -133,13 +133,13 @@ def test_an_analyzer_that_cannot_travel_is_refused_before_any_worker_starts(qwen
         ConfigurationError, match=r"cannot be sent to the worker processes.*register_analyzer"
     ):
         conv.rollout(devices=["cpu", "cpu"])
-    assert _children() == set()
+    assert children(os.getpid()) == set()
 
 
 def test_a_device_that_does_not_exist_fails_fast(qwen2_path: str) -> None:
     with pytest.raises(DeviceError, match="'cuda:5' does not exist"):
         debate(qwen2_path).rollout(devices=["cpu", "cuda:5"])
-    assert _children() == set()
+    assert children(os.getpid()) == set()
 
 
 @pytest.mark.parametrize("stop", ["ctrl_c", "kill_parent"])
@@ -164,7 +164,7 @@ def test_no_worker_outlives_an_interrupted_or_killed_run(stop: str, tmp_path: Pa
             proc.kill()
             proc.wait(timeout=10)
         for pid in workers:
-            assert _exited(pid, timeout=20), f"worker {pid} outlived its parent ({stop})"
+            assert exited(pid, timeout=20), f"worker {pid} outlived its parent ({stop})"
     finally:
         proc.kill()
         proc.wait()
@@ -183,28 +183,3 @@ def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 
     threading.Thread(target=pump, daemon=True).start()
     return out
-
-
-def _children() -> set[int]:
-    me, found = os.getpid(), set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if parent == me:
-            found.add(int(entry))
-    return found
-
-
-def _exited(pid: int, *, timeout: float) -> bool:
-    """Wait on a pidfd (readable once the process has exited, even as an unreaped zombie)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
