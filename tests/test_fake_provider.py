@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,11 +22,7 @@ from interlens.testing._fake_provider import FakeProviderServer, count_tokens, d
 SECRET = "sk-test-SECRET-0123456789"
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")  # conftest: no real key or endpoint leaks in
 
 
 @pytest.fixture

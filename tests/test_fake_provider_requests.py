@@ -8,7 +8,6 @@ the Anthropic API version is pinned per test (each SDK major sends its own: 1.x 
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,11 +21,7 @@ from interlens.testing._fake_provider import FakeProviderServer
 SECRET = "sk-test-SECRET-0123456789"
 
 
-@pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("OPENAI_", "ANTHROPIC_", "OPENROUTER_")) or name.endswith("_CUSTOM_HEADERS"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("hermetic_api_env")  # conftest: no real key or endpoint leaks in
 
 
 @pytest.fixture
