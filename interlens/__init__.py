@@ -12,6 +12,7 @@ from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, availab
 
 from ._analyzers import register_analyzer, register_worker_init
 from ._api_participant import APIParticipant
+from ._capture import ActivationCache, ActivationRecord
 from ._conversation import Conversation
 from ._exceptions import (
     AnalyzerError,
@@ -21,6 +22,7 @@ from ._exceptions import (
     FingerprintMismatchError,
     GenerationError,
     InterlensError,
+    InterpModeError,
     LedgerCorruptError,
     LedgerError,
     LedgerLockedError,
@@ -37,8 +39,11 @@ from ._exceptions import (
 from ._message import Message, Transcript
 from ._model_participant import AutoModelParticipant, ModelParticipant
 from ._participant import Participant, ScriptedParticipant, View
+from ._probes import Probe
 from ._report import RunReport, RunResult
 from ._run import arun, run
+from ._scoring import Logprobs
+from ._steering import SteeringSpec
 from ._stop import MaxTurns, StopCondition, StopStrings, TokenBudget
 from ._templating import dataset_field
 
@@ -46,6 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "APIParticipant",
+    "ActivationCache",
+    "ActivationRecord",
     "AnalyzerError",
     "AutoModelParticipant",
     "BatchPolicy",
@@ -57,21 +64,25 @@ __all__ = [
     "FingerprintMismatchError",
     "GenerationError",
     "InterlensError",
+    "InterpModeError",
     "LedgerCorruptError",
     "LedgerError",
     "LedgerLockedError",
     "LedgerSchemaError",
+    "Logprobs",
     "MaxTurns",
     "Message",
     "MissingColumnError",
     "ModelLoadError",
     "ModelParticipant",
     "Participant",
+    "Probe",
     "RetryPolicy",
     "RunReport",
     "RunResult",
     "SchemaVersionError",
     "ScriptedParticipant",
+    "SteeringSpec",
     "StopCondition",
     "StopStrings",
     "TemplateError",

@@ -28,7 +28,7 @@ from interlens.scheduler.gateway import (
 )
 
 from ._context import CURRENT_JOB
-from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError
+from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, InterpModeError
 from ._message import MODERATOR, Message
 from ._participant import GenerationOptions, Participant, View, count_tokens, register_participant_kind
 from ._provider_base import APIRequest, APIResult
@@ -62,10 +62,12 @@ _INTERP_SETTINGS = (
 )
 
 
-def _interp_error(name: str, setting: str) -> ConfigurationError:
-    return ConfigurationError(
+def _interp_error(name: str, setting: str) -> InterpModeError:
+    return InterpModeError(
         f"APIParticipant({name!r}) cannot do interp ({setting}=): a hosted model exposes no activations, "
-        "steering or logprobs through interlens. Use a local ModelParticipant with batched=False for interp."
+        "steering or logprobs through interlens. Use a local participant "
+        "(AutoModelParticipant.from_pretrained(...), with batched=False in rollouts) for interp, and run "
+        "hosted turns outside a conv.capture() block."
     )
 
 

@@ -31,7 +31,7 @@ from ._exceptions import ConfigurationError, ConfigurationTypeError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SITES", "ActivationCache", "ActivationRecord", "CaptureSpec", "Captured"]
+__all__ = ["SITES", "ActivationCache", "ActivationRecord", "CaptureSpec", "CaptureTarget", "Captured"]
 
 SITES = ("residual", "attn", "mlp")
 
@@ -199,6 +199,25 @@ class ActivationCache:
     def __repr__(self) -> str:
         turns = len({(r.participant, r.message_idx, r.kind) for r in self._records})
         return f"ActivationCache({len(self)} records over {turns} turns, sites={list(self.spec.sites)})"
+
+
+@dataclass(frozen=True)
+class CaptureTarget:
+    """Where one turn's capture goes: the block's cache, tagged with the turn's message index and kind.
+    Handed to the participant with the turn (``GenerationOptions.capture``); the tensors never leave the
+    process that holds the model (inside a rollout: the worker running the job)."""
+
+    cache: ActivationCache
+    message_idx: int
+    kind: str = "turn"
+
+    @property
+    def spec(self) -> CaptureSpec:
+        return self.cache.spec
+
+    def add(self, participant: str, captured: Captured | None) -> None:
+        if captured is not None:
+            self.cache.add(participant, self.message_idx, self.kind, captured)
 
 
 def layer_indices(spec_layers: Sequence[int] | None, n_layers: int, *, where: str) -> list[int]:

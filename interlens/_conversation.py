@@ -15,57 +15,43 @@ import back up is the lazy one in the ``rollout`` facade. The JSON form lives in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
-import reprlib
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
+from ._capture import ActivationCache, CaptureSpec, CaptureTarget
 from ._context import CURRENT_JOB, turn_seed
 from ._exceptions import (
     ConfigurationError,
-    ConfigurationTypeError,
     TemplateError,
     UnknownParticipantError,
     UnrunConversationError,
 )
+from ._lens import score_text, turn_activations
 from ._message import MODERATOR, Message, Transcript
 from ._participant import GenerationOptions, Participant, View, ViewMessage
 from ._persist import SCHEMA_VERSION, check_schema, json_safe, load, recipe_json, save
+from ._recipe import FIELDS, Recipe, participants_tuple, stop_tuple, validate
 from ._rows import OnceRows, RowReader, row_reader
+from ._steering import steering_from
 from ._stop import MaxTurns, StopCondition, ambient_conditions, turn_cap
-from ._templating import Template, check_template, is_templated, resolve
+from ._templating import Template, is_templated, resolve
 
 if TYPE_CHECKING:
     from ._options import RunOptions
     from ._report import RunReport
+    from ._scoring import Logprobs
 
 __all__ = ["SCHEMA_VERSION", "Conversation"]
 
 _UNSET: Any = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recipe:
-    participants: tuple[Participant, ...]
-    shared_context: Template = None
-    shared_system_prompt: Template = None
-    turns: int | None = None
-    data: Any = None
-    analyzer: Callable[[Conversation], Any] | str | None = None
-    name: str | None = None
-    stop: tuple[StopCondition, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.data, Iterator):  # copies made later share the wrapper, hence its read mark
-            object.__setattr__(self, "data", OnceRows.of(self.data))
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(_Recipe))
 
 
 class Conversation:
@@ -89,23 +75,24 @@ class Conversation:
         name: str | None = None,
         stop: Sequence[StopCondition] = (),
     ) -> None:
-        recipe = _Recipe(
-            participants=_participants_tuple(participants),
+        recipe = Recipe(
+            participants=participants_tuple(participants),
             shared_context=shared_context,
             shared_system_prompt=shared_system_prompt,
             turns=turns,
             data=data,
             analyzer=analyzer,
             name=name,
-            stop=_stop_tuple(stop),
+            stop=stop_tuple(stop),
         )
-        _validate(recipe)
+        validate(recipe)
         self._recipe = recipe
         self.transcript = Transcript()
         self.row: dict[str, Any] | None = None
         self.seed: int | None = None
         self._stream_id = uuid.uuid4().hex
         self._samples_taken = 0  # numbers each sample()'s random stream (see turn_seed)
+        self._capture: ActivationCache | None = None  # the open conv.capture() block, if any
         self._seed_transcript()
 
     # ------------------------------------------------------------------ recipe fields (read-only)
@@ -146,7 +133,7 @@ class Conversation:
     # ------------------------------------------------------------------ copy-on-write modifiers
     def _copy(self, **changes: Any) -> Conversation:
         recipe = dataclasses.replace(self._recipe, **changes)
-        _validate(recipe)
+        validate(recipe)
         clone = object.__new__(Conversation)
         clone._recipe = recipe
         clone.transcript = self.transcript.copy()
@@ -154,6 +141,7 @@ class Conversation:
         clone.seed = self.seed
         clone._stream_id = uuid.uuid4().hex
         clone._samples_taken = 0
+        clone._capture = None  # a capture block records the conversation it was opened on, not its copies
         if "shared_context" in changes:
             clone._seed_transcript()
         return clone
@@ -201,13 +189,13 @@ class Conversation:
 
     def set(self, **fields: Any) -> Conversation:
         """A copy with any constructor field replaced, e.g. ``.set(participants=[solver])``."""
-        unknown = sorted(set(fields) - set(_FIELDS))
+        unknown = sorted(set(fields) - set(FIELDS))
         if unknown:
-            raise ConfigurationError(f"Conversation has no field(s) {unknown}; fields: {list(_FIELDS)}")
+            raise ConfigurationError(f"Conversation has no field(s) {unknown}; fields: {list(FIELDS)}")
         if "participants" in fields:
-            fields["participants"] = _participants_tuple(fields["participants"])
+            fields["participants"] = participants_tuple(fields["participants"])
         if "stop" in fields:
-            fields["stop"] = _stop_tuple(fields["stop"])
+            fields["stop"] = stop_tuple(fields["stop"])
         return self._copy(**fields)
 
     # ------------------------------------------------------------------ state
@@ -254,12 +242,13 @@ class Conversation:
         index = names.index(last.author) + 1 if last.author in names else 0
         return participants[index % len(participants)]
 
-    def view(self, speaker: str | Participant) -> View:
-        """What ``speaker`` sees now: its system block and the transcript from its point of view."""
+    def view(self, speaker: str | Participant, *, upto: int | None = None) -> View:
+        """What ``speaker`` sees now (or, with ``upto=i``, saw before message ``i``): its system block and
+        the transcript from its point of view."""
         participant = speaker if isinstance(speaker, Participant) else self.participant(speaker)
         label = len(self._recipe.participants) > 2
         messages = []
-        for m in self.transcript:
+        for m in self.transcript[:upto]:
             if m.author == participant.name:
                 messages.append(ViewMessage("assistant", m.content, m.author))
             else:
@@ -313,31 +302,46 @@ class Conversation:
             resolve(self._recipe.shared_context, None, field="shared_context")  # raises the clear error
 
     def _options(
-        self, conditions: Sequence[StopCondition], participant: Participant, *, ephemeral: bool = False
+        self,
+        conditions: Sequence[StopCondition],
+        participant: Participant,
+        *,
+        ephemeral: bool = False,
+        steering: Any = None,
     ) -> GenerationOptions:
         sample = None
         if ephemeral:
             sample = self._samples_taken = self._samples_taken + 1
+        target = None
+        if self._capture is not None:
+            kind = "sample" if ephemeral else "turn"
+            target = CaptureTarget(self._capture, len(self.transcript), kind)
+        where = f"{'sample' if ephemeral else 'step'}({participant.name!r}, steering=...)"
         return GenerationOptions(
             max_new_tokens=turn_cap(conditions, self),
             seed=turn_seed(self, participant, sample=sample),
             stream_id=self._stream_id,
             ephemeral=ephemeral,
+            capture=target,
+            steering=None if steering is None else steering_from(steering, where=where),
         )
 
-    async def astep(self, speaker: str | None = None) -> Message:
-        """Generate one turn (by ``speaker``, default the next in round-robin) and append it."""
+    async def astep(self, speaker: str | None = None, *, steering: Any = None) -> Message:
+        """Generate one turn (by ``speaker``, default the next in round-robin) and append it.
+
+        ``steering=`` (a :class:`SteeringSpec` or a list) steers this turn only, instead of the speaker's
+        own steering; it needs a local participant (and ``batched=False`` inside a rollout).
+        """
         self._check_ready()
         participant = self.participant(speaker) if speaker is not None else self.next_speaker()
-        message = await participant.agenerate(
-            self.view(participant), self._options(self._conditions(), participant)
-        )
+        options = self._options(self._conditions(), participant, steering=steering)
+        message = await participant.agenerate(self.view(participant), options)
         self.transcript.append(message)
         return message
 
-    def step(self, speaker: str | None = None) -> Message:
+    def step(self, speaker: str | None = None, *, steering: Any = None) -> Message:
         """Sync twin of :meth:`astep`."""
-        return _run_sync(self.astep, speaker)
+        return _run_sync(functools.partial(self.astep, speaker, steering=steering))
 
     async def arun(self, turns: int | None = None) -> Transcript:
         """Generate ``turns`` more turns (default: until the recipe's turn count or a stop condition).
@@ -385,8 +389,9 @@ class Conversation:
                 await on_turn(self.generated_turns - 1, message)
         return self.transcript
 
-    async def asample(self, speaker: str, prompt: str | None = None) -> Message:
-        """Generate what ``speaker`` would say next (after ``prompt``, if given) WITHOUT committing it."""
+    async def asample(self, speaker: str, prompt: str | None = None, *, steering: Any = None) -> Message:
+        """Generate what ``speaker`` would say next (after ``prompt``, if given) WITHOUT committing it.
+        ``steering=`` steers this sample only (see :meth:`astep`)."""
         if self.generated_turns == 0:
             raise UnrunConversationError(
                 "sample() needs a conversation that has run: this one has no generated turn yet (an unrun "
@@ -399,13 +404,77 @@ class Conversation:
             view = dataclasses.replace(
                 view, messages=(*view.messages, ViewMessage("user", prompt, MODERATOR))
             )
-        return await participant.agenerate(
-            view, self._options(list(ambient_conditions()), participant, ephemeral=True)
-        )
+        options = self._options(list(ambient_conditions()), participant, ephemeral=True, steering=steering)
+        return await participant.agenerate(view, options)
 
-    def sample(self, speaker: str, prompt: str | None = None) -> Message:
+    def sample(self, speaker: str, prompt: str | None = None, *, steering: Any = None) -> Message:
         """Sync twin of :meth:`asample`."""
-        return _run_sync(self.asample, speaker, prompt)
+        return _run_sync(functools.partial(self.asample, speaker, prompt, steering=steering))
+
+    # ------------------------------------------------------------------ interp (see _lens)
+    @contextlib.contextmanager
+    def capture(
+        self,
+        sites: str | Sequence[str] = ("residual",),
+        layers: int | Sequence[int] | None = None,
+        *,
+        prompt: bool = False,
+        offload: str | None = "cpu",
+    ) -> Iterator[ActivationCache]:
+        """Record the activations of every local ``step`` / ``run`` / ``sample`` / ``logprobs`` in the block.
+
+        ``with conv.capture(sites=("residual",), layers=None) as cache: conv.run(2)`` fills ``cache`` with
+        one :class:`ActivationRecord` per turn, layer and site, tagged with the participant and the message
+        index (``cache.query(...)``, ``cache.at(...)``). Sites: ``"residual"``, ``"attn"``, ``"mlp"``;
+        ``layers=None``: all; ``prompt=True`` also keeps the prompt's positions. Local participants only (a
+        hosted participant's turn in the block raises :class:`InterpModeError`); inside a rollout it needs
+        ``batched=False``. Memory: see ``interlens._capture``.
+        """
+        cache = ActivationCache(CaptureSpec.build(sites=sites, layers=layers, prompt=prompt, offload=offload))
+        outer, self._capture = self._capture, cache
+        try:
+            yield cache
+        finally:
+            self._capture = outer
+
+    async def alogprobs(self, speaker: str, text: str, *, steering: Any = None) -> Logprobs:
+        """The log-probability of ``text`` as ``speaker``'s next message (per token; ``.total``)."""
+        return await score_text(self, speaker, text, steering=steering)
+
+    def logprobs(self, speaker: str, text: str, *, steering: Any = None) -> Logprobs:
+        """Sync twin of :meth:`alogprobs`."""
+        return _run_sync(functools.partial(self.alogprobs, speaker, text, steering=steering))
+
+    async def aturn_activations(
+        self,
+        speaker: str | None = None,
+        *,
+        sites: str | Sequence[str] = ("residual",),
+        layers: int | Sequence[int] | None = None,
+        prompt: bool = False,
+        offload: str | None = "cpu",
+    ) -> ActivationCache:
+        """The activations of the transcript's turns by local participants (or by ``speaker`` only),
+        re-read teacher-forced: one forward pass per turn over the view its speaker had then plus the
+        message, under the speaker's own steering. For probes on a finished conversation (a rollout's
+        analyzer, a result), where no capture block was open while the turns were generated."""
+        spec = CaptureSpec.build(sites=sites, layers=layers, prompt=prompt, offload=offload)
+        return await turn_activations(self, speaker, spec)
+
+    def turn_activations(
+        self,
+        speaker: str | None = None,
+        *,
+        sites: str | Sequence[str] = ("residual",),
+        layers: int | Sequence[int] | None = None,
+        prompt: bool = False,
+        offload: str | None = "cpu",
+    ) -> ActivationCache:
+        """Sync twin of :meth:`aturn_activations`."""
+        call = functools.partial(
+            self.aturn_activations, speaker, sites=sites, layers=layers, prompt=prompt, offload=offload
+        )
+        return _run_sync(call)
 
     # ------------------------------------------------------------------ rollouts (see _rollout)
     def rollout(self, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
@@ -481,72 +550,6 @@ class Conversation:
         return (
             f"<Conversation{label} [{names}] turns={self._recipe.turns} "
             f"transcript={len(self.transcript)} messages>"
-        )
-
-
-# ---------------------------------------------------------------------- helpers
-def _participants_tuple(participants: Any) -> tuple[Participant, ...]:
-    """``participants=`` as a tuple: one Participant or an iterable of them (each checked by _validate)."""
-    if isinstance(participants, Participant):
-        return (participants,)
-    if isinstance(participants, str | bytes | Mapping) or not isinstance(participants, Iterable):
-        raise ConfigurationTypeError(
-            "Conversation(participants=...) needs a list of Participant objects, e.g. "
-            f"Conversation([ScriptedParticipant('a', ['hi']), model]), got {type(participants).__name__} "
-            f"{reprlib.repr(participants)}"
-        )
-    return tuple(participants)
-
-
-def _stop_tuple(stop: Any) -> tuple[StopCondition, ...]:
-    if isinstance(stop, StopCondition):
-        return (stop,)
-    if isinstance(stop, str | bytes | Mapping) or not isinstance(stop, Iterable):
-        raise ConfigurationTypeError(
-            "Conversation(stop=...) needs a list of StopCondition objects, e.g. stop=[StopStrings('DONE')], "
-            f"got {type(stop).__name__}"
-        )
-    return tuple(stop)
-
-
-def _validate(recipe: _Recipe) -> None:
-    if not recipe.participants:
-        raise ConfigurationError("a Conversation needs at least one participant")
-    for p in recipe.participants:
-        if not isinstance(p, Participant):
-            raise ConfigurationTypeError(
-                f"Conversation(participants=...) takes Participant objects (ScriptedParticipant, "
-                f"AutoModelParticipant.from_pretrained(...), APIParticipant), got {type(p).__name__}: "
-                f"{reprlib.repr(p)}"
-            )
-    names = [p.name for p in recipe.participants]
-    if len(set(names)) != len(names):
-        raise ConfigurationError(f"participant names must be unique, got {names}")
-    check_template(recipe.shared_context, field="shared_context")
-    check_template(recipe.shared_system_prompt, field="shared_system_prompt")
-    if recipe.turns is not None and (
-        not isinstance(recipe.turns, int) or isinstance(recipe.turns, bool) or recipe.turns < 0
-    ):
-        raise ConfigurationError(f".turns(n) needs a non-negative int or None, got {recipe.turns!r}")
-    for cond in recipe.stop:
-        if not isinstance(cond, StopCondition):
-            raise ConfigurationError(f"run_until() needs StopCondition objects, got {cond!r}")
-    if recipe.analyzer is not None and not (callable(recipe.analyzer) or isinstance(recipe.analyzer, str)):
-        raise ConfigurationError(
-            f".analyzer() needs a callable(conv) or a registered name, got {recipe.analyzer!r}"
-        )
-    if recipe.name is not None and (
-        not isinstance(recipe.name, str) or not recipe.name or "/" in recipe.name
-    ):
-        raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
-    if recipe.data is not None and (
-        isinstance(recipe.data, str | bytes | Mapping)
-        or not (isinstance(recipe.data, Iterable) or callable(recipe.data))
-    ):
-        raise ConfigurationError(
-            f".data() needs an iterable of rows (a datasets.Dataset, an IterableDataset, a list of dicts or "
-            "a "
-            f"generator) or a zero-argument callable that returns one, got {type(recipe.data).__name__}"
         )
 
 

@@ -9,6 +9,7 @@ The hierarchy::
     │   │   └── MissingColumnError      dataset_field("col") names a column the row lacks
     │   ├── UnknownParticipantError     a speaker name that is not in the conversation
     │   ├── UnknownAnalyzerError        .analyzer("name") that nobody registered
+    │   ├── InterpModeError             capture/steering where it cannot run (batched path, hosted API)
     │   └── DeviceError                 a device string that does not exist here
     ├── UnrunConversationError          sample() on a recipe that has not generated a turn
     ├── SchemaVersionError              a saved conversation written by a newer interlens
@@ -42,6 +43,7 @@ __all__ = [
     "FingerprintMismatchError",
     "GenerationError",
     "InterlensError",
+    "InterpModeError",
     "LedgerCorruptError",
     "LedgerError",
     "LedgerLockedError",
@@ -95,6 +97,11 @@ class UnknownAnalyzerError(ConfigurationError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class InterpModeError(ConfigurationError):
+    """Capture or steering asked for where it cannot run: on the batched path (a hook would touch every
+    row of a shared batch; pass ``batched=False``) or on a hosted-API participant (no weights to hook)."""
 
 
 class DeviceError(ConfigurationError, _scheduler_errors.DeviceError):

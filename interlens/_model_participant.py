@@ -21,15 +21,18 @@ import json
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._capture import CaptureSpec
+from ._chat_engine import ChatEngine, ChatRequest, ChatScoreRequest
 from ._context import CURRENT_JOB
-from ._exceptions import ConfigurationError, ConfigurationTypeError, GenerationError, ModelLoadError
+from ._exceptions import ConfigurationError, ConfigurationTypeError, InterpModeError, ModelLoadError
 from ._message import Message
 from ._participant import GenerationOptions, Participant, View, register_participant_kind
 from ._sampling import SamplingSettings
+from ._scoring import Logprobs
+from ._steering import SteeringSpec, steering_from
 from ._templating import Template, template_from_json
 from ._validate import check_int, check_number
 
@@ -69,51 +72,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    """One turn to generate: the speaker's view and its sampling settings (handed on to the engine as is)."""
-
-    view: View
-    sampling: SamplingSettings
-    reuse_key: Hashable | None = None
-
-
-class ChatEngine:
-    """A loaded model plus its tokenizer's chat template: views in, generations out (scheduler ``Engine``)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-
-    def generate_batch(
-        self, requests: Sequence[ChatRequest], *, mode: Any = None, cancelled: Any = None
-    ) -> list[Any]:
-        from interlens.scheduler import ExecutionMode
-
-        from ._chat_template import render_view
-        from ._generation import GenerationRequest
-
-        prepared: list[Any] = []
-        for req in requests:
-            try:
-                text = render_view(self.tokenizer, req.view)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                prepared.append(GenerationRequest(tuple(ids), sampling=req.sampling, reuse_key=req.reuse_key))
-            except Exception as exc:  # a view the template cannot render fails its own row only
-                prepared.append(GenerationError(f"cannot render the view of {req.view.speaker!r}: {exc}"))
-        rows = [p for p in prepared if not isinstance(p, Exception)]
-        results = iter(
-            self.engine.generate_batch(rows, mode=mode or ExecutionMode.BATCHED, cancelled=cancelled)
-            if rows
-            else []
-        )
-        return [p if isinstance(p, Exception) else next(results) for p in prepared]
-
-    def release_memory(self) -> None:
-        """Called by the scheduler before it retries a batch that ran out of memory."""
-        self.engine.release_memory()
-
-
 class ModelParticipant(Participant):
     """A local HuggingFace causal LM. Prefer :meth:`AutoModelParticipant.from_pretrained`."""
 
@@ -135,6 +93,7 @@ class ModelParticipant(Participant):
         device: str | None = None,
         dtype: str | None = None,
         revision: str | None = None,
+        steering: SteeringSpec | Sequence[SteeringSpec] | None = None,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
         who = f"{type(self).__name__}({name!r})"
@@ -187,6 +146,23 @@ class ModelParticipant(Participant):
         self.device = device
         self.dtype = dtype
         self.revision = revision
+        self.steering: tuple[SteeringSpec, ...] = steering_from(steering, where=f"{who}")
+        """Applied to every turn of this participant (needs ``batched=False`` in a rollout); ``()``: none."""
+
+    def set(self, **settings: Any) -> ModelParticipant:
+        """A copy with some settings changed and validated like the constructor's, e.g.
+        ``debater.set(steering=spec)`` or ``debater.set(temperature=0)``; this participant is unchanged."""
+        unknown = sorted(set(settings) - set(_SETTINGS) - {"name"})
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise ConfigurationTypeError(
+                f"{self!r}.set(): no setting {unknown[0]!r}{hint}; its settings are: {', '.join(_SETTINGS)}"
+            )
+        current = {key: getattr(self, key) for key in _SETTINGS} | {"name": self.name}
+        clone = type(self)(self.model_id, **(current | settings))
+        clone.family = self.family
+        return clone
 
     # ---------------------------------------------------------------- scheduler EngineSpec
     @property
@@ -214,11 +190,33 @@ class ModelParticipant(Participant):
             if options.max_new_tokens is None
             else min(self.max_new_tokens, options.max_new_tokens)
         )
+        capture, steering = self._interp(options, generating=True)
         reuse = None
-        if self.kv_reuse and not options.ephemeral and options.stream_id is not None:
-            reuse = (options.stream_id, self.name)
+        if self.kv_reuse and not options.ephemeral and options.stream_id is not None and not steering:
+            reuse = (options.stream_id, self.name)  # (the engine runs captured/steered rows from scratch)
         sampling = SamplingSettings(cap, self.temperature, self.top_p, self.stop, options.seed)
-        return ChatRequest(view=view, sampling=sampling, reuse_key=reuse)
+        return ChatRequest(view=view, sampling=sampling, reuse_key=reuse, capture=capture, steering=steering)
+
+    def _interp(
+        self, options: GenerationOptions, *, generating: bool
+    ) -> tuple[CaptureSpec | None, tuple[SteeringSpec, ...]]:
+        """This turn's capture spec and steering. A generated turn is refused them on the batched path of a
+        rollout: that path exists to generate many conversations in one batch, and a hooked row must run
+        alone. A scored row (logprobs, turn_activations) is one exact forward pass in either mode."""
+        from interlens.scheduler import ExecutionMode
+
+        capture = options.capture.spec if options.capture is not None else None
+        steering = self.steering if options.steering is None else options.steering
+        job = CURRENT_JOB.get()
+        batched = job is not None and job.mode is not ExecutionMode.DETERMINISTIC
+        if generating and (capture is not None or steering) and batched:
+            asked = "activation capture" if capture is not None else "steering"
+            raise InterpModeError(
+                f"{self.name!r}: {asked} needs the deterministic path, but this rollout runs batched (it "
+                "generates many conversations in one forward pass, which a hooked turn cannot share); rerun "
+                "with batched=False (mode=ExecutionMode.DETERMINISTIC)"
+            )
+        return capture, steering
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
         import anyio
@@ -235,7 +233,35 @@ class ModelParticipant(Participant):
             [result] = await anyio.to_thread.run_sync(lambda: engine.generate_batch([request]))
         if isinstance(result, BaseException):
             raise result
-        return self.message(result)
+        if options.capture is not None:
+            options.capture.add(self.name, result.captured)
+        message = self.message(result)
+        if request.steering:
+            message.metadata["steering"] = [spec.summary() for spec in request.steering]
+        return message
+
+    async def ascore(
+        self, view: View, continuation: str, options: GenerationOptions | None = None
+    ) -> Logprobs:
+        """The log-probability of ``continuation`` as this speaker's next message after ``view``
+        (teacher-forced: one forward pass, no sampling), under this participant's steering unless
+        ``options.steering`` overrides it. Inside ``conv.capture()`` its activations are recorded."""
+        import anyio
+
+        options = options or GenerationOptions()
+        capture, steering = self._interp(options, generating=False)
+        request = ChatScoreRequest(view=view, continuation=continuation, capture=capture, steering=steering)
+        job = CURRENT_JOB.get()
+        if job is not None:
+            result = await job.generate(self, request)
+        else:
+            engine = await anyio.to_thread.run_sync(self.live_engine)
+            [result] = await anyio.to_thread.run_sync(lambda: engine.generate_batch([request]))
+        if isinstance(result, BaseException):
+            raise result
+        if options.capture is not None:
+            options.capture.add(self.name, result.captured)
+        return Logprobs(self.name, continuation, result.token_ids, result.tokens, result.logprobs)
 
     def message(self, result: Any) -> Message:
         return Message(
@@ -274,18 +300,21 @@ class ModelParticipant(Participant):
             "device": self.device,
             "dtype": self.dtype,
             "revision": self.revision,
+            "steering": [spec.to_json() for spec in self.steering],
         }
 
     def describe(self) -> dict[str, Any]:
         from ._participant import _describe_template
 
         data = self.to_json() | {"system_prompt": _describe_template(self.system_prompt)}
+        data["steering"] = [spec.summary() for spec in self.steering]  # the direction by its sha256
         data.pop("device")  # where it runs is not part of the recipe
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ModelParticipant:
         kwargs = {k: v for k, v in data.items() if k not in ("kind", "family", "model_id", "system_prompt")}
+        kwargs["steering"] = [SteeringSpec.from_json(spec) for spec in data.get("steering") or ()]
         if kwargs.get("kv_reuse") == "auto":  # written before 'auto' was deprecated: the same as True
             kwargs["kv_reuse"] = True
         out = cls(data["model_id"], system_prompt=template_from_json(data.get("system_prompt")), **kwargs)
@@ -343,6 +372,7 @@ _SETTINGS = (
     "device",
     "dtype",
     "revision",
+    "steering",
 )
 
 
@@ -360,7 +390,8 @@ class AutoModelParticipant:
         to forbid it), once per process and device, shared by every participant with the same load recipe.
 
         Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
-        ``kv_reuse`` (True | False), ``device``, ``dtype``, ``revision``.
+        ``kv_reuse`` (True | False), ``device``, ``dtype``, ``revision``, ``steering`` (a
+        :class:`SteeringSpec` or a list of them, applied to every turn; needs ``batched=False`` in rollouts).
         """
         unknown = sorted(set(settings) - set(_SETTINGS))
         if unknown:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._exceptions import ConfigurationError, GenerationError
+from ._exceptions import ConfigurationError, GenerationError, InterpModeError
 from ._message import Message
 from ._templating import Template, callable_path, check_template, import_callable
+
+if TYPE_CHECKING:
+    from ._capture import CaptureTarget
+    from ._steering import SteeringSpec
 
 __all__ = ["GenerationOptions", "Participant", "ScriptedParticipant", "View", "count_tokens"]
 
@@ -64,6 +68,8 @@ class GenerationOptions:
     seed: int | None = None  # a per-turn seed in deterministic mode (or when the participant pins one)
     stream_id: str | None = None  # identity of the conversation, for cross-turn KV reuse
     ephemeral: bool = False  # sample(): not committed, must not disturb KV reuse
+    capture: CaptureTarget | None = None  # inside conv.capture(): where this turn's activations go
+    steering: tuple[SteeringSpec, ...] | None = None  # this turn only, instead of the participant's own
 
 
 class Participant:
@@ -145,6 +151,11 @@ class ScriptedParticipant(Participant):
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
         options = options or GenerationOptions()
+        if options.steering:
+            raise InterpModeError(
+                f"ScriptedParticipant({self.name!r}) has no model to steer; steer a local participant "
+                "(AutoModelParticipant.from_pretrained(...)) instead"
+            )
         if callable(self.replies):
             text = self.replies(view)
             if not isinstance(text, str):

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
 from ._context import in_job
-from ._exceptions import ConfigurationError, InterlensError, MissingColumnError, TemplateError, translate
+from ._exceptions import (
+    ConfigurationError,
+    InterlensError,
+    InterpModeError,
+    MissingColumnError,
+    TemplateError,
+    translate,
+)
 from ._inputs import explain_change, input_fingerprint
 from ._message import Message
 from ._options import Options, RunOptions, check_n, parse_options, prepare_out_dir
@@ -128,7 +135,7 @@ def lineup_spec(
     lineup: str,
 ) -> LineupSpec:
     """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked."""
-    from interlens.scheduler import JobSpec, LineupSpec
+    from interlens.scheduler import ExecutionMode, JobSpec, LineupSpec
 
     ambient = ambient_conditions()
     if ambient:
@@ -138,6 +145,13 @@ def lineup_spec(
             f"lineup {lineup!r} would never stop: set .turns(n) or add a stop condition with .run_until(...)"
         )
     check_analyzer(conv.analyzer_fn)
+    steered = [p.name for p in conv.participants if getattr(p, "steering", ())]
+    if steered and mode is not ExecutionMode.DETERMINISTIC:
+        raise InterpModeError(
+            f"lineup {lineup!r}: participant(s) {steered} hold a steering= spec, which needs the "
+            "deterministic path (the batched path generates many conversations in one forward pass, which "
+            "a steered turn cannot share); pass batched=False (mode=ExecutionMode.DETERMINISTIC)"
+        )
     needs_device = any(p.needs_device for p in conv.participants)
     settings = conv.fingerprint()
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from crash_testkit import children, exited, lines, turn_events
 
@@ -34,12 +35,14 @@ def _done(out_dir: Path) -> set[str]:
         return set()
 
 
-def test_sigkilled_two_worker_model_rollout_resumes_every_job_once(qwen2_path: str, tmp_path: Path) -> None:
-    out_dir = tmp_path / "run"
-    args = [sys.executable, str(CHILD), str(out_dir), qwen2_path, str(N_JOBS), str(TURNS)]
+def _run_until_held_then_kill(
+    args: list[str], out_dir: Path, tmp_path: Path, env: dict[str, str] | None = None
+) -> tuple[tuple[int, str, int], float]:
+    """Start the child, wait until one worker holds a job mid-conversation while the other finished one,
+    SIGKILL the run and check no worker outlives it; returns the held (pid, job, index) and the kill time."""
     with open(tmp_path / "first.err", "w") as err:
         first = subprocess.Popen(
-            [*args, "first", str(tmp_path / "hold")], stdout=subprocess.PIPE, stderr=err, text=True
+            [*args, "first", str(tmp_path / "hold")], stdout=subprocess.PIPE, stderr=err, text=True, env=env
         )
     try:
         events = lines(first)
@@ -70,6 +73,14 @@ def test_sigkilled_two_worker_model_rollout_resumes_every_job_once(qwen2_path: s
     for pid in outlived:  # do not leave them behind for the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert not outlived, f"worker processes {outlived} outlived the killed run"
+    assert held is not None
+    return held, killed_at
+
+
+def test_sigkilled_two_worker_model_rollout_resumes_every_job_once(qwen2_path: str, tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    args = [sys.executable, str(CHILD), str(out_dir), qwen2_path, str(N_JOBS), str(TURNS)]
+    held, killed_at = _run_until_held_then_kill(args, out_dir, tmp_path)
 
     with LedgerReader(out_dir) as reader:  # after the kill, before the resume
         before = {job: reader.turn_records(job) for job in reader.job_ids()}
@@ -112,3 +123,34 @@ def test_sigkilled_two_worker_model_rollout_resumes_every_job_once(qwen2_path: s
             # Done exactly once: by the first run if it finished there, else by the rerun.
             expected = first_run if job in done_before else second_run
             assert record.run_id == expected["run_id"], job
+
+
+def test_a_steered_deterministic_rollout_killed_and_resumed_equals_an_uninterrupted_one(
+    qwen2_path: str, tmp_path: Path
+) -> None:
+    env = os.environ | {"INTERLENS_TEST_STEER": "1"}
+    out_dir = tmp_path / "run"
+    args = [sys.executable, str(CHILD), str(out_dir), qwen2_path, str(N_JOBS), str(TURNS)]
+    _run_until_held_then_kill(args, out_dir, tmp_path, env)
+    rerun = subprocess.run([*args, "second"], capture_output=True, text=True, timeout=300, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    whole_dir = tmp_path / "whole"
+    whole_args = [sys.executable, str(CHILD), str(whole_dir), qwen2_path, str(N_JOBS), str(TURNS), "whole"]
+    whole = subprocess.run(whole_args, capture_output=True, text=True, timeout=300, env=env)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    def transcripts(path: Path) -> dict[str, list[tuple[str, str, Any]]]:
+        with LedgerReader(path) as reader:
+            assert reader.counts()["done"] == N_JOBS
+            return {
+                job: [
+                    (t.turn["author"], t.turn["content"], t.turn["metadata"].get("steering")) for t in turns
+                ]
+                for job in reader.job_ids()
+                for turns in [reader.turn_records(job)]
+            }
+
+    resumed, uninterrupted = transcripts(out_dir), transcripts(whole_dir)
+    assert resumed == uninterrupted
+    steered = [s for turns in resumed.values() for a, _, s in turns if a == "a"]
+    assert steered and all(s is not None and s[0]["coef"] == 4.0 for s in steered)

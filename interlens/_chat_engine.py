@@ -1,0 +1,119 @@
+"""Views in, generations and scores out: the chat layer between a local participant and its engine.
+
+A :class:`ModelParticipant` describes a turn as a :class:`ChatRequest` (the speaker's view and how to
+sample it) or, for ``conv.logprobs`` and teacher-forced capture, a :class:`ChatScoreRequest` (a view and a
+continuation to score). :class:`ChatEngine` renders each view with the tokenizer's own chat template and hands
+token ids to the :class:`~interlens._generation.LocalEngine`. It is what the scheduler holds per model and
+device (its ``Engine``): a coalesced batch may mix both request kinds, and a row that cannot be rendered
+fails alone, returned in place.
+
+Capture and steering ride on the request (``capture=``, ``steering=``); the engine runs such a row alone,
+with its hooks installed only for that row's forward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._capture import CaptureSpec
+from ._exceptions import GenerationError
+from ._participant import View
+from ._sampling import SamplingSettings
+from ._scoring import ScoredText
+from ._steering import SteeringSpec
+
+__all__ = ["ChatEngine", "ChatRequest", "ChatScoreRequest"]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One turn to generate: the speaker's view and its sampling settings (handed on to the engine as is)."""
+
+    view: View
+    sampling: SamplingSettings
+    reuse_key: Hashable | None = None
+    capture: CaptureSpec | None = None
+    steering: tuple[SteeringSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatScoreRequest:
+    """Score ``continuation`` as the speaker's next message after ``view`` (teacher-forced, no sampling)."""
+
+    view: View
+    continuation: str
+    capture: CaptureSpec | None = None
+    steering: tuple[SteeringSpec, ...] = ()
+
+
+class ChatEngine:
+    """A loaded model plus its tokenizer's chat template: views in, generations out (scheduler ``Engine``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def prompt_ids(self, view: View) -> tuple[int, ...]:
+        """The token ids the model sees for ``view``, generation prompt included."""
+        from ._chat_template import render_view
+
+        text = render_view(self.tokenizer, view)
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate_batch(
+        self, requests: Sequence[ChatRequest | ChatScoreRequest], *, mode: Any = None, cancelled: Any = None
+    ) -> list[Any]:
+        from interlens.scheduler import ExecutionMode
+
+        from ._generation import GenerationRequest, ScoreRequest
+
+        prepared: list[Any] = []
+        for req in requests:
+            try:
+                ids = self.prompt_ids(req.view)
+                if isinstance(req, ChatScoreRequest):
+                    continuation = self.tokenizer(req.continuation, add_special_tokens=False)["input_ids"]
+                    prepared.append(
+                        ScoreRequest(ids, continuation, capture=req.capture, steering=req.steering)
+                    )
+                else:
+                    prepared.append(
+                        GenerationRequest(
+                            ids,
+                            sampling=req.sampling,
+                            reuse_key=req.reuse_key,
+                            capture=req.capture,
+                            steering=req.steering,
+                        )
+                    )
+            except Exception as exc:  # a view the template cannot render fails its own row only
+                prepared.append(GenerationError(f"cannot render the view of {req.view.speaker!r}: {exc}"))
+        generate = [p for p in prepared if isinstance(p, GenerationRequest)]
+        score = [p for p in prepared if isinstance(p, ScoreRequest)]
+        mode = mode or ExecutionMode.BATCHED
+        generated = iter(
+            self.engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else []
+        )
+        scored = iter(self.engine.score(score, cancelled=cancelled) if score else [])
+        out: list[Any] = []
+        for p in prepared:
+            if isinstance(p, Exception):
+                out.append(p)
+            elif isinstance(p, GenerationRequest):
+                out.append(next(generated))
+            else:
+                out.append(self._scored(next(scored)))
+        return out
+
+    def _scored(self, result: Any) -> Any:
+        if isinstance(result, Exception):
+            return result
+        ids = tuple(result.continuation_ids)
+        tokens = tuple(self.tokenizer.convert_ids_to_tokens(list(ids)))
+        return ScoredText(ids, tokens, tuple(result.logprobs), result.captured)
+
+    def release_memory(self) -> None:
+        """Called by the scheduler before it retries a batch that ran out of memory."""
+        self.engine.release_memory()
