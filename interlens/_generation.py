@@ -27,18 +27,27 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from interlens._decode import raise_if_cancelled
 from interlens._exceptions import ConfigurationError
-from interlens._generation_types import GenerationRequest, GenerationResult
+from interlens._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
+from interlens._interp_rows import InterpRows
 from interlens._kv_reuse import KVReuse
-from interlens._prefill import BatchPrefill
 from interlens._prefill import prefill_groups as _prefill_groups
 from interlens._sampling import SamplingSettings
 from interlens.scheduler import ExecutionMode
 
-__all__ = ["GenerationRequest", "GenerationResult", "LocalEngine", "SamplingSettings", "_prefill_groups"]
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "LocalEngine",
+    "SamplingSettings",
+    "ScoreRequest",
+    "ScoreResult",
+    "_prefill_groups",
+]
 
 
-class LocalEngine(BatchPrefill, KVReuse):
+class LocalEngine(InterpRows, KVReuse):
     """A loaded causal LM plus its tokenizer on one device; satisfies ``interlens.scheduler.Engine``.
 
     ``generate_batch`` runs one batch at a time (a lock), because live use may call it from several threads
@@ -82,8 +91,10 @@ class LocalEngine(BatchPrefill, KVReuse):
         In ``ExecutionMode.DETERMINISTIC`` every request runs alone and from scratch (``reuse_key`` ignored:
         a reused KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still
         there depends on what else ran), so a seeded row is token-identical on the same hardware whatever
-        else ran with or before it. When ``cancelled`` is set, generation stops within one decode step and
-        :class:`interlens.scheduler.BatchCancelled` is raised.
+        else ran with or before it. A row with ``capture`` or ``steering`` runs that way in every mode, with
+        its hooks installed only during its own forward passes (``_interp_rows``). When ``cancelled`` is
+        set, generation stops within one decode step and :class:`interlens.scheduler.BatchCancelled` is
+        raised.
         """
         import torch
 
@@ -101,18 +112,49 @@ class LocalEngine(BatchPrefill, KVReuse):
             else:
                 out[i] = problem
         alone = mode is ExecutionMode.DETERMINISTIC
-        groups = [[i] for i in valid] if alone else ([valid] if valid else [])
+        plain = [i for i in valid if not requests[i].interp]
+        groups = [[i] for i in plain] if alone else ([plain] if plain else [])
+        groups += [[i] for i in valid if requests[i].interp]
         reuse = self.kv_reuse_capacity > 0 and not alone
         with self._lock, torch.inference_mode():
             for group in groups:
                 batch = [requests[i] for i in group]
-                if reuse and len(batch) == 1 and batch[0].reuse_key is not None:
+                if batch[0].interp:
+                    results = [self._generate_interp(batch[0], cancelled)]
+                elif reuse and len(batch) == 1 and batch[0].reuse_key is not None:
                     results = [self._generate_reusing(batch[0], cancelled)]
                 else:
                     results = self._generate_rows(batch, cancelled)
                 for i, result in zip(group, results, strict=True):
                     out[i] = result
         return [r for r in out if r is not None]
+
+    def score(
+        self, requests: Sequence[ScoreRequest], *, cancelled: threading.Event | None = None
+    ) -> list[ScoreResult | Exception]:
+        """Teacher-forced log-probabilities of each row's continuation, one result per request, in order.
+
+        Each row is one forward pass over prompt + continuation, with its hooks (capture, steering) if it
+        asks for them; a row that is bad for this model is answered in place with a ``ConfigurationError``.
+        When ``cancelled`` is set, :class:`interlens.scheduler.BatchCancelled` is raised before the next row.
+        """
+        import torch
+
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, ScoreRequest):
+                kind = type(request).__name__
+                raise TypeError(f"LocalEngine.score expects ScoreRequest objects, got {kind}.")
+        out: list[ScoreResult | Exception] = []
+        with self._lock, torch.inference_mode():
+            for request in requests:
+                problem = self._check_score(request)
+                if problem is not None:
+                    out.append(problem)
+                    continue
+                raise_if_cancelled(cancelled)
+                out.append(self._score_row(request))
+        return out
 
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
@@ -145,4 +187,17 @@ class LocalEngine(BatchPrefill, KVReuse):
                 f"prompt token id {highest} is outside this model's vocabulary (size {self._vocab_size}); "
                 "tokenize the prompt with this model's own tokenizer."
             )
-        return None
+        return self._check_interp(request.capture, request.steering)
+
+    def _check_score(self, request: ScoreRequest) -> Exception | None:
+        if not request.continuation_ids:
+            return ConfigurationError(
+                "ScoreRequest(continuation_ids=()): nothing to score; pass at least one continuation token id"
+            )
+        highest = max(request.prompt_ids + request.continuation_ids)
+        if highest >= self._vocab_size:
+            return ConfigurationError(
+                f"ScoreRequest: token id {highest} is outside this model's vocabulary (size "
+                f"{self._vocab_size}); tokenize the prompt and continuation with this model's own tokenizer."
+            )
+        return self._check_interp(request.capture, request.steering)
