@@ -1,0 +1,197 @@
+"""The model calls and the decode loop every generation path shares: the base of ``LocalEngine``.
+
+Why a hand-written loop rather than ``model.generate``: ``generate`` cannot honour per-row temperature / top-p
+/ max_new_tokens / stop strings, cannot drop finished rows, and draws every row from one RNG stream. Here
+each step samples every active row at once (``_sampling.Sampler``: a seeded row from its own stream), checks
+end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
+removed), so long rows do not drag short ones along.
+
+The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
+stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from interlens._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
+from interlens._sampling import Sampler, eos_ids, pad_id
+from interlens.scheduler import BatchCancelled
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+__all__ = ["ModelRunner", "Row", "left_pad", "raise_if_cancelled", "stop_window"]
+
+
+@dataclass
+class Row:
+    """Mutable per-row decode state."""
+
+    request: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
+
+
+class ModelRunner:
+    """A loaded causal LM and its tokenizer on one device, with the special ids decoding needs."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self._eos_ids = eos_ids(model, tokenizer)
+        self._pad_id = pad_id(model, tokenizer, self._eos_ids)
+        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ model calls
+
+    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+        """Prefill a left-padded block; returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        attention = torch.tensor(mask, dtype=torch.long, device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        has_pad = not bool(attention.all())
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention if has_pad else None,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        cache: Any,
+        kv_len: int,
+        static: bool,
+    ) -> torch.Tensor:
+        """Feed one token per row; ``kv_len`` is the KV length after this step.
+
+        ``attn`` is the full-length 2-D padding mask (or None): a static cache takes it whole (its KV is
+        preallocated to that length), a dynamic cache takes the first ``kv_len`` columns, a view, no copy.
+        """
+        if attn is not None and not static:
+            attn = attn[:, :kv_len]
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attn,
+            position_ids=positions.unsqueeze(1),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+    # ------------------------------------------------------------------ the decode loop
+
+    def _decode(
+        self,
+        rows: list[Row],
+        logits: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        kv_len: int,
+        cancelled: threading.Event | None,
+        *,
+        static: bool,
+    ) -> None:
+        """Sample until every row is finished, dropping finished rows from the batch as they finish.
+
+        ``positions`` holds each active row's position of the NEXT token to feed; ``attn`` is the full-length
+        2-D mask (None when no row is padded); ``kv_len`` the KV length already in the cache. Each row's last
+        sampled token is never fed.
+        """
+        import torch
+
+        eos = self._eos_ids
+        active = list(rows)
+        sampler = Sampler([r.request for r in active], self.device)
+        while True:
+            chosen = sampler(logits)
+            finished: list[int] = []
+            for j, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+                row.tokens.append(token)
+                if token in eos:
+                    row.finish = "eos"
+                elif row.stop_window and self._hit_stop(row):
+                    row.finish = "stop"
+                elif len(row.tokens) >= row.request.max_new_tokens:
+                    row.finish = "length"
+                if row.finish is not None:
+                    finished.append(j)
+            if len(finished) == len(active):
+                return
+            raise_if_cancelled(cancelled)
+            if finished:
+                gone = set(finished)
+                keep = [j for j in range(len(active)) if j not in gone]
+                keep_t = torch.tensor(keep, dtype=torch.long, device=chosen.device)
+                cache.reorder_cache(keep_t)  # index_select on the batch dim, for static and dynamic layers
+                chosen = chosen.index_select(0, keep_t)
+                positions = positions.index_select(0, keep_t)
+                if attn is not None:
+                    attn = attn.index_select(0, keep_t)
+                    if bool(attn.all()):
+                        attn = None  # the padded rows are gone: let attention skip the mask
+                active = [active[j] for j in keep]
+                sampler = sampler.select(keep)
+            kv_len += 1
+            logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
+            positions = positions + 1
+
+    def _hit_stop(self, row: Row) -> bool:
+        # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.
+        tail = self.tokenizer.decode(row.tokens[-row.stop_window :], skip_special_tokens=True)
+        return any(s in tail for s in row.request.stop)
+
+    def _result(
+        self, row: Row, *, seconds: float, batch_size: int, shared: bool, reused: int
+    ) -> GenerationResult:
+        text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        if row.finish == "stop":
+            cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+            if cuts:
+                text = text[: min(cuts)]
+        assert row.finish in FINISH_REASONS
+        return GenerationResult(
+            token_ids=list(row.tokens),
+            text=text,
+            n_tokens=len(row.tokens),
+            finish_reason=row.finish,
+            prompt_tokens=len(row.request.prompt_ids),
+            seconds=seconds,
+            batch_size=batch_size,
+            shared_prefill=shared,
+            reused_prefix_tokens=reused,
+        )
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], width: int, pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
+
+
+def stop_window(stops: tuple[str, ...]) -> int:
+    """Trailing tokens that can hold a stop string: a byte-level token may carry a single byte of a char."""
+    return 4 * max(len(s) for s in stops) + 4 if stops else 0
+
+
+def raise_if_cancelled(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise BatchCancelled("generation cancelled")
