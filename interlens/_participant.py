@@ -239,9 +239,18 @@ def _describe_callable(fn: Any) -> str:
     if code is None and not hasattr(fn, "__qualname__"):  # a callable instance: its class says what it does
         owner = type(fn)
         code = getattr(owner.__call__, "__code__", None)
-    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
+    digest = hashlib.sha256(_code_bytes(code)).hexdigest()[:16] if code else ""
     name = getattr(owner, "__qualname__", type(fn).__qualname__)
     return f"{getattr(owner, '__module__', '?')}:{name}#{digest}"
+
+
+def _code_bytes(code: Any) -> bytes:
+    """A code object's bytecode and constants, nested code (comprehensions, inner functions) included by
+    content: the repr of a code object holds its memory address, which differs on every run."""
+    parts = [code.co_code]
+    for const in code.co_consts:
+        parts.append(_code_bytes(const) if hasattr(const, "co_code") else repr(const).encode())
+    return b"\x00".join(parts)
 
 
 def _describe_template(value: Template) -> Any:

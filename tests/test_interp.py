@@ -106,23 +106,36 @@ def test_capture_errors_name_the_argument(qwen2_path: str) -> None:
     assert len(conv.transcript) == 1  # the refused turn was not appended
 
 
-def test_turn_activations_reread_equals_capture_at_generation(qwen2_path: str) -> None:
-    """Teacher-forced re-reading gives the activations the turns had when generated (same positions)."""
-    conv = debate(qwen2_path, seed=2, temperature=0.0)
-    with conv.capture(layers=[0, 1]) as live:
-        conv.run()
-    reread = conv.turn_activations(layers=[0, 1])
-    assert [(r.participant, r.message_idx, r.layer) for r in reread] == [
-        (r.participant, r.message_idx, r.layer) for r in live
+def test_turn_activations_reread_each_turn_in_the_view_its_speaker_had(qwen2_path: str) -> None:
+    """A teacher-forced pass per turn over the speaker's view at that point plus the message's text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens._chat_template import render_view
+
+    conv = debate(qwen2_path, seed=2).turns(3)
+    conv.run()
+    reread = conv.turn_activations(layers=[0], prompt=True)
+    assert [(r.participant, r.message_idx, r.kind) for r in reread] == [
+        ("a", 1, "turn"),
+        ("b", 2, "turn"),
+        ("a", 3, "turn"),
     ]
-    for a, b in zip(live, reread, strict=True):
-        if a.answer_ids[-1:] != b.answer_ids[-1:]:  # the end-of-turn token is not part of the text
-            a_rows = a.answer[: len(b.answer_ids)]
-        else:
-            a_rows = a.answer
-        torch.testing.assert_close(a_rows, b.answer, atol=1e-4, rtol=1e-4)
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_path)
+    for record in reread:
+        message = conv.transcript[record.message_idx]
+        view = conv.view(record.participant, upto=record.message_idx)
+        prompt = tokenizer(render_view(tokenizer, view), add_special_tokens=False)["input_ids"]
+        answer = tokenizer(message.content, add_special_tokens=False)["input_ids"]
+        assert list(record.answer_ids) == answer and record.span == (len(prompt), len(prompt) + len(answer))
+        assert record.prompt_len == message.metadata["prompt_tokens"]  # the prompt it was generated from
+        with torch.no_grad():
+            hidden = hf(torch.tensor([prompt + answer]), output_hidden_states=True).hidden_states[1][0]
+        torch.testing.assert_close(record.answer, hidden[len(prompt) :], atol=1e-4, rtol=1e-4)
+        assert record.prompt is not None
+        torch.testing.assert_close(record.prompt, hidden[: len(prompt)], atol=1e-4, rtol=1e-4)
     only_b = conv.turn_activations("b", layers=1)
-    assert {r.participant for r in only_b} == {"b"}
+    assert [(r.participant, r.layer) for r in only_b] == [("b", 1)]
 
 
 # ---------------------------------------------------------------------- logprobs

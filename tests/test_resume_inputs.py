@@ -343,3 +343,26 @@ def test_a_callable_object_as_replies_resumes_from_a_fresh_instance(tmp_path: Pa
     again = quiz().data(rows).rollout(out_dir=tmp_path)
     assert again.skipped == ["row_00000", "row_00001"]
     assert again.results["row_00001"].transcript[-1].content == "echo A1"
+
+
+def test_an_analyzer_with_a_comprehension_fingerprints_the_same_in_every_process(tmp_path: Path) -> None:
+    """Nested code objects (comprehensions, inner functions) are hashed by content: their repr holds a
+    memory address, which made a rerun of such a recipe refused as changed in every new process."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "recipe.py"
+    script.write_text(
+        "from interlens import Conversation, ScriptedParticipant\n"
+        "def analyzer(conv):\n"
+        "    def words(text):\n"
+        "        return len(text.split())\n"
+        "    return {str(i): words(m.content) for i, m in enumerate(conv.transcript)}\n"
+        "conv = Conversation([ScriptedParticipant('a', ['hi'])], shared_context='x').turns(1)\n"
+        "print(conv.analyzer(analyzer).fingerprint())\n"
+    )
+    prints = {
+        subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
+        for _ in range(3)
+    }
+    assert len(prints) == 1, prints
