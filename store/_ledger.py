@@ -30,6 +30,7 @@ from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
 from ._lock import WriterLock
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
+from ._results import encode_result, store_result
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
 from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
 
@@ -46,7 +47,6 @@ _INSERT_JOB = (
     "tokens_generated, input_fp) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0, ?)"
 )
 _UPSERT_TURN = "INSERT OR REPLACE INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)"
-_UPSERT_RESULT = "INSERT OR REPLACE INTO results (job_id, conversation_json, analysis_json) VALUES (?, ?, ?)"
 _MARK_DONE = (
     "UPDATE jobs SET state = 'done', finished_at = ?, tokens_generated = ?, run_id = ?, error_type = NULL, "
     "error_message = NULL, error_traceback = NULL WHERE job_id = ?"
@@ -384,7 +384,7 @@ class Ledger:
 
         async def apply(conn: aiosqlite.Connection) -> list[dict[str, Any]]:
             rows = await conn.execute_fetchall(
-                "SELECT turn_json FROM turns WHERE job_id = ? ORDER BY idx", (job_id,)
+                "SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,)
             )
             return [json.loads(r[0]) for r in rows]
 
@@ -395,25 +395,21 @@ class Ledger:
         self, job_id: str, *, conversation: Mapping[str, Any], analysis: Any, tokens_generated: int
     ) -> None:
         """Store the result and mark ``job_id`` done in ONE transaction (a done job always has its result).
-        Clears the error fields of earlier attempts. Durable on return."""
+        Clears the error fields of earlier attempts. Durable on return.
+
+        The conversation's ``"transcript"`` list is stored as turns rows (its committed turns are not stored
+        again) and a ``"recipe"`` equal to the lineup's is stored once per lineup: see ``_results``."""
         run_id = self._require_run("finish_job")
-        conversation_json = dumps(
-            dict(conversation), what=f"the conversation of job {job_id!r}", guard=self._guard
+        result = encode_result(
+            job_id, conversation, analysis, what=f"the conversation of job {job_id!r}", guard=self._guard
         )
-        analysis_json = dumps(analysis, what=f"the analysis of job {job_id!r}", guard=self._guard)
-        await self._submit(
-            Op(
-                f"finish_job({job_id!r})",
-                stmts=(
-                    (
-                        _UPSERT_RESULT,
-                        (job_id, conversation_json, analysis_json),
-                    ),  # first: FK proves the job exists
-                    (_MARK_DONE, (time.time(), int(tokens_generated), run_id, job_id)),
-                ),
-                explain=lambda _exc: _unknown_job("finish_job", job_id),
-            )
-        )
+
+        async def apply(conn: aiosqlite.Connection) -> None:
+            if not await store_result(conn, result):
+                raise _unknown_job("finish_job", job_id)
+            await conn.execute(_MARK_DONE, (time.time(), int(tokens_generated), run_id, job_id))
+
+        await self._submit(Op(f"finish_job({job_id!r})", apply=apply))
 
     async def fail_job(
         self,
@@ -434,11 +430,15 @@ class Ledger:
         ``conversation`` is refused (StoreError), like any result; the caller then fails the job without it.
         """
         run_id = self._require_run("fail_job")
-        conversation_json = (
+        result = (
             None
             if conversation is None
-            else dumps(
-                dict(conversation), what=f"the conversation of failed job {job_id!r}", guard=self._guard
+            else encode_result(
+                job_id,
+                conversation,
+                None,
+                what=f"the conversation of failed job {job_id!r}",
+                guard=self._guard,
             )
         )
         for name, text in (("error_type", error_type), ("message", message), ("traceback", traceback)):
@@ -454,8 +454,8 @@ class Ledger:
             )
             if not rows:
                 raise _unknown_job("fail_job", job_id)
-            if conversation_json is not None:
-                await conn.execute(_UPSERT_RESULT, (job_id, conversation_json, None))
+            if result is not None:
+                await store_result(conn, result)
 
         await self._submit(Op(f"fail_job({job_id!r})", apply=apply))
 
