@@ -125,6 +125,8 @@ CREATE TABLE runs (
     host        TEXT NOT NULL,
     versions_json TEXT NOT NULL
 );
+-- describe_json: the lineup's recipe as the caller described it at its first run (diffed when a rerun's
+-- fingerprint differs); also the recipe of every result that has the same one (results.lineup_recipe).
 CREATE TABLE lineups (
     name        TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,

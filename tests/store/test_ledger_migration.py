@@ -35,10 +35,13 @@ def _message(author: str, content: str, **metadata: Any) -> dict[str, Any]:
 def _everything(path: Path) -> dict[str, Any]:
     """What a reader gives of every job: its row, committed turns and result."""
     with LedgerReader(path) as reader:
-        return {
+        everything = {
             job_id: (reader.job(job_id), reader.turns(job_id), reader.result(job_id))
             for job_id in reader.job_ids()
         }
+        streamed = dict(reader.iter_results(states=("pending", "running", "done", "failed"), page_size=3))
+    assert streamed == {job: result for job, _, result in everything.values()}  # both ways to read agree
+    return everything
 
 
 # ------------------------------------------------------------------------------------------- version 1
