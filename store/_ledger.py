@@ -14,7 +14,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +30,7 @@ from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
 from ._lock import WriterLock
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
-from ._results import encode_result, store_result
+from ._results import EncodedResult, encode_result, store_results
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
 from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
 
@@ -57,6 +57,16 @@ def _unknown_job(action: str, job_id: str) -> StoreError:
     return StoreError(
         f"{action}: unknown job id {job_id!r}. Add the job with add_jobs() before recording for it."
     )
+
+
+async def _finish_jobs(
+    conn: aiosqlite.Connection, payloads: Sequence[tuple[EncodedResult, tuple[Any, ...]]]
+) -> None:
+    """The finish_job calls of one transaction, together: their results, then their jobs marked done."""
+    unknown = await store_results(conn, [result for result, _ in payloads])
+    if unknown:  # nothing was written; bisection isolates the call that named it
+        raise _unknown_job("finish_job", unknown[0])
+    await conn.executemany(_MARK_DONE, [done for _, done in payloads])
 
 
 class Ledger:
@@ -404,12 +414,8 @@ class Ledger:
             job_id, conversation, analysis, what=f"the conversation of job {job_id!r}", guard=self._guard
         )
 
-        async def apply(conn: aiosqlite.Connection) -> None:
-            if not await store_result(conn, result):
-                raise _unknown_job("finish_job", job_id)
-            await conn.execute(_MARK_DONE, (time.time(), int(tokens_generated), run_id, job_id))
-
-        await self._submit(Op(f"finish_job({job_id!r})", apply=apply))
+        done = (time.time(), int(tokens_generated), run_id, job_id)
+        await self._submit(Op(f"finish_job({job_id!r})", apply_group=_finish_jobs, payload=(result, done)))
 
     async def fail_job(
         self,
@@ -455,7 +461,7 @@ class Ledger:
             if not rows:
                 raise _unknown_job("fail_job", job_id)
             if result is not None:
-                await store_result(conn, result)
+                await store_results(conn, [result])
 
         await self._submit(Op(f"fail_job({job_id!r})", apply=apply))
 

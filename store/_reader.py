@@ -28,14 +28,13 @@ from ._records import (
     job_columns,
     job_from_row,
 )
-from ._results import assemble
+from ._results import assemble, chunks
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION, check_existing, ro_uri
 
 __all__ = ["LedgerReader"]
 
 # The stored parts of a schema-3 result's conversation, in the order ``_assemble`` takes them.
 _V3_PARTS = "r.state_json, r.lineup_recipe, r.turn_order"
-_IN_CHUNK = 500  # job ids per "IN (...)": under SQLite's oldest limit of 999 bound parameters
 
 
 def _states(states: Iterable[str]) -> tuple[str, ...]:
@@ -212,12 +211,9 @@ class LedgerReader:
     def _result_turns(self, job_ids: Sequence[str]) -> dict[str, dict[int, str]]:
         """Every turns row (idx → text) of each of ``job_ids``, from which their transcripts are read."""
         out: dict[str, dict[int, str]] = {}
-        for start in range(0, len(job_ids), _IN_CHUNK):
-            chunk = job_ids[start : start + _IN_CHUNK]
-            marks = ", ".join("?" * len(chunk))
-            for job_id, idx, text in self._all(
-                f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks})", chunk
-            ):
+        for marks, piece in chunks(job_ids):
+            sql = f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks})"
+            for job_id, idx, text in self._all(sql, piece):
                 out.setdefault(job_id, {})[int(idx)] = text
         return out
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -33,7 +33,7 @@ from ._json import SecretGuard, dumps
 if TYPE_CHECKING:
     import aiosqlite
 
-__all__ = ["EncodedResult", "assemble", "encode_result", "store_result"]
+__all__ = ["EncodedResult", "assemble", "chunks", "encode_result", "store_results"]
 
 _RECIPE: Final = "recipe"
 _TRANSCRIPT: Final = "transcript"
@@ -78,52 +78,75 @@ def encode_result(
     return EncodedResult(job_id, state_json, recipe, messages, analysis_json)
 
 
-async def store_result(conn: aiosqlite.Connection, result: EncodedResult) -> bool:
-    """Write ``result`` inside the caller's transaction; False (nothing written) when the job is unknown."""
-    job_id = result.job_id
-    rows = list(
-        await conn.execute_fetchall(
-            "SELECT l.describe_json FROM jobs j LEFT JOIN lineups l ON l.name = j.lineup WHERE j.job_id = ?",
-            (job_id,),
-        )
-    )
-    if not rows:
-        return False
-    shared = result.recipe_json is not None and result.recipe_json == rows[0][0]
-    order: str | None = None
-    await conn.execute("DELETE FROM turns WHERE job_id = ? AND idx < 0", (job_id,))
-    if result.messages is not None:
-        committed: dict[str, deque[int]] = {}
-        for idx, text in await conn.execute_fetchall(
-            "SELECT idx, turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,)
-        ):
-            committed.setdefault(text, deque()).append(int(idx))
-        indices: list[int] = []
-        extra: list[tuple[str, int, str, float]] = []
-        now = time.time()
-        for text in result.messages:
-            same = committed.get(text)
-            if same:
-                indices.append(same.popleft())
+_CHUNK: Final = 500  # values per "IN (...)": under SQLite's oldest limit of 999 bound parameters
+
+
+def chunks(values: Sequence[str]) -> Iterator[tuple[str, Sequence[str]]]:
+    """``values`` in pieces small enough for one "IN (...)", each with its "?, ?, ..." marks."""
+    for start in range(0, len(values), _CHUNK):
+        piece = values[start : start + _CHUNK]
+        yield ", ".join("?" * len(piece)), piece
+
+
+async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedResult]) -> list[str]:
+    """Write ``results`` inside the caller's transaction, a few statements for all of them; return the ids
+    whose job is unknown, in which case nothing was written."""
+    lineup_of: dict[str, str] = {}
+    ids = [result.job_id for result in results]
+    for marks, piece in chunks(ids):
+        sql = f"SELECT job_id, lineup FROM jobs WHERE job_id IN ({marks})"
+        lineup_of.update((job_id, lineup) for job_id, lineup in await conn.execute_fetchall(sql, piece))
+    unknown = [job_id for job_id in ids if job_id not in lineup_of]
+    if unknown:
+        return unknown
+    recipes: dict[str, str] = {}
+    for marks, piece in chunks(sorted(set(lineup_of.values()))):
+        sql = f"SELECT name, describe_json FROM lineups WHERE name IN ({marks})"
+        recipes.update((name, text) for name, text in await conn.execute_fetchall(sql, piece))
+    committed: dict[str, dict[str, deque[int]]] = {}  # job → text → its committed idx, in order
+    stale: set[str] = set()  # jobs with rows of an earlier stored result, replaced below
+    for marks, piece in chunks(ids):
+        sql = f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks}) ORDER BY job_id, idx"
+        for job_id, idx, text in await conn.execute_fetchall(sql, piece):
+            if idx < 0:
+                stale.add(job_id)
             else:
-                extra.append((job_id, -len(extra) - 1, text, now))
-                indices.append(extra[-1][1])
+                committed.setdefault(job_id, {}).setdefault(text, deque()).append(int(idx))
+    extra: list[tuple[str, int, str, float]] = []
+    rows: list[tuple[str, str, int, str | None, str | None]] = []
+    now = time.time()
+    for result in results:
+        job_id = result.job_id
+        shared = result.recipe_json is not None and result.recipe_json == recipes.get(lineup_of[job_id])
+        order = None
+        first_extra = len(extra)  # this job's own rows start at -1
+        if result.messages is not None:
+            texts = committed.get(job_id, {})
+            indices: list[int] = []
+            for text in result.messages:
+                same = texts.get(text)
+                if same:
+                    indices.append(same.popleft())
+                else:  # a message no turn row holds: its own row, numbered -1, -2, ...
+                    extra.append((job_id, -len(extra) - 1 + first_extra, text, now))
+                    indices.append(extra[-1][1])
+            order = json.dumps(indices, separators=(",", ":"))
+        state = result.state_json if shared else result.state_with_recipe()
+        rows.append((job_id, state, int(shared), order, result.analysis_json))
+    if stale:
+        await conn.executemany(
+            "DELETE FROM turns WHERE job_id = ? AND idx < 0", [(j,) for j in sorted(stale)]
+        )
+    if extra:
         await conn.executemany(
             "INSERT INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)", extra
         )
-        order = json.dumps(indices, separators=(",", ":"))
-    await conn.execute(
+    await conn.executemany(
         "INSERT OR REPLACE INTO results (job_id, state_json, lineup_recipe, turn_order, analysis_json) "
         "VALUES (?, ?, ?, ?, ?)",
-        (
-            job_id,
-            result.state_json if shared else result.state_with_recipe(),
-            int(shared),
-            order,
-            result.analysis_json,
-        ),
+        rows,
     )
-    return True
+    return []
 
 
 def assemble(

@@ -7,7 +7,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from interlens.store import JobRecord, Ledger, LedgerReader
+import anyio
+
+from interlens.store import JobRecord, Ledger, LedgerReader, StoreError
 
 RECIPE = {"participants": [{"name": "a", "system_prompt": "be brief"}], "turns": 2}
 CONTEXT = {"author": "moderator", "content": "question", "metadata": {"shared_context": True}}
@@ -100,3 +102,36 @@ async def test_a_kept_conversation_of_a_failed_job_is_replaced_by_its_retry(tmp_
         assert reader.result("job") == {"conversation": done, "analysis": 1, "tokens_generated": 2}
     # The failed attempt's context and note rows are gone: only the retry's context is stored besides turns.
     assert _rows(tmp_path / "ledger.sqlite", "SELECT idx FROM turns ORDER BY idx") == [(-1,), (0,), (1,)]
+
+
+async def test_a_finish_for_an_unknown_job_fails_alone_among_concurrent_ones(tmp_path: Path) -> None:
+    ids = [f"job_{i}" for i in range(6)]
+    errors: dict[str, BaseException] = {}
+    async with await Ledger.open(tmp_path) as ledger:
+        await ledger.begin_run({"l": "fp"}, versions={}, describe={"l": RECIPE})
+        await ledger.add_jobs([JobRecord(job_id, "l", seed=0) for job_id in ids])
+        for job_id in ids:
+            await ledger.start_job(job_id, device="cpu")
+            await ledger.record_turn(job_id, 0, {**T0, "content": job_id})
+
+        async def finish(job_id: str) -> None:
+            transcript = [CONTEXT, {**T0, "content": job_id}]
+            try:
+                await ledger.finish_job(
+                    job_id,
+                    conversation={"recipe": RECIPE, "transcript": transcript},
+                    analysis=1,
+                    tokens_generated=1,
+                )
+            except StoreError as exc:
+                errors[job_id] = exc
+
+        async with anyio.create_task_group() as tg:
+            for job_id in [*ids[:3], "ghost", *ids[3:]]:
+                tg.start_soon(finish, job_id)
+    assert list(errors) == ["ghost"] and "unknown job id 'ghost'" in str(errors["ghost"])
+    with LedgerReader(tmp_path) as reader:
+        assert reader.counts()["done"] == 6
+        for job_id in ids:
+            assert reader.result(job_id)["conversation"]["transcript"] == [CONTEXT, {**T0, "content": job_id}]
+    assert _rows(tmp_path / "ledger.sqlite", "SELECT count(*) FROM turns WHERE idx < 0") == [(6,)]
