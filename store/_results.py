@@ -17,6 +17,8 @@ of a lineup, once per job. So the result is split where it is written:
 - the rest (``state_json``): what is the job's own — its data row, seed, format version.
 
 Readers put the same mapping back together (:func:`assemble`), so callers see exactly what was written.
+:func:`store_results` writes the results of every ``finish_job`` of one group-committed transaction with a
+few statements for all of them: a statement per result would cost a round trip to SQLite's thread each.
 """
 
 from __future__ import annotations
