@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from ._batches import open_batches_op, record_batch_op, update_batch_op
-from ._errors import StoreError
+from ._errors import LedgerSchemaError, StoreError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
@@ -118,8 +118,9 @@ class Ledger:
         ``busy_timeout_s`` bounds how long a write waits on a lock held by some *other* program that opened
         the file behind the ledger's back, before failing.
 
-        Raises LedgerLockedError (another live run holds ``out_dir``), LedgerSchemaError (a newer ledger),
-        LedgerCorruptError (not a readable ledger; the file is left untouched).
+        Raises LedgerLockedError (another live run holds ``out_dir``), LedgerSchemaError (a newer ledger, or
+        an older one that cannot be upgraded; left as it was), LedgerCorruptError (not a readable ledger; the
+        file is left untouched).
         """
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
@@ -163,7 +164,19 @@ class Ledger:
                 if not existing:
                     await conn.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
                 elif existing < SCHEMA_VERSION:  # an older ledger: brought up to date, in one transaction
-                    await conn.executescript(migration_script(existing))
+                    try:
+                        await conn.executescript(migration_script(existing))
+                    except sqlite3.Error as exc:
+                        with suppress(sqlite3.Error):
+                            await conn.execute("ROLLBACK")
+                        raise LedgerSchemaError(
+                            f"{path} is a ledger of schema version {existing} that cannot be brought up "
+                            f"to version {SCHEMA_VERSION} ({type(exc).__name__}: {exc}); the upgrade runs "
+                            f"in one transaction, so the file was left as it was. To start a new ledger, "
+                            f"rerun with resume=False (rollout()/run(); Ledger.open(..., fresh=True) for the "
+                            f"ledger on its own), which moves it aside, or use another out_dir; an "
+                            f"interlens of the version that wrote it still reads it."
+                        ) from exc
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await conn.close()

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from ledger_testkit import V2_SCHEMA, as_schema
 
-from interlens.store import SCHEMA_VERSION, BatchRecord, JobRecord, Ledger, LedgerReader
+from interlens.store import SCHEMA_VERSION, BatchRecord, JobRecord, Ledger, LedgerReader, LedgerSchemaError
 
 
 def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
@@ -30,6 +31,15 @@ def _text(value: Any) -> str:
 
 def _message(author: str, content: str, **metadata: Any) -> dict[str, Any]:
     return {"author": author, "content": content, "metadata": metadata}
+
+
+def _dump(path: Path) -> list[str]:
+    """Every row and table definition of the file, with its user_version."""
+    conn = sqlite3.connect(path)
+    try:
+        return [*conn.iterdump(), f"user_version {conn.execute('PRAGMA user_version').fetchone()[0]}"]
+    finally:
+        conn.close()
 
 
 def _everything(path: Path) -> dict[str, Any]:
@@ -232,3 +242,23 @@ def _occurrences(conn: sqlite3.Connection, marker: str) -> int:
             0
         ]
     return int(total)
+
+
+async def test_a_version_2_ledger_that_cannot_be_upgraded_is_refused_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    _v2_ledger(path)
+    conn = sqlite3.connect(path)  # a result whose job is gone: version 2 never wrote one, an edited file may
+    conn.execute("INSERT INTO results VALUES ('ghost', ?, NULL)", (_text({"transcript": []}),))
+    conn.commit()
+    conn.close()
+    before = _dump(path)
+    with pytest.raises(LedgerSchemaError) as excinfo:
+        await Ledger.open(tmp_path)
+    message = str(excinfo.value)
+    assert str(path) in message and "schema version 2" in message and "version 3" in message
+    assert "left as it was" in message and "resume=False" in message
+    assert _dump(path) == before  # (only the journal mode changed: the writer's WAL is set first)
+    with LedgerReader(tmp_path) as reader:  # still readable as version 2
+        assert reader.result("ghost") is None and reader.result("done") is not None
+    async with await Ledger.open(tmp_path, fresh=True) as ledger:  # the way out it names
+        assert ledger.moved_aside is not None and _dump(ledger.moved_aside) == before
