@@ -228,7 +228,8 @@ class LedgerReader:
         return assemble(state_json, recipe, turn_order, turns)
 
     def turns(self, job_id: str) -> list[dict[str, Any]]:
-        """The committed turns of a job, in index order."""
+        """The turns a job committed as it ran, in index order: what a resumed attempt replays. A stored
+        result's whole transcript (seeded context included) is in :meth:`result`."""
         rows = self._all("SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,))
         return [json.loads(r[0]) for r in rows]
 
