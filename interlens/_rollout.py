@@ -14,7 +14,7 @@ import of the package), so imports run one way, rollout → report → conversat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -52,10 +52,16 @@ class ConversationJob:
     A thin adapter: it replays what an earlier attempt committed, runs the conversation's own turn loop
     (``Conversation.advance``, the one live ``run`` uses) as this job, recording each turn as it ends, then
     runs the analyzer while the models are still resident.
+
+    Its result is ``conversation.to_json()`` with the LINEUP's recipe (``recipe``, templates as written, the
+    object every job of the lineup shares) in place of the expanded one: the job's row and seed are in the
+    result, and ``for_row`` resolves the templates from them (as ``RunResult.conversation`` does), so the
+    ledger stores the recipe once per lineup instead of once per job (it is the lineup's ``describe``).
     """
 
     conversation: Conversation
     needs_device: bool
+    recipe: Mapping[str, Any] | None = None  # the lineup's recipe JSON; None: the expanded conversation's
     error: BaseException | None = None  # a row that could not be expanded fails its own job only
 
     async def run(self, ctx: JobContext) -> JobResult:
@@ -76,8 +82,11 @@ class ConversationJob:
                     analysis = await run_analyzer(conv.analyzer_fn, conv)
                 except Exception as exc:
                     analysis_error = exc
+        state = conv.to_json()
+        if self.recipe is not None:
+            state["recipe"] = self.recipe
         return JobResult(
-            conversation=conv.to_json(),
+            conversation=state,
             tokens_generated=conv.tokens_generated,
             analysis=analysis,
             analysis_error=analysis_error,
@@ -154,12 +163,13 @@ def lineup_spec(
         )
     needs_device = any(p.needs_device for p in conv.participants)
     settings = conv.fingerprint()
+    recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
 
     def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
         expanded: Conversation | None = None
         try:
             expanded = base.for_row(row, index=row_index, seed=seed + i)
-            job = ConversationJob(expanded, needs_device)
+            job = ConversationJob(expanded, needs_device, recipe)
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
         fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
@@ -187,7 +197,7 @@ def lineup_spec(
             fingerprint=settings,
             jobs=_Jobs(jobs) if rows.again else jobs(),
             n_jobs=rows.total,
-            describe=conv.recipe_json(strict=False),
+            describe=recipe,
             explain_input=explain_change,
         )
     if any(
@@ -216,7 +226,7 @@ def lineup_spec(
         fingerprint=settings,
         jobs=_Jobs(samples),
         n_jobs=count,
-        describe=conv.recipe_json(strict=False),
+        describe=recipe,
         explain_input=explain_change,
     )
 

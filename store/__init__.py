@@ -5,7 +5,8 @@ only writer, group-committed, durable against a crash of the process on every ac
 and the CLI read it through :class:`LedgerReader` (synchronous, read-only, fine while a run is live). Only
 JSON is stored, never pickle, so opening a run directory cannot execute code; no credential is ever stored
 (:class:`SecretGuard` refuses results holding one and redacts error text and log lines: the one helper the
-scheduler reuses for that).
+scheduler reuses for that). Each message is stored once (the turns) and a result's recipe once per lineup
+(``_results``); an older ledger is migrated when a writer opens it (``_schema``).
 This package imports nothing from interlens or its scheduler.
 """
 

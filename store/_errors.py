@@ -5,7 +5,7 @@ The hierarchy::
     StoreError                      base of every ledger error
     ├── LedgerLockedError           another live process holds the out_dir's writer lock
     ├── FingerprintMismatchError    a rerun's recipe fingerprint differs for existing job ids
-    ├── LedgerSchemaError           the file was written by a newer schema version
+    ├── LedgerSchemaError           written by a newer schema version, or an older one that cannot be upgraded
     ├── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
     └── LedgerNotFoundError         no ledger where a reader looked (also a FileNotFoundError)
 
@@ -38,7 +38,8 @@ class FingerprintMismatchError(StoreError):
 
 
 class LedgerSchemaError(StoreError):
-    """The ledger was written by a newer schema version than this code understands."""
+    """The ledger was written by a newer schema version than this code understands, or by an older one whose
+    upgrade failed (the file is then left as it was)."""
 
 
 class LedgerCorruptError(StoreError):

@@ -18,9 +18,9 @@ has taken it yet; otherwise the operation commits and the caller simply does not
 
 Failure isolation: if a batch fails on an operation's own fault (a constraint, a check in its ``apply``), the
 transaction is rolled back and the batch is committed again without that operation (a failing row of a
-merged ``executemany`` is found by bisection), so one bad call fails only its caller. Any other error (disk
-full, I/O, a foreign lock) fails the whole batch at once, each caller getting its own :class:`StoreError`
-chained to the cause.
+merged ``executemany`` or group is found by bisection), so one bad call fails only its caller. Any other
+error (disk full, I/O, a foreign lock) fails the whole batch at once, each caller getting its own
+:class:`StoreError` chained to the cause.
 """
 
 from __future__ import annotations
@@ -41,28 +41,36 @@ if TYPE_CHECKING:
 __all__ = ["GroupCommitter", "Op"]
 
 Apply = Callable[["aiosqlite.Connection"], Awaitable[Any]]
+ApplyGroup = Callable[["aiosqlite.Connection", Sequence[Any]], Awaitable[None]]
 
 
 @dataclass(eq=False, slots=True)
 class Op:
     """One caller's unit of work, committed atomically (possibly together with others).
 
-    Either ``apply`` (a coroutine run inside the transaction; its return value is the op's result) or
+    Either ``apply`` (a coroutine run inside the transaction; its return value is the op's result), or
     ``stmts``: parameterised statements with no result, which the committer merges with the identical
     statements of neighbouring ops into one ``executemany`` each. Merging runs statement 1 of every op, then
     statement 2, ..., so ``stmts`` must not depend on another op's rows in between (true for per-job upserts).
+    Or ``apply_group`` with a ``payload``: neighbouring ops with the same ``apply_group`` are applied by one
+    call of it on all their payloads (a few ``executemany`` for the lot instead of statements per op, each a
+    round trip to SQLite's thread); it raises for the group, and a failing payload is found by bisection.
     """
 
     what: str  # for messages: "record_turn('job_3', 2)"
     apply: Apply | None = None
     stmts: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     explain: Callable[[sqlite3.IntegrityError], BaseException] | None = None  # a constraint → a clear error
+    apply_group: ApplyGroup | None = None
+    payload: Any = None
     done: bool = field(default=False, init=False)
     result: Any = field(default=None, init=False)
     error: BaseException | None = field(default=None, init=False)
 
     @property
-    def signature(self) -> tuple[str, ...] | None:
+    def signature(self) -> tuple[Any, ...] | None:
+        if self.apply_group is not None:
+            return (self.apply_group,)
         return None if self.apply is not None else tuple(sql for sql, _ in self.stmts)
 
 
@@ -176,6 +184,9 @@ class GroupCommitter:
             try:
                 if op.apply is not None:
                     results.append(await op.apply(conn))
+                elif op.apply_group is not None:
+                    await op.apply_group(conn, [member.payload for member in batch[i:end]])
+                    results.extend([None] * (end - i))
                 else:
                     group = batch[i:end]
                     for k, (sql, _) in enumerate(op.stmts):

@@ -14,7 +14,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
@@ -24,12 +24,13 @@ import anyio
 import anyio.lowlevel
 
 from ._batches import open_batches_op, record_batch_op, update_batch_op
-from ._errors import StoreError
+from ._errors import LedgerSchemaError, StoreError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
 from ._lock import WriterLock
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
+from ._results import EncodedResult, encode_result, store_results
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
 from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
 
@@ -46,7 +47,6 @@ _INSERT_JOB = (
     "tokens_generated, input_fp) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0, ?)"
 )
 _UPSERT_TURN = "INSERT OR REPLACE INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)"
-_UPSERT_RESULT = "INSERT OR REPLACE INTO results (job_id, conversation_json, analysis_json) VALUES (?, ?, ?)"
 _MARK_DONE = (
     "UPDATE jobs SET state = 'done', finished_at = ?, tokens_generated = ?, run_id = ?, error_type = NULL, "
     "error_message = NULL, error_traceback = NULL WHERE job_id = ?"
@@ -57,6 +57,16 @@ def _unknown_job(action: str, job_id: str) -> StoreError:
     return StoreError(
         f"{action}: unknown job id {job_id!r}. Add the job with add_jobs() before recording for it."
     )
+
+
+async def _finish_jobs(
+    conn: aiosqlite.Connection, payloads: Sequence[tuple[EncodedResult, tuple[Any, ...]]]
+) -> None:
+    """The finish_job calls of one transaction, together: their results, then their jobs marked done."""
+    unknown = await store_results(conn, [result for result, _ in payloads])
+    if unknown:  # nothing was written; bisection isolates the call that named it
+        raise _unknown_job("finish_job", unknown[0])
+    await conn.executemany(_MARK_DONE, [done for _, done in payloads])
 
 
 class Ledger:
@@ -108,8 +118,9 @@ class Ledger:
         ``busy_timeout_s`` bounds how long a write waits on a lock held by some *other* program that opened
         the file behind the ledger's back, before failing.
 
-        Raises LedgerLockedError (another live run holds ``out_dir``), LedgerSchemaError (a newer ledger),
-        LedgerCorruptError (not a readable ledger; the file is left untouched).
+        Raises LedgerLockedError (another live run holds ``out_dir``), LedgerSchemaError (a newer ledger, or
+        an older one that cannot be upgraded; left as it was), LedgerCorruptError (not a readable ledger; the
+        file is left untouched).
         """
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
@@ -153,7 +164,19 @@ class Ledger:
                 if not existing:
                     await conn.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
                 elif existing < SCHEMA_VERSION:  # an older ledger: brought up to date, in one transaction
-                    await conn.executescript(migration_script(existing))
+                    try:
+                        await conn.executescript(migration_script(existing))
+                    except sqlite3.Error as exc:
+                        with suppress(sqlite3.Error):
+                            await conn.execute("ROLLBACK")
+                        raise LedgerSchemaError(
+                            f"{path} is a ledger of schema version {existing} that cannot be brought up "
+                            f"to version {SCHEMA_VERSION} ({type(exc).__name__}: {exc}); the upgrade runs "
+                            f"in one transaction, so the file was left as it was. To start a new ledger, "
+                            f"rerun with resume=False (rollout()/run(); Ledger.open(..., fresh=True) for the "
+                            f"ledger on its own), which moves it aside, or use another out_dir; an "
+                            f"interlens of the version that wrote it still reads it."
+                        ) from exc
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await conn.close()
@@ -384,7 +407,7 @@ class Ledger:
 
         async def apply(conn: aiosqlite.Connection) -> list[dict[str, Any]]:
             rows = await conn.execute_fetchall(
-                "SELECT turn_json FROM turns WHERE job_id = ? ORDER BY idx", (job_id,)
+                "SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,)
             )
             return [json.loads(r[0]) for r in rows]
 
@@ -395,25 +418,17 @@ class Ledger:
         self, job_id: str, *, conversation: Mapping[str, Any], analysis: Any, tokens_generated: int
     ) -> None:
         """Store the result and mark ``job_id`` done in ONE transaction (a done job always has its result).
-        Clears the error fields of earlier attempts. Durable on return."""
+        Clears the error fields of earlier attempts. Durable on return.
+
+        The conversation's ``"transcript"`` list is stored as turns rows (its committed turns are not stored
+        again) and a ``"recipe"`` equal to the lineup's is stored once per lineup: see ``_results``."""
         run_id = self._require_run("finish_job")
-        conversation_json = dumps(
-            dict(conversation), what=f"the conversation of job {job_id!r}", guard=self._guard
+        result = encode_result(
+            job_id, conversation, analysis, what=f"the conversation of job {job_id!r}", guard=self._guard
         )
-        analysis_json = dumps(analysis, what=f"the analysis of job {job_id!r}", guard=self._guard)
-        await self._submit(
-            Op(
-                f"finish_job({job_id!r})",
-                stmts=(
-                    (
-                        _UPSERT_RESULT,
-                        (job_id, conversation_json, analysis_json),
-                    ),  # first: FK proves the job exists
-                    (_MARK_DONE, (time.time(), int(tokens_generated), run_id, job_id)),
-                ),
-                explain=lambda _exc: _unknown_job("finish_job", job_id),
-            )
-        )
+
+        done = (time.time(), int(tokens_generated), run_id, job_id)
+        await self._submit(Op(f"finish_job({job_id!r})", apply_group=_finish_jobs, payload=(result, done)))
 
     async def fail_job(
         self,
@@ -434,11 +449,15 @@ class Ledger:
         ``conversation`` is refused (StoreError), like any result; the caller then fails the job without it.
         """
         run_id = self._require_run("fail_job")
-        conversation_json = (
+        result = (
             None
             if conversation is None
-            else dumps(
-                dict(conversation), what=f"the conversation of failed job {job_id!r}", guard=self._guard
+            else encode_result(
+                job_id,
+                conversation,
+                None,
+                what=f"the conversation of failed job {job_id!r}",
+                guard=self._guard,
             )
         )
         for name, text in (("error_type", error_type), ("message", message), ("traceback", traceback)):
@@ -454,8 +473,8 @@ class Ledger:
             )
             if not rows:
                 raise _unknown_job("fail_job", job_id)
-            if conversation_json is not None:
-                await conn.execute(_UPSERT_RESULT, (job_id, conversation_json, None))
+            if result is not None:
+                await store_results(conn, [result])
 
         await self._submit(Op(f"fail_job({job_id!r})", apply=apply))
 

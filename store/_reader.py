@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,9 +28,13 @@ from ._records import (
     job_columns,
     job_from_row,
 )
+from ._results import assemble, chunks
 from ._schema import LEDGER_FILENAME, SCHEMA_VERSION, check_existing, ro_uri
 
 __all__ = ["LedgerReader"]
+
+# The stored parts of a schema-3 result's conversation, in the order ``_assemble`` takes them.
+_V3_PARTS = "r.state_json, r.lineup_recipe, r.turn_order"
 
 
 def _states(states: Iterable[str]) -> tuple[str, ...]:
@@ -59,6 +64,8 @@ class LedgerReader:
         if not version:
             raise LedgerNotFoundError(f"{path} is empty: no run has written to it yet")
         self.path = path
+        self._version = version
+        self._recipes: dict[str, str | None] = {}  # lineup → its recipe text (never changes once written)
         # A reader takes an older ledger as it is: columns it lacks read as NULL.
         self._job_columns = job_columns(version)
         self._j_columns = ", ".join(
@@ -131,12 +138,24 @@ class LedgerReader:
     def result(self, job_id: str) -> dict[str, Any] | None:
         """``{"conversation", "analysis", "tokens_generated"}`` of a finished job (or a failed one whose
         conversation was kept), else None."""
-        rows = self._all(
-            "SELECT r.conversation_json, r.analysis_json, j.tokens_generated FROM results r "
-            "JOIN jobs j ON j.job_id = r.job_id WHERE r.job_id = ?",
-            (job_id,),
-        )
-        return _result(*rows[0]) if rows else None
+        if self._version < 3:
+            rows = self._all(
+                "SELECT r.conversation_json, r.analysis_json, j.tokens_generated FROM results r "
+                "JOIN jobs j ON j.job_id = r.job_id WHERE r.job_id = ?",
+                (job_id,),
+            )
+            return _result(json.loads(rows[0][0]), *rows[0][1:]) if rows else None
+        with self._snapshot():
+            rows = self._all(
+                f"SELECT j.lineup, {_V3_PARTS}, r.analysis_json, j.tokens_generated FROM results r "
+                "JOIN jobs j ON j.job_id = r.job_id WHERE r.job_id = ?",
+                (job_id,),
+            )
+            if not rows:
+                return None
+            lineup, *stored, analysis, tokens = rows[0]
+            turns = self._result_turns([job_id]).get(job_id, {})
+            return _result(self._assemble(lineup, stored, turns), analysis, tokens)
 
     def iter_results(
         self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256
@@ -150,8 +169,9 @@ class LedgerReader:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         marks = ", ".join("?" * len(chosen))
+        stored = "r.conversation_json, NULL, NULL" if self._version < 3 else _V3_PARTS
         sql = (
-            f"SELECT j.seq, {self._j_columns}, r.conversation_json, r.analysis_json FROM jobs j "
+            f"SELECT j.seq, {self._j_columns}, r.job_id IS NOT NULL, {stored}, r.analysis_json FROM jobs j "
             f"LEFT JOIN results r ON r.job_id = j.job_id WHERE j.seq > ? AND +j.state IN ({marks}) "
             f"ORDER BY j.seq LIMIT ?"
         )
@@ -159,27 +179,65 @@ class LedgerReader:
         # each page cost O(page), where the index would re-sort every matching row for every page.
         last = -1
         while True:
-            rows = self._all(sql, (last, *chosen, page_size))
+            with self._snapshot():
+                rows = self._all(sql, (last, *chosen, page_size))
+                turns = {}
+                if self._version >= 3:
+                    turns = self._result_turns([row[1] for row in rows if row[-5]])
             for row in rows:
-                job = job_from_row(row[1:-2])
-                conversation, analysis = row[-2], row[-1]
-                yield (
-                    job,
-                    None if conversation is None else _result(conversation, analysis, job.tokens_generated),
-                )
+                job = job_from_row(row[1:-5])
+                has_result, *parts, analysis = row[-5:]
+                if not has_result:
+                    yield job, None
+                    continue
+                if self._version < 3:
+                    conversation = json.loads(parts[0])
+                else:
+                    conversation = self._assemble(job.lineup, parts, turns.get(job.job_id, {}))
+                yield job, _result(conversation, analysis, job.tokens_generated)
             if len(rows) < page_size:
                 return
             last = rows[-1][0]
 
+    @contextmanager
+    def _snapshot(self) -> Iterator[None]:
+        """Several reads that see one state of the file (a result and its turns rows are written together)."""
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self._conn.execute("COMMIT")
+
+    def _result_turns(self, job_ids: Sequence[str]) -> dict[str, dict[int, str]]:
+        """Every turns row (idx → text) of each of ``job_ids``, from which their transcripts are read."""
+        out: dict[str, dict[int, str]] = {}
+        for marks, piece in chunks(job_ids):
+            sql = f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks})"
+            for job_id, idx, text in self._all(sql, piece):
+                out.setdefault(job_id, {})[int(idx)] = text
+        return out
+
+    def _assemble(self, lineup: str, stored: Sequence[Any], turns: Mapping[int, str]) -> dict[str, Any]:
+        state_json, lineup_recipe, turn_order = stored
+        recipe = None
+        if lineup_recipe:
+            if lineup not in self._recipes:
+                rows = self._all("SELECT describe_json FROM lineups WHERE name = ?", (lineup,))
+                self._recipes[lineup] = rows[0][0] if rows else None
+            recipe = self._recipes[lineup]
+        return assemble(state_json, recipe, turn_order, turns)
+
     def turns(self, job_id: str) -> list[dict[str, Any]]:
-        """The committed turns of a job, in index order."""
-        rows = self._all("SELECT turn_json FROM turns WHERE job_id = ? ORDER BY idx", (job_id,))
+        """The turns a job committed as it ran, in index order: what a resumed attempt replays. A stored
+        result's whole transcript (seeded context included) is in :meth:`result`."""
+        rows = self._all("SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,))
         return [json.loads(r[0]) for r in rows]
 
     def turn_records(self, job_id: str) -> list[TurnRecord]:
         """Like :meth:`turns`, with index and commit time."""
         rows = self._all(
-            "SELECT idx, turn_json, committed_at FROM turns WHERE job_id = ? ORDER BY idx", (job_id,)
+            "SELECT idx, turn_json, committed_at FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx",
+            (job_id,),
         )
         return [TurnRecord(job_id, idx, json.loads(turn), at) for idx, turn, at in rows]
 
@@ -275,9 +333,9 @@ class LedgerReader:
         return "; ".join(r[0] for r in self._all("PRAGMA integrity_check(20)"))
 
 
-def _result(conversation_json: str, analysis_json: str | None, tokens: int) -> dict[str, Any]:
+def _result(conversation: dict[str, Any], analysis_json: str | None, tokens: int) -> dict[str, Any]:
     return {
-        "conversation": json.loads(conversation_json),
+        "conversation": conversation,
         "analysis": None if analysis_json is None else json.loads(analysis_json),
         "tokens_generated": int(tokens),
     }

@@ -27,18 +27,79 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
+
+# Version 3 stores a result's transcript once (as turns rows) and its recipe once per lineup. A v2 result
+# keeps what cannot move exactly: a transcript with an element that is not a JSON object or array (SQLite
+# renders top-level numbers through a double) stays in its state_json, and a recipe that is not its
+# lineup's stays there too. Each message of a v2 transcript becomes a reference to a committed turn with the
+# same text (the k-th occurrence of a text to its k-th committed turn: equal texts are interchangeable), or
+# a new turns row with a negative idx. Temporary tables live in the connection's temp schema and are dropped.
+_V2_TO_V3: Final = (
+    "CREATE TEMP TABLE v3_moved (job_id TEXT PRIMARY KEY)",
+    """INSERT INTO v3_moved SELECT r.job_id FROM results r
+    WHERE json_type(r.conversation_json, '$.transcript') = 'array' AND NOT EXISTS (
+        SELECT 1 FROM json_each(r.conversation_json, '$.transcript') e
+        WHERE e.type NOT IN ('object', 'array'))""",
+    """CREATE TEMP TABLE v3_committed AS SELECT t.job_id AS job_id, t.idx AS idx, json(t.turn_json) AS body,
+        row_number() OVER (PARTITION BY t.job_id, json(t.turn_json) ORDER BY t.idx) AS occurrence
+    FROM turns t JOIN v3_moved m ON m.job_id = t.job_id WHERE t.idx >= 0""",
+    "CREATE INDEX temp.v3_committed_by_job ON v3_committed (job_id, occurrence, length(body))",
+    """CREATE TEMP TABLE v3_messages AS SELECT job_id, pos, body,
+        coalesce(matched, -sum(matched IS NULL) OVER (PARTITION BY job_id ORDER BY pos)) AS idx
+    FROM (SELECT e.job_id AS job_id, e.pos AS pos, e.body AS body, (SELECT c.idx FROM v3_committed c
+            WHERE c.job_id = e.job_id AND c.occurrence = e.occurrence AND length(c.body) = length(e.body)
+            AND c.body = e.body) AS matched
+        FROM (SELECT r.job_id AS job_id, j.key AS pos, j.value AS body,
+                row_number() OVER (PARTITION BY r.job_id, j.value ORDER BY j.key) AS occurrence
+            FROM results r JOIN v3_moved m ON m.job_id = r.job_id,
+                json_each(r.conversation_json, '$.transcript') j) e)""",
+    "CREATE INDEX temp.v3_messages_by_job ON v3_messages (job_id, pos)",
+    """INSERT INTO turns (job_id, idx, turn_json, committed_at)
+    SELECT m.job_id, m.idx, m.body, coalesce(j.finished_at, j.started_at, j.created_at)
+    FROM v3_messages m JOIN jobs j ON j.job_id = m.job_id WHERE m.idx < 0""",
+    """CREATE TABLE results_v3 (
+        job_id TEXT PRIMARY KEY REFERENCES jobs(job_id),
+        state_json TEXT NOT NULL,
+        lineup_recipe INTEGER NOT NULL DEFAULT 0 CHECK (lineup_recipe IN (0, 1)),
+        turn_order TEXT,
+        analysis_json TEXT
+    )""",
+    """INSERT INTO results_v3 (job_id, state_json, lineup_recipe, turn_order, analysis_json)
+    SELECT job_id,
+        CASE WHEN shared AND moved THEN json_remove(conversation_json, '$.recipe', '$.transcript')
+             WHEN shared THEN json_remove(conversation_json, '$.recipe')
+             WHEN moved THEN json_remove(conversation_json, '$.transcript')
+             ELSE conversation_json END,
+        shared,
+        CASE WHEN moved THEN (SELECT json_group_array(idx) FROM
+            (SELECT idx FROM v3_messages m WHERE m.job_id = x.job_id ORDER BY m.pos)) END,
+        analysis_json
+    FROM (SELECT r.job_id AS job_id, r.conversation_json AS conversation_json,
+            r.analysis_json AS analysis_json,
+            coalesce(json_type(r.conversation_json, '$.recipe') IN ('object', 'array')
+                AND json_extract(r.conversation_json, '$.recipe') = json(l.describe_json), 0) AS shared,
+            r.job_id IN (SELECT job_id FROM v3_moved) AS moved
+        FROM results r LEFT JOIN jobs j ON j.job_id = r.job_id LEFT JOIN lineups l ON l.name = j.lineup) x""",
+    "DROP TABLE results",
+    "ALTER TABLE results_v3 RENAME TO results",
+    "DROP TABLE temp.v3_moved",
+    "DROP TABLE temp.v3_messages",
+    "DROP TABLE temp.v3_committed",
+)
 
 #: How a ledger of an older schema version is brought up to date, one step per version: ``MIGRATIONS[v]``
 #: takes version ``v`` to ``v + 1``. Applied by the writer at open, in one transaction with the new
-#: ``user_version``; readers open older ledgers as they are (they select only columns every version has).
+#: ``user_version``; readers open older ledgers as they are (they ask which version they read).
 #: Version 2 adds what a rerun compares: each job's input fingerprint and each provider batch row's request
-#: hash (NULL on rows written by version 1, which recorded neither).
+#: hash (NULL on rows written by version 1, which recorded neither). Version 3 stops storing a result's
+#: transcript and recipe again per job (see :data:`SCHEMA`).
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
         "ALTER TABLE batch_requests ADD COLUMN request_hash TEXT",
     ),
+    2: _V2_TO_V3,
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
@@ -64,6 +125,8 @@ CREATE TABLE runs (
     host        TEXT NOT NULL,
     versions_json TEXT NOT NULL
 );
+-- describe_json: the lineup's recipe as the caller described it at its first run (diffed when a rerun's
+-- fingerprint differs); also the recipe of every result that has the same one (results.lineup_recipe).
 CREATE TABLE lineups (
     name        TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
@@ -97,6 +160,10 @@ CREATE TABLE jobs (
 );
 -- Covers the resume scan (done ids) and per-state listings without touching the table.
 CREATE INDEX jobs_by_state ON jobs(state, job_id);
+-- Every message of a job, each stored once. idx >= 0: a turn the job committed as it ran (record_turn),
+-- replayed when the job resumes. idx < 0: a message of a stored result that no turn row held (a seeded
+-- context, messages the conversation had before the run, messages added after its last turn), written with
+-- the result and never replayed.
 CREATE TABLE turns (
     job_id      TEXT NOT NULL REFERENCES jobs(job_id),
     idx         INTEGER NOT NULL,
@@ -104,9 +171,15 @@ CREATE TABLE turns (
     committed_at REAL NOT NULL,
     PRIMARY KEY (job_id, idx)
 );
+-- A job's result: its conversation is state_json plus what is stored once elsewhere. lineup_recipe = 1: its
+-- "recipe" is its lineup's (lineups.describe_json, text-identical), else any recipe stays in state_json.
+-- turn_order: its "transcript", as the JSON list of the turns idx of each message in order; NULL when the
+-- conversation had no transcript list (then state_json holds whatever it had).
 CREATE TABLE results (
     job_id      TEXT PRIMARY KEY REFERENCES jobs(job_id),
-    conversation_json TEXT NOT NULL,
+    state_json  TEXT NOT NULL,
+    lineup_recipe INTEGER NOT NULL DEFAULT 0 CHECK (lineup_recipe IN (0, 1)),
+    turn_order  TEXT,
     analysis_json TEXT
 );
 CREATE TABLE batches (

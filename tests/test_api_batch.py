@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
+from ledger_testkit import as_schema
 
 from interlens import Conversation, dataset_field
 from interlens._api_participant import APIParticipant
@@ -376,12 +376,7 @@ def test_request_digest_covers_every_parameter_and_no_credential() -> None:
 
 def _as_version_1(out_dir: Path) -> None:
     """Turn the crashed run's ledger into what interlens 0.x (schema version 1) wrote: no request hashes."""
-    conn = sqlite3.connect(out_dir / "ledger.sqlite")
-    conn.executescript(
-        "ALTER TABLE jobs DROP COLUMN input_fp; ALTER TABLE batch_requests DROP COLUMN request_hash; "
-        "PRAGMA user_version = 1;"
-    )
-    conn.close()
+    as_schema(out_dir / "ledger.sqlite", 1)
 
 
 async def test_a_row_recorded_without_a_request_hash_is_never_reattached(

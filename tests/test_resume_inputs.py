@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ledger_testkit import as_schema
 
 import interlens
 from interlens import (
@@ -198,12 +199,7 @@ def test_a_changed_recipe_names_resume_false_not_fresh_true(tmp_path: Path) -> N
 def test_a_ledger_that_did_not_record_inputs_is_refused(tmp_path: Path) -> None:
     """A ledger written before job fingerprints existed (schema 1) cannot say what its jobs were asked."""
     _quiz(Answerer(), _rows("A0", "A1")).rollout(out_dir=tmp_path, progress=False)
-    conn = sqlite3.connect(tmp_path / "ledger.sqlite")
-    conn.executescript(
-        "ALTER TABLE jobs DROP COLUMN input_fp; ALTER TABLE batch_requests DROP COLUMN request_hash; "
-        "PRAGMA user_version = 1;"
-    )
-    conn.close()
+    as_schema(tmp_path / "ledger.sqlite", 1)
     again = Answerer()
     with pytest.raises(FingerprintMismatchError) as excinfo:
         _quiz(again, _rows("A0", "A1")).rollout(out_dir=tmp_path, progress=False)

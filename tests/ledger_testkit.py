@@ -1,0 +1,136 @@
+"""Older ledger files, for the tests of what opens them: the schema-2 SQL as version 2 created it, and a
+rewrite of a ledger written now into what version 2 (or 1) would have written for the same run.
+
+Kept in the tests on purpose: the store keeps only the way forward (``MIGRATIONS``), and a test that built
+its "old" file with the code under test could not notice that code changing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+__all__ = ["V2_RESULTS", "V2_SCHEMA", "as_schema"]
+
+#: The tables of schema version 2 that version 3 changed (every other table is unchanged).
+V2_RESULTS = """
+CREATE TABLE results (
+    job_id      TEXT PRIMARY KEY REFERENCES jobs(job_id),
+    conversation_json TEXT NOT NULL,
+    analysis_json TEXT
+);
+"""
+
+#: ``store/_schema.py``'s SCHEMA as version 2 shipped it.
+V2_SCHEMA = (
+    """
+CREATE TABLE runs (
+    run_id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at  REAL NOT NULL,
+    ended_at    REAL,
+    status      TEXT NOT NULL,
+    pid         INTEGER NOT NULL,
+    host        TEXT NOT NULL,
+    versions_json TEXT NOT NULL
+);
+CREATE TABLE lineups (
+    name        TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    describe_json TEXT NOT NULL,
+    first_run   INTEGER NOT NULL REFERENCES runs(run_id)
+);
+CREATE TABLE run_lineups (
+    run_id      INTEGER NOT NULL REFERENCES runs(run_id),
+    lineup      TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    PRIMARY KEY (run_id, lineup)
+) WITHOUT ROWID;
+CREATE TABLE jobs (
+    seq         INTEGER PRIMARY KEY,
+    job_id      TEXT NOT NULL UNIQUE,
+    lineup      TEXT NOT NULL,
+    seed        INTEGER NOT NULL,
+    row_index   INTEGER,
+    state       TEXT NOT NULL CHECK (state IN ('pending', 'running', 'done', 'failed')),
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    device      TEXT,
+    created_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    tokens_generated INTEGER NOT NULL DEFAULT 0,
+    error_type  TEXT,
+    error_message TEXT,
+    error_traceback TEXT,
+    run_id      INTEGER REFERENCES runs(run_id),
+    input_fp    TEXT
+);
+CREATE INDEX jobs_by_state ON jobs(state, job_id);
+CREATE TABLE turns (
+    job_id      TEXT NOT NULL REFERENCES jobs(job_id),
+    idx         INTEGER NOT NULL,
+    turn_json   TEXT NOT NULL,
+    committed_at REAL NOT NULL,
+    PRIMARY KEY (job_id, idx)
+);
+"""
+    + V2_RESULTS
+    + """
+CREATE TABLE batches (
+    provider    TEXT NOT NULL,
+    batch_id    TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    meta_json   TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    PRIMARY KEY (provider, batch_id)
+) WITHOUT ROWID;
+CREATE TABLE batch_requests (
+    provider    TEXT NOT NULL,
+    batch_id    TEXT NOT NULL,
+    custom_id   TEXT NOT NULL,
+    job_id      TEXT NOT NULL,
+    turn_index  INTEGER NOT NULL,
+    request_hash TEXT,
+    PRIMARY KEY (provider, batch_id, custom_id),
+    FOREIGN KEY (provider, batch_id) REFERENCES batches(provider, batch_id)
+) WITHOUT ROWID;
+PRAGMA application_id = 1229737555;
+PRAGMA user_version = 2;
+"""
+)
+
+# A version-3 result put back together in SQL, as version 2 stored it: one conversation_json per job.
+_TO_V2 = (
+    "ALTER TABLE results RENAME TO results_v3;"
+    + V2_RESULTS
+    + """
+INSERT INTO results (job_id, conversation_json, analysis_json)
+SELECT r.job_id,
+    CASE WHEN r.turn_order IS NULL THEN with_recipe ELSE json_set(with_recipe, '$.transcript', json(
+        (SELECT json_group_array(json(turn_json)) FROM (SELECT t.turn_json FROM json_each(r.turn_order) o
+            JOIN turns t ON t.job_id = r.job_id AND t.idx = o.value ORDER BY o.key)))) END,
+    r.analysis_json
+FROM (SELECT r.*, CASE WHEN r.lineup_recipe THEN json_set(r.state_json, '$.recipe', json(l.describe_json))
+        ELSE r.state_json END AS with_recipe
+    FROM results_v3 r JOIN jobs j ON j.job_id = r.job_id LEFT JOIN lineups l ON l.name = j.lineup) r;
+DROP TABLE results_v3;
+DELETE FROM turns WHERE idx < 0;
+PRAGMA user_version = 2;
+"""
+)
+
+_TO_V1 = (
+    "ALTER TABLE jobs DROP COLUMN input_fp; ALTER TABLE batch_requests DROP COLUMN request_hash; "
+    "PRAGMA user_version = 1;"
+)
+
+
+def as_schema(path: Path, version: int) -> None:
+    """Rewrite the closed ledger at ``path`` (schema 3) as schema ``version`` (2 or 1) would have held it."""
+    assert version in (1, 2), version
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        conn.executescript("BEGIN;" + _TO_V2 + (_TO_V1 if version == 1 else "") + "COMMIT;")
+    finally:
+        conn.close()
