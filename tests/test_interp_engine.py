@@ -395,17 +395,17 @@ def test_decoder_layers_are_found_by_structure(engine: LocalEngine) -> None:
 
 
 class _Mixer(nn.Module):  # class names that say neither Attention nor MLP: found by attribute name
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(4, 4)
+        self.proj = nn.Linear(width, width)
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 4) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(4)
-        self.self_attn = _Mixer()
-        self.mlp = _Mixer()
+        self.norm = nn.LayerNorm(width)
+        self.self_attn = _Mixer(width)
+        self.mlp = _Mixer(width)
 
 
 class _SelfAttention(nn.Module):
@@ -441,6 +441,10 @@ def test_structure_search_without_a_family_table() -> None:
     found = decoder_layers(by_class)
     assert [f.attn for f in found] == [b.mixer for b in by_class.stack[0]]
     assert [f.mlp for f in found] == [b.ff for b in by_class.stack[0]]
+
+    vision_first = _Toy([_Block(8), _Block(8)], 2)  # a vision tower as deep as the text stack, but 8 wide
+    vision_first.text = nn.ModuleList([_Block(), _Block()])
+    assert [f.module for f in decoder_layers(vision_first)] == list(vision_first.text)
 
     with pytest.raises(ConfigurationError, match="cannot find the decoder layers of this _Toy"):
         decoder_layers(_Toy([nn.Linear(4, 4)] * 2, 5))
