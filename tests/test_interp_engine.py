@@ -460,6 +460,8 @@ def test_structure_search_without_a_family_table() -> None:
         ({"capture": {"sites": ["residual"]}}, "must be a CaptureSpec or None"),
         ({"steering": [1.0, 2.0]}, "sequence of SteeringSpec"),
         ({"steering": "add"}, "steering='add'"),
+        ({"capture": CaptureSpec(sites=("resid",))}, "capture(sites=('resid',))"),
+        ({"capture": CaptureSpec(layers=(-1,))}, "capture(layers=(-1,))"),
     ],
 )
 def test_interp_fields_are_validated_on_construction(kwargs: dict[str, Any], message: str) -> None:
@@ -476,6 +478,8 @@ def test_request_fields_are_normalised() -> None:
     request = GenerationRequest([1, 2], 4, steering=spec)  # type: ignore[arg-type]
     assert request.steering == (spec,) and request.interp and request.capture is None
     assert not GenerationRequest([1], 4).interp  # type: ignore[arg-type]
+    repeated = GenerationRequest([1], 4, capture=CaptureSpec(layers=(1, 0, 1)))  # type: ignore[arg-type]
+    assert repeated.capture == CaptureSpec(layers=(0, 1))
     score = ScoreRequest([1, 2], [3], steering=[spec])
     assert score.prompt_ids == (1, 2) and score.continuation_ids == (3,) and score.steering == (spec,)
     with pytest.raises(ConfigurationError, match=r"ScoreRequest\(continuation_ids='ab'\)"):
