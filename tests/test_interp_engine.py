@@ -168,6 +168,27 @@ def test_capture_can_stay_on_the_device() -> None:
         torch.testing.assert_close(tensor, to_cpu.captured.tensors[key], rtol=0, atol=0)
 
 
+def test_a_bfloat16_model_is_steered_in_float32_and_captured_in_its_own_dtype() -> None:
+    path = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(path), device="cpu")
+    direction = torch.linspace(-1.0, 1.0, _d_model(engine))
+    unit = direction / direction.norm()
+    spec = SteeringSpec(direction, layers=0, mode="ablate")
+    result = _one(engine, _request(engine, capture=CaptureSpec(layers=(0,)), steering=[spec]))
+    assert result.captured is not None
+    tensor = result.captured.tensors[("residual", 0)]
+    assert tensor.dtype == torch.bfloat16 and tensor.shape == (result.n_tokens, _d_model(engine))
+    # bf16 keeps ~3 significant digits: what is left along the direction is rounding, not signal
+    scale = tensor.float().norm(dim=-1).max()
+    assert (tensor.float() @ unit).abs().max() < 2e-2 * scale
+    plain = _one(engine, _request(engine, capture=CaptureSpec(layers=(0,))))
+    assert plain.captured is not None
+    assert (plain.captured.tensors[("residual", 0)].float() @ unit).abs().max() > 5e-2 * scale
+    [scored] = engine.score([ScoreRequest(_prompt(engine), (5, 6), steering=[spec])])
+    assert isinstance(scored, ScoreResult) and len(scored.logprobs) == 2
+
+
 # ---------------------------------------------------------------------------------------------- steering
 
 
