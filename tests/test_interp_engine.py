@@ -156,6 +156,23 @@ def test_capture_with_prompt_puts_the_prompt_rows_first(engine: LocalEngine) -> 
         torch.testing.assert_close(tensor, seen[key], **TIGHT)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_capture_across_the_sliding_window(family: str) -> None:
+    path = tiny_model(family)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(path), device="cpu")
+    window = model.config.sliding_window
+    text = "Summarise the rules of chess, then explain castling to a child who knows nothing. " * 4
+    prompt = tuple(engine.tokenizer(text)["input_ids"][: window - 6])
+    request = GenerationRequest(prompt, 20, temperature=0.0, capture=CaptureSpec(prompt=True))
+    result = _one(engine, request)
+    assert len(prompt) + result.n_tokens > window, "the answer must cross the window"
+    assert result.captured is not None
+    seen, _ = _teacher_forced(engine, [*prompt, *result.token_ids])
+    for (site, layer), tensor in result.captured.tensors.items():
+        torch.testing.assert_close(tensor, seen[(site, layer)], **TIGHT)
+
+
 def test_capture_can_stay_on_the_device() -> None:
     path = tiny_model("qwen2")
     engine = LocalEngine(
