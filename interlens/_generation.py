@@ -5,14 +5,17 @@ The scheduler coalesces the turn requests that are pending for one model on one 
 it checks the rows, decides which rows run together and by which path, and holds the lock. The machinery is
 split by seam:
 
-* ``_generation_types``: the request/result records (``GenerationRequest``, ``GenerationResult``);
+* ``_generation_types``: the request/result records (``GenerationRequest``/``GenerationResult``, and
+  ``ScoreRequest``/``ScoreResult`` for scoring);
 * ``_decode``: the model calls and the decode loop every path shares (per-row sampling, row dropping, stop
   strings);
 * ``_prefill``: one left-padded batch from scratch (static cache, shared prefill of identical prompts,
   length-grouped prefill);
 * ``_kv_reuse``: a single row on its reuse stream keeps its KV cache for that stream's next turn, which then
   only prefills what is new (a conversation's prompt grows turn by turn by a suffix); not in deterministic
-  mode.
+  mode;
+* ``_interp_rows`` (with ``_hooks``): a row with ``capture``/``steering`` runs alone with forward hooks on
+  its decoder layers, and :meth:`LocalEngine.score` gives teacher-forced log-probabilities.
 
 Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
 halves and retries (after :meth:`LocalEngine.release_memory`). A request that is bad on its own (a token id

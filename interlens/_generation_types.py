@@ -173,12 +173,21 @@ def _check_ids(ids: tuple[int, ...], who: str, name: str, *, empty_ok: bool) -> 
 
 
 def _capture_arg(capture: Any, who: str) -> CaptureSpec | None:
-    if capture is not None and not isinstance(capture, CaptureSpec):
+    """The spec checked and normalised as ``CaptureSpec.build`` does (a spec built directly skipped that:
+    an unknown site or a repeated layer must not reach the hooks)."""
+    if capture is None:
+        return None
+    if not isinstance(capture, CaptureSpec):
         raise ConfigurationTypeError(
             f"{who}(capture={capture!r}): must be a CaptureSpec or None; build one with "
             "CaptureSpec.build(sites=..., layers=...)"
         )
-    return capture
+    try:
+        return CaptureSpec.build(
+            sites=capture.sites, layers=capture.layers, prompt=capture.prompt, offload=capture.offload
+        )
+    except ConfigurationError as exc:
+        raise type(exc)(f"{who}: {exc}") from None
 
 
 def _steering_arg(steering: Any, who: str) -> tuple[SteeringSpec, ...]:

@@ -3,7 +3,8 @@
 Why by structure and not a per-family table: a table of attribute paths (``model.model.layers``,
 ``transformer.h``, ...) breaks on every new family and on wrapped models; the shape of a decoder stack does
 not. The decoder layers are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks that each hold an attention
-and an MLP child (the largest such list when several qualify, e.g. a vision tower beside the text stack).
+and an MLP child; when several qualify (a vision tower beside the text stack), the one whose blocks carry
+``d_model``-wide norm weights, then the longest.
 Within a layer the attention sublayer is the child whose class name says ``Attention`` and the MLP the child
 whose class name says ``MLP``/``FeedForward``; the usual attribute names (``self_attn``, ``mlp``, ...) are
 the fallback for blocks named otherwise (a mixture-of-experts block under ``mlp``).
@@ -49,7 +50,12 @@ def decoder_layers(model: Any) -> list[DecoderLayer]:
     from torch import nn
 
     expected = getattr(_text_config(model), "num_hidden_layers", None)
+    try:
+        width = hidden_size(model)
+    except (AttributeError, TypeError):
+        width = -1  # no width to prefer a stack by
     best: list[DecoderLayer] | None = None
+    best_rank = (False, 0)
     fallback: nn.ModuleList | None = None
     for module in model.modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -58,8 +64,11 @@ def decoder_layers(model: Any) -> list[DecoderLayer]:
             continue
         parts = [DecoderLayer(child, _attention_of(child), _mlp_of(child)) for child in module]
         if all(p.attn is not None and p.mlp is not None for p in parts):
-            if best is None or len(parts) > len(best):
-                best = parts
+            # A stack as wide as the residual stream (its norms have d_model weights) beats one that is not
+            # (a vision tower of the same depth); then the longer one.
+            rank = (_has_width(module[0], width), len(parts))
+            if best is None or rank > best_rank:
+                best, best_rank = parts, rank
         elif expected is not None and fallback is None:
             fallback = module
     if best is not None:
@@ -79,6 +88,10 @@ def hidden_size(model: Any) -> int:
     if isinstance(size, int):
         return size
     return int(model.get_input_embeddings().weight.shape[1])
+
+
+def _has_width(block: Any, width: int) -> bool:
+    return any(p.dim() == 1 and p.numel() == width for p in block.parameters())
 
 
 def _text_config(model: Any) -> Any:
