@@ -224,7 +224,7 @@ def layer_indices(spec_layers: Sequence[int] | None, n_layers: int, *, where: st
     """``layers=`` resolved against a model with ``n_layers`` decoder layers (an error names the range)."""
     if spec_layers is None:
         return list(range(n_layers))
-    bad = [i for i in spec_layers if i >= n_layers]
+    bad = [i for i in spec_layers if not 0 <= i < n_layers]
     if bad:
         raise ConfigurationError(
             f"{where}: layers {bad} do not exist: this model has {n_layers} decoder layers "
