@@ -192,11 +192,14 @@ def test_bad_settings_are_refused_at_construction() -> None:
 
 
 def test_interp_request_at_generation_raises_not_ignored(server: FakeProviderServer) -> None:
-    class WithSteering(GenerationOptions):
-        steering = ("layer 3", 4.0)  # an interp request a future GenerationOptions may carry
+    from interlens import SteeringSpec
+    from interlens._capture import ActivationCache, CaptureSpec, CaptureTarget
 
-    with pytest.raises(ConfigurationError, match="cannot do interp"):
-        api("a", "openai").generate(View("a", None, ()), WithSteering())
+    steer = GenerationOptions(steering=(SteeringSpec([1.0, 0.0], layers=0),))
+    capture = GenerationOptions(capture=CaptureTarget(ActivationCache(CaptureSpec()), 1))
+    for options in (steer, capture):
+        with pytest.raises(ConfigurationError, match="cannot do interp"):
+            api("a", "openai").generate(View("a", None, ()), options)
     assert generations(server) == []
 
 

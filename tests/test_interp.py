@@ -326,3 +326,17 @@ def test_the_steering_debate_example_runs_and_resumes(tmp_path: Path) -> None:
     assert all("resumed 2" in line for line in resumed), again.stdout
     # the same jobs read back from the ledger give the same numbers
     assert [line.split("(")[0] for line in resumed] == [line.split("(")[0] for line in lines]
+
+
+def test_a_rerun_with_another_steering_direction_is_refused(qwen2_path: str, tmp_path: Path) -> None:
+    def lineup(spec: SteeringSpec) -> Conversation:
+        return Conversation([model(qwen2_path, "a", steering=spec)], shared_context="hi").turns(1)
+
+    first = SteeringSpec(direction(qwen2_path, seed=1), layers=[0], coef=2.0)
+    report = lineup(first).rollout(n=1, out_dir=tmp_path, batched=False, progress=False)
+    assert report.failed == []
+    again = lineup(first).rollout(n=1, out_dir=tmp_path, batched=False, progress=False)
+    assert len(again.skipped) == 1  # the same steering: resumed, not rerun
+    other = SteeringSpec(direction(qwen2_path, seed=2), layers=[0], coef=2.0)
+    with pytest.raises(interlens.FingerprintMismatchError, match=r"steering.*sha256"):
+        lineup(other).rollout(n=1, out_dir=tmp_path, batched=False, progress=False)
