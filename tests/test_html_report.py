@@ -387,3 +387,41 @@ def test_time_buckets_keep_every_count_when_the_resolution_coarsens():
     assert len(rows) <= _TIME_BUCKETS and width == 10
     assert origin <= start and origin + len(rows) * width >= start + 500
     assert sum(r[0] for r in rows) == 50_000 and sum(r[1] for r in rows) == 150_000
+
+
+async def test_a_live_run_reports_pending_and_running_jobs_with_their_turns(tmp_path):
+    """Written while the run's writer holds the ledger open: read-only, mid-run states and partial turns."""
+    from interlens.store import JobRecord, Ledger
+
+    out_dir = tmp_path / "live"
+    async with await Ledger.open(out_dir) as ledger:
+        await ledger.begin_run({"left": "fp-left", "right": "fp-right"}, versions={"interlens": "test"})
+        await ledger.add_jobs(
+            JobRecord(f"{side}_{i}", side, seed=i, row_index=i)
+            for side in ("left", "right")
+            for i in range(2)
+        )
+        await ledger.start_job("left_0", device="cpu")
+        await ledger.record_turn(
+            "left_0", 0, {"author": "a", "content": "half way", "metadata": {"n_tokens": 2}}
+        )
+        await ledger.start_job("right_1", device="cpu")
+        html = write_report(out_dir, tmp_path / "live.html").read_text(encoding="utf-8")
+    for state, n in (("total", 4), ("pending", 2), ("running", 2), ("done", 0), ("failed", 0), ("turns", 1)):
+        assert f'data-count="{state}">{n}<' in html
+    lineups = _parse(html).one(id="lineups")
+    rows = [[td.text for td in tr.find_all("td")] for tr in lineups.find_all("tr")[1:]]
+    assert rows == [["left", "1", "1", "0", "0"], ["right", "1", "1", "0", "0"]]
+    jobs = {job["id"]: job for job in _embedded(html)["jobs"]}
+    assert [t["content"] for t in jobs["left_0"]["turns"]] == ["half way"]
+    assert jobs["right_1"]["state"] == "running" and jobs["right_1"]["turns"] == []
+    assert "No job failed." in html
+
+
+def test_run_report_to_html_writes_the_same_page(run, tmp_path):
+    out = run["report"].to_html(tmp_path / "from_report.html", max_jobs=2)
+    data = _embedded(out.read_text(encoding="utf-8"))
+    assert data["total_jobs"] == 8 and [job["id"] for job in data["jobs"]] == ["row_00000", "row_00001"]
+    in_memory = Conversation(participants=[_speaker("a")], shared_context="tabs").turns(1).rollout(n=1)
+    with pytest.raises(ConfigurationError, match=r"kept no ledger.*out_dir="):
+        in_memory.to_html(tmp_path / "nope.html")
