@@ -39,6 +39,7 @@ _TIME_BUCKETS = 60  # most bars in a throughput chart
 _TIME_KEYS = 20_000  # distinct time keys kept while streaming before the resolution is coarsened
 _FAILURE_LINES = 20  # distinct first lines shown per error type
 _FAILURE_IDS = 50  # job ids shown per first line
+_EMBED_CHARS = 20_000_000  # characters of transcript the page embeds at most, whatever max_jobs says
 # Bucket widths a reader can take in at a glance (seconds).
 _NICE_WIDTHS = (
     *(m * 10.0**k for k in range(-3, 1) for m in (1, 2, 5)),
@@ -171,6 +172,8 @@ class _Facts:
     first_at: float | None = None
     last_at: float | None = None
     max_jobs: int = 0
+    embedded_chars: int = 0
+    size_capped: bool = False  # _EMBED_CHARS stopped the embedding before max_jobs did
 
     def saw(self, at: float | None) -> None:
         if at is None:
@@ -204,8 +207,14 @@ def _collect(reader: LedgerReader, *, max_jobs: int, max_chars: int) -> _Facts:
             facts.failure_counts[kind] += 1
             ids = facts.failures.setdefault(kind, {}).setdefault(first, [])
             ids.append(job.job_id)
-        if len(facts.jobs) < max_jobs:
-            facts.jobs.append(_job_entry(job, result, turns, max_chars=max_chars))
+        if len(facts.jobs) < max_jobs and not facts.size_capped:
+            entry = _job_entry(job, result, turns, max_chars=max_chars)
+            size = sum(len(t["content"]) for t in entry["turns"]) + len(entry["error"] or "")
+            if facts.jobs and facts.embedded_chars + size > _EMBED_CHARS:
+                facts.size_capped = True
+            else:
+                facts.jobs.append(entry)
+                facts.embedded_chars += size
     return facts
 
 
@@ -439,6 +448,8 @@ def render_html(facts: _Facts, *, run_dir: Path) -> str:
         failures=failures,
         failed_total=sum(facts.failure_counts.values()),
         embedded=len(facts.jobs),
+        size_capped=facts.size_capped,
+        embed_chars=f"{_EMBED_CHARS:,}",
         total_jobs=facts.total_jobs,
         data=data,
     )

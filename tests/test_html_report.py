@@ -425,3 +425,13 @@ def test_run_report_to_html_writes_the_same_page(run, tmp_path):
     in_memory = Conversation(participants=[_speaker("a")], shared_context="tabs").turns(1).rollout(n=1)
     with pytest.raises(ConfigurationError, match=r"kept no ledger.*out_dir="):
         in_memory.to_html(tmp_path / "nope.html")
+
+
+def test_embedding_stops_at_the_size_cap_and_says_so(run, tmp_path, monkeypatch):
+    import interlens._html_report as html_report
+
+    sizes = [sum(len(m.content) for m in t or []) for t in run["transcripts"].values()]
+    monkeypatch.setattr(html_report, "_EMBED_CHARS", sizes[0] + sizes[1])
+    html = write_report(run["out_dir"], tmp_path / "r.html").read_text(encoding="utf-8")
+    assert [job["id"] for job in _embedded(html)["jobs"]] == ["row_00000", "row_00001"]
+    assert "first 2 of 8 jobs" in html and "stops at" in html
