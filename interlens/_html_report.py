@@ -17,6 +17,7 @@ conversations: the statistics cover every job, and only the first ``max_jobs`` t
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 from collections import Counter
@@ -247,6 +248,7 @@ def _job_entry(job: Any, result: Mapping[str, Any] | None, turns: Sequence[Any],
                 "finish_reason": metadata.get("finish_reason"),
             }
         )
+    analysis = None if result is None else result.get("analysis")
     return {
         "id": job.job_id,
         "lineup": job.lineup,
@@ -259,6 +261,7 @@ def _job_entry(job: Any, result: Mapping[str, Any] | None, turns: Sequence[Any],
         "duration": job.duration_s,
         "error_type": job.error_type,
         "error": (job.error_message or "")[:max_chars] if job.state == "failed" else None,
+        "analysis": None if analysis is None else json.dumps(analysis, indent=1, sort_keys=True)[:max_chars],
         "turns": out_turns,
     }
 

@@ -268,6 +268,7 @@ def test_page_in_chromium_counts_charts_failures_and_browser(run, page, tmp_path
     assert not any("hidden" in li.attrs for li in items)
     detail = dom.one(id="job-detail")
     assert detail.one("h3").text == "row_00000"
+    assert json.loads(detail.one(class_="analysis").one("pre").text) == run["report"].analyses()["row_00000"]
     transcript = run["transcripts"]["row_00000"]
     turns = detail.find_all(class_="turn")
     assert [t.one(class_="author").text for t in turns] == [m.author for m in transcript]
@@ -287,6 +288,7 @@ def test_search_from_the_url_filters_jobs_and_marks_hits(run, page, tmp_path):
     assert dom.one(id="job-search").attrs.get("value") in (None, "BAD")  # value is a property, not markup
     detail = dom.one(id="job-detail")
     assert detail.one("h3").text == "row_00002"  # the first match opens
+    assert detail.find_all(class_="analysis") == []  # its analyzer raised: no value
     assert detail.one("pre", class_="error").text.startswith("ValueError: cannot grade <i>bad one</i>")
     assert {m.text.lower() for m in detail.find_all("mark")} == {"bad"}
     assert len(detail.find_all("mark")) == sum(
