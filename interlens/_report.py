@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import ConfigurationError
 from ._message import Transcript
 
 if TYPE_CHECKING:
@@ -157,6 +156,19 @@ class RunReport:
         limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
         return self._outcome.api
 
+    def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
+        """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
+        ``path`` and return it; ``max_jobs`` transcripts are embedded. Needs the run's ``out_dir``."""
+        from ._exceptions import ConfigurationError
+        from ._html_report import write_report
+
+        if self.out_dir is None:
+            raise ConfigurationError(
+                "RunReport.to_html(): this run kept no ledger, and the page is read from one: run it with "
+                "out_dir=... (e.g. conv.rollout(n, out_dir='runs/x')), then call to_html again"
+            )
+        return write_report(self.out_dir, path, max_jobs=max_jobs)
+
     def transcripts(self) -> dict[str, Transcript]:
         """Job id → transcript, for every job that has one."""
         return {jid: r.transcript for jid, r in self.results.items() if r.transcript is not None}
@@ -175,18 +187,6 @@ class RunReport:
             if conv is not None:
                 out[jid] = conv
         return out
-
-    def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
-        """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
-        ``path`` and return it; ``max_jobs`` transcripts are embedded. Needs the run's ``out_dir``."""
-        if self.out_dir is None:
-            raise ConfigurationError(
-                "RunReport.to_html(): this run kept no ledger, and the page is read from one: run it with "
-                "out_dir=... (e.g. conv.rollout(n, out_dir='runs/x')), then call to_html again"
-            )
-        from ._html_report import write_report
-
-        return write_report(self.out_dir, path, max_jobs=max_jobs)
 
     def __repr__(self) -> str:
         c = self._outcome.counts
