@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import pytest
 
 from interlens import ConfigurationError, Conversation, LedgerError, ScriptedParticipant, dataset_field
-from interlens._html_report import _TIME_BUCKETS, _Times, write_report
+from interlens._html_report import _TIME_BUCKETS, _histogram, _Times, write_report
 
 INJECTION = "</script><script>document.title='pwned'</script><b id=\"inj\">bold</b>"
 TOPICS = ["tabs", "spaces", "bad one", "crash now", INJECTION, "bad two", "vim", "emacs"]
@@ -437,3 +437,21 @@ def test_embedding_stops_at_the_size_cap_and_says_so(run, tmp_path, monkeypatch)
     html = write_report(run["out_dir"], tmp_path / "r.html").read_text(encoding="utf-8")
     assert [job["id"] for job in _embedded(html)["jobs"]] == ["row_00000", "row_00001"]
     assert "first 2 of 8 jobs" in html and "stops at" in html
+
+
+def test_histogram_of_a_wide_range_uses_wider_bins_and_keeps_every_turn():
+    counts = Counter({n: 1 + n % 3 for n in range(3, 1001, 7)})
+    chart = _histogram(counts)
+    titles = [bar["title"] for bar in chart["bars"]]
+    assert 1 < len(chart["bars"]) <= 40
+    spans = [re.fullmatch(r"(\d+)–(\d+) tokens: (\d+) turns?", t) for t in titles]
+    assert all(spans), titles
+    widths = set()
+    for match in spans:
+        assert match is not None
+        low, high = int(match[1]), int(match[2])
+        widths.add(high - low + 1)
+        assert low % (high - low + 1) == 0  # bins start on a multiple of their width
+        assert int(match[3]) == sum(c for n, c in counts.items() if low <= n <= high)
+    assert widths == {25}  # the narrowest nice width that fits 3..997 in 40 bins
+    assert sum(int(m[3]) for m in spans if m) == sum(counts.values())
