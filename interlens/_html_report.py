@@ -40,6 +40,7 @@ _TIME_BUCKETS = 60  # most bars in a throughput chart
 _TIME_KEYS = 20_000  # distinct time keys kept while streaming before the resolution is coarsened
 _FAILURE_LINES = 20  # distinct first lines shown per error type
 _FAILURE_IDS = 50  # job ids shown per first line
+_SPEAKERS = 50  # rows of the per-speaker table
 _EMBED_CHARS = 20_000_000  # characters of transcript the page embeds at most, whatever max_jobs says
 # Bucket widths a reader can take in at a glance (seconds).
 _NICE_WIDTHS = (
@@ -164,6 +165,7 @@ class _Times:
 class _Facts:
     summary: dict[str, Any]
     tokens_per_turn: Counter[int] = field(default_factory=Counter)
+    speakers: dict[str, Counter[str]] = field(default_factory=dict)  # turns, tokens, finish:<reason>
     times: _Times = field(default_factory=_Times)
     failures: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     failure_counts: Counter[str] = field(default_factory=Counter)
@@ -196,6 +198,10 @@ def _collect(reader: LedgerReader, *, max_jobs: int, max_chars: int) -> _Facts:
             n_tokens = int(metadata["n_tokens"])
             facts.turns += 1
             facts.tokens_per_turn[n_tokens] += 1
+            speaker = facts.speakers.setdefault(str(record.turn.get("author", "?")), Counter())
+            speaker.update(
+                {"turns": 1, "tokens": n_tokens, f"finish:{metadata.get('finish_reason') or '—'}": 1}
+            )
             facts.times.add(record.committed_at, 0)
             facts.times.add(record.committed_at, 1, n_tokens)
             facts.saw(record.committed_at)
@@ -261,7 +267,7 @@ def _job_entry(job: Any, result: Mapping[str, Any] | None, turns: Sequence[Any],
         "duration": job.duration_s,
         "error_type": job.error_type,
         "error": (job.error_message or "")[:max_chars] if job.state == "failed" else None,
-        "analysis": None if analysis is None else json.dumps(analysis, indent=1, sort_keys=True)[:max_chars],
+        "analysis": None if analysis is None else _json_text(analysis)[:max_chars],
         "turns": out_turns,
     }
 
@@ -370,6 +376,32 @@ def _throughput(facts: _Facts) -> dict[str, Any]:
     }
 
 
+def _speakers(speakers: Mapping[str, Counter[str]]) -> list[dict[str, Any]]:
+    """One row per author of generated turns, most tokens first: turns, tokens, mean and how turns ended."""
+    rows = []
+    for author, c in sorted(speakers.items(), key=lambda item: (-item[1]["tokens"], item[0]))[:_SPEAKERS]:
+        finishes = sorted(
+            ((k.removeprefix("finish:"), n) for k, n in c.items() if k.startswith("finish:")),
+            key=lambda item: (-item[1], item[0]),
+        )
+        rows.append(
+            {
+                "author": author,
+                "turns": c["turns"],
+                "tokens": c["tokens"],
+                "mean": f"{c['tokens'] / c['turns']:.1f}" if c["turns"] else "—",
+                "finishes": " · ".join(f"{reason} {n}" for reason, n in finishes),
+            }
+        )
+    return rows
+
+
+def _json_text(value: Any) -> str:
+    """An analyzer value as text: on one line when short, indented when not."""
+    flat = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return flat if len(flat) <= 100 else json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
+
+
 def _number(value: float) -> str:
     if value >= 10_000:
         return f"{value / 1000:.0f}k" if value < 1e6 else f"{value / 1e6:.1f}M"
@@ -447,6 +479,8 @@ def render_html(facts: _Facts, *, run_dir: Path) -> str:
         last_run=last_run,
         open_batches=summary["open_batches"],
         histogram=_histogram(facts.tokens_per_turn),
+        speakers=_speakers(facts.speakers),
+        more_speakers=max(0, len(facts.speakers) - _SPEAKERS),
         throughput=_throughput(facts),
         failures=failures,
         failed_total=sum(facts.failure_counts.values()),

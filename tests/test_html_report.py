@@ -240,6 +240,25 @@ def test_page_in_chromium_counts_charts_failures_and_browser(run, page, tmp_path
         shown[low] += int(match[3])
     assert sum(shown.values()) == len(generated)
 
+    # per speaker: turns, tokens and how the turns ended, most tokens first
+    per_author: dict[str, list[Any]] = {}
+    for t in run["transcripts"].values():
+        for m in t or []:
+            if "n_tokens" in m.metadata:
+                per_author.setdefault(m.author, []).append(m)
+    rows = [[td.text for td in tr.find_all("td")] for tr in dom.one(id="speakers").find_all("tr")[1:]]
+    expected_rows = [
+        [
+            author,
+            str(len(ms)),
+            str(sum(m.n_tokens for m in ms)),
+            f"{sum(m.n_tokens for m in ms) / len(ms):.1f}",
+            f"stop {len(ms)}",
+        ]
+        for author, ms in sorted(per_author.items(), key=lambda kv: -sum(m.n_tokens for m in kv[1]))
+    ]
+    assert rows == expected_rows and [r[0] for r in rows] in (["a", "b"], ["b", "a"])
+
     # throughput: every token, turn and finished job lands in exactly one bucket
     assert sum(_bar_values(dom, "throughput-tokens")) == sum(generated)
     assert sum(_bar_values(dom, "throughput-turns")) == len(generated)
