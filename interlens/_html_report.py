@@ -72,7 +72,7 @@ def write_report(
             facts = _collect(reader, max_jobs=max_jobs, max_chars=max_chars)
     except StoreError as exc:
         raise translate(exc) from exc
-    html = render_html(facts, run_dir=run_dir)
+    html = _render_html(facts, run_dir=run_dir)
     out.write_text(html, encoding="utf-8")
     return out
 
@@ -174,7 +174,6 @@ class _Facts:
     turns: int = 0
     first_at: float | None = None
     last_at: float | None = None
-    max_jobs: int = 0
     embedded_chars: int = 0
     size_capped: bool = False  # _EMBED_CHARS stopped the embedding before max_jobs did
 
@@ -186,7 +185,7 @@ class _Facts:
 
 
 def _collect(reader: LedgerReader, *, max_jobs: int, max_chars: int) -> _Facts:
-    facts = _Facts(summary=reader.summary(), max_jobs=max_jobs)
+    facts = _Facts(summary=reader.summary())
     for job, result in reader.iter_results(states=JOB_STATES):
         facts.total_jobs += 1
         facts.saw(job.started_at)
@@ -429,7 +428,7 @@ def _utc(at: float | None) -> str:
 # ------------------------------------------------------------------------------------------------ the page
 
 
-def render_html(facts: _Facts, *, run_dir: Path) -> str:
+def _render_html(facts: _Facts, *, run_dir: Path) -> str:
     """The page for ``facts`` (jinja2, autoescaped; imported here so ``import interlens`` stays cheap)."""
     import jinja2
 
