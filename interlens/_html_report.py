@@ -40,6 +40,8 @@ _TIME_BUCKETS = 60  # most bars in a throughput chart
 _TIME_KEYS = 20_000  # distinct time keys kept while streaming before the resolution is coarsened
 _FAILURE_LINES = 20  # distinct first lines shown per error type
 _FAILURE_IDS = 50  # job ids shown per first line
+_FAILURE_KEPT = 1000  # distinct first lines counted per error type; later ones count as one "other" line
+_OTHER_LINES = "(other messages)"
 _SPEAKERS = 50  # rows of the per-speaker table
 _EMBED_CHARS = 20_000_000  # characters of transcript the page embeds at most, whatever max_jobs says
 # Bucket widths a reader can take in at a glance (seconds).
@@ -167,7 +169,8 @@ class _Facts:
     tokens_per_turn: Counter[int] = field(default_factory=Counter)
     speakers: dict[str, Counter[str]] = field(default_factory=dict)  # turns, tokens, finish:<reason>
     times: _Times = field(default_factory=_Times)
-    failures: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # error type -> first line -> [count, the first _FAILURE_IDS job ids]: bounded however many jobs fail
+    failures: dict[str, dict[str, tuple[list[int], list[str]]]] = field(default_factory=dict)
     failure_counts: Counter[str] = field(default_factory=Counter)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     total_jobs: int = 0
@@ -211,8 +214,13 @@ def _collect(reader: LedgerReader, *, max_jobs: int, max_chars: int) -> _Facts:
             kind = job.error_type or "unknown error"
             first = _first_line(job.error_message)
             facts.failure_counts[kind] += 1
-            ids = facts.failures.setdefault(kind, {}).setdefault(first, [])
-            ids.append(job.job_id)
+            lines = facts.failures.setdefault(kind, {})
+            if first not in lines and len(lines) >= _FAILURE_KEPT:
+                first = _OTHER_LINES
+            count, ids = lines.setdefault(first, ([0], []))
+            count[0] += 1
+            if len(ids) < _FAILURE_IDS:
+                ids.append(job.job_id)
         if len(facts.jobs) < max_jobs and not facts.size_capped:
             entry = _job_entry(job, result, turns, max_chars=max_chars)
             size = sum(len(t["content"]) for t in entry["turns"]) + len(entry["error"] or "")
@@ -442,19 +450,14 @@ def _render_html(facts: _Facts, *, run_dir: Path) -> str:
     tokens = int(summary["tokens_generated"])
     failures = []
     for kind, count in facts.failure_counts.most_common():
-        lines = sorted(facts.failures[kind].items(), key=lambda item: -len(item[1]))
+        lines = sorted(facts.failures[kind].items(), key=lambda item: -item[1][0][0])
         failures.append(
             {
                 "type": kind,
                 "count": count,
                 "lines": [
-                    {
-                        "line": line,
-                        "count": len(ids),
-                        "ids": ids[:_FAILURE_IDS],
-                        "more": len(ids) - _FAILURE_IDS,
-                    }
-                    for line, ids in lines[:_FAILURE_LINES]
+                    {"line": line, "count": n[0], "ids": ids, "more": n[0] - len(ids)}
+                    for line, (n, ids) in lines[:_FAILURE_LINES]
                 ],
                 "more_lines": max(0, len(lines) - _FAILURE_LINES),
             }

@@ -474,3 +474,36 @@ def test_histogram_of_a_wide_range_uses_wider_bins_and_keeps_every_turn():
         assert int(match[3]) == sum(c for n, c in counts.items() if low <= n <= high)
     assert widths == {25}  # the narrowest nice width that fits 3..997 in 40 bins
     assert sum(int(m[3]) for m in spans if m) == sum(counts.values())
+
+
+async def test_failure_groups_stay_bounded_however_many_jobs_fail(tmp_path, monkeypatch):
+    """60 jobs fail the same way and 3 more in ways of their own: 50 ids shown and a count of the rest;
+    past the distinct first lines kept per type, new lines are counted together."""
+    import interlens._html_report as html_report
+    from interlens.store import JobRecord, Ledger
+
+    monkeypatch.setattr(html_report, "_FAILURE_KEPT", 2)
+    messages = ["out of memory\ndetail"] * 60 + ["odd one", "odd two", "odd three"]
+    out_dir = tmp_path / "failing"
+    async with await Ledger.open(out_dir) as ledger:
+        await ledger.begin_run({"l": "fp"}, versions={})
+        await ledger.add_jobs(JobRecord(f"j{i:03d}", "l", seed=i) for i in range(len(messages)))
+        for i, message in enumerate(messages):
+            await ledger.start_job(f"j{i:03d}", device="cpu")
+            await ledger.fail_job(f"j{i:03d}", error_type="GenerationError", message=message, traceback="tb")
+    html = write_report(out_dir, tmp_path / "r.html").read_text(encoding="utf-8")
+    group = _parse(html).one(class_="failure-group")
+    assert group.attrs["data-count"] == "63"
+    rows = {
+        r.one("code").text: (
+            r.one(class_="num").text,
+            [a.text for a in r.find_all("a")],
+            r.find_all(class_="note"),
+        )
+        for r in group.find_all("tr")
+    }
+    assert list(rows) == ["out of memory", "(other messages)", "odd one"]  # most frequent first
+    count, ids, note = rows["out of memory"]
+    assert count == "60" and ids == [f"j{i:03d}" for i in range(50)] and note[0].text == "and 10 more"
+    assert rows["odd one"][:2] == ("1", ["j060"])
+    assert rows["(other messages)"][:2] == ("2", ["j061", "j062"])
