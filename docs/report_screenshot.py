@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
-from interlens._html_report import write_report
 from interlens.testing import tiny_model
 
 TOPICS = [
@@ -53,8 +52,8 @@ def main() -> None:
     )
     rows = [{"topic": t} for t in TOPICS for _ in range(4)]
     out_dir = Path("runs/report-demo")
-    conv.data(rows).rollout(out_dir=out_dir, resume=False)
-    page = write_report(out_dir, root / "report.html")
+    report = conv.data(rows).rollout(out_dir=out_dir, resume=False)
+    page = report.to_html(root / "report.html")
     chromium = shutil.which("chromium") or sys.exit("needs chromium (Debian: apt-get install -y chromium)")
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
