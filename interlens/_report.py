@@ -7,6 +7,7 @@ million conversations in memory; without one, the results live in memory.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,19 @@ class RunReport:
         """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
         limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
         return self._outcome.api
+
+    def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
+        """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
+        ``path`` and return it; ``max_jobs`` transcripts are embedded. Needs the run's ``out_dir``."""
+        from ._exceptions import ConfigurationError
+        from ._html_report import write_report
+
+        if self.out_dir is None:
+            raise ConfigurationError(
+                "RunReport.to_html(): this run kept no ledger, and the page is read from one: run it with "
+                "out_dir=... (e.g. conv.rollout(n, out_dir='runs/x')), then call to_html again"
+            )
+        return write_report(self.out_dir, path, max_jobs=max_jobs)
 
     def transcripts(self) -> dict[str, Transcript]:
         """Job id → transcript, for every job that has one."""
