@@ -57,14 +57,20 @@ def _stderr() -> Console:
 
 
 @contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Our own refusals (bad input, a missing or foreign ledger) as one red line and exit code 2."""
+def _errors(*, mismatch_hint: str | None = None) -> Iterator[None]:
+    """Our own refusals (bad input, a missing or foreign ledger) as one red line and exit code 2.
+
+    ``mismatch_hint``: what a ledger of another question means for this command's options (the error itself
+    names the Python API's ``resume=False``).
+    """
     try:
         yield
     except (InterlensError, store.StoreError) as exc:
         console = _stderr()
         console.print(f"[bold red]error:[/bold red] {type(exc).__name__}: ", end="")
         console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+        if mismatch_hint is not None and isinstance(exc, store.FingerprintMismatchError):
+            console.print(mismatch_hint, markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -115,7 +121,8 @@ def demo(
         device=device,
         progress=progress,
     )
-    with _errors():
+    hint = f"interlens demo: pass --fresh to start over in {out} (old ledger moved aside) or another --out"
+    with _errors(mismatch_hint=hint):
         report = run_demo(settings, console=_stdout())
     if report.failed:
         raise typer.Exit(EXIT_FAILED_JOBS)
