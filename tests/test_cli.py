@@ -207,6 +207,7 @@ def test_status_of_a_live_run_then_of_its_killed_process(tmp_path: Path) -> None
             line = events.get(timeout=120)
             assert line is not None, "the child ended before holding"
             if line.startswith("HOLD"):
+                _, held_job, held_turns = line.split()
                 break
         result = interlens_cli("status", str(out))  # the child holds the writer lock: we take none
         assert result.returncode == 0, result.stderr
@@ -215,7 +216,11 @@ def test_status_of_a_live_run_then_of_its_killed_process(tmp_path: Path) -> None
         assert data["run"]["status"] == "running" and data["run"]["live"] is True
         assert data["run"]["pid"] == child.pid
         assert data["counts"]["running"] >= 1 and data["jobs"] == 6
-        assert data["running_turns"] >= 1
+        assert data["running_turns"] >= int(held_turns)
+        show = interlens_cli("show", str(out), held_job)
+        assert show.returncode == 0, show.stderr
+        assert f"not finished: the {held_turns} turn(s) committed so far" in show.stdout
+        assert show.stdout.count("by live") == int(held_turns)  # each committed reply, tagged by the child
     finally:
         child.send_signal(signal.SIGKILL)
         assert exited(child.pid, timeout=60)
@@ -394,7 +399,7 @@ def test_demo_runs_offline_then_resumes_every_job(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     args = ["demo", "--n", "3", "--turns", "2", "--max-new-tokens", "6", "--out", str(out)]
     first = subprocess.run(
-        [console_script(), *args],
+        [console_script(), *args, "--progress"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -406,6 +411,8 @@ def test_demo_runs_offline_then_resumes_every_job(tmp_path: Path) -> None:
     assert "interlens demo --model" in text and "--provider openai --model-id" in text
     assert "Summary" in text and "Transcript of rollout_0000" in text and "Transcript of rollout_0001" in text
     assert "tokens/s" in text and "wall time" in text
+    assert "rollouts: 100%" in first.stderr and "3/3" in first.stderr  # the progress bar, forced on
+    assert "Loading weights" not in first.stderr
     with LedgerReader(out) as reader:
         assert reader.counts()["done"] == 3
         assert all(len(reader.turns(j)) == 2 for j in reader.job_ids())
