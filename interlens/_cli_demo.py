@@ -23,6 +23,7 @@ from rich.text import Text
 
 from ._cli_runs import duration, first_line, render_messages
 from ._exceptions import ConfigurationError
+from ._options import RunOptions
 
 if TYPE_CHECKING:
     from ._conversation import Conversation
@@ -167,7 +168,7 @@ def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
                 " (also anthropic, openrouter).",
             )
         )
-    options: dict[str, object] = {
+    options: RunOptions = {
         "out_dir": settings.out,
         "seed": settings.seed,
         "resume": not settings.fresh,
@@ -177,7 +178,7 @@ def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
     if settings.device is not None:
         options["devices"] = [settings.device]
     started = time.perf_counter()
-    report = conv.rollout(settings.n, **options)  # type: ignore[arg-type]
+    report = conv.rollout(settings.n, **options)
     wall = time.perf_counter() - started
     _summary(console, report, wall, settings)
     return report

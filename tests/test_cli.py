@@ -159,18 +159,34 @@ def test_status_of_a_finished_run(finished: tuple[Path, Any]) -> None:
     assert data["open_batches"] == []
 
 
-def test_status_colours_on_a_terminal(finished: tuple[Path, Any]) -> None:
-    result = interlens_cli("status", str(finished[0]), env={"FORCE_COLOR": "1"})
-    # interlens_cli drops an inherited FORCE_COLOR; here the caller asks for it, as a terminal would
-    forced = subprocess.run(
+def test_status_of_several_lineups(tmp_path: Path) -> None:
+    import interlens
+
+    short = Conversation(participants=[ScriptedParticipant("a", ["hi"])]).turns(1).name("short")
+    longer = Conversation(participants=[ScriptedParticipant("a", ["hi"])]).turns(3).name("longer")
+    interlens.run([short.data([{}] * 2), longer.data([{}] * 3)], out_dir=tmp_path, progress=False)
+    result = interlens_cli("status", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "By lineup" in result.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
+    assert rows["short"] == ["2", "0", "0", "0"] and rows["longer"] == ["3", "0", "0", "0"]
+    assert (
+        json.loads(interlens_cli("status", str(tmp_path), "--json").stdout)["lineups"]["longer"]["done"] == 3
+    )
+
+
+def test_status_is_coloured_on_a_terminal_and_plain_when_piped(finished: tuple[Path, Any]) -> None:
+    plain = interlens_cli("status", str(finished[0]))
+    # rich takes FORCE_COLOR as "this is a terminal" (interlens_cli drops it: its output is piped)
+    terminal = subprocess.run(
         [sys.executable, "-m", "interlens", "status", str(finished[0])],
         capture_output=True,
         text=True,
         env={**os.environ, "FORCE_COLOR": "1", "COLUMNS": "200"},
         timeout=60,
     )
-    assert result.returncode == forced.returncode == 0
-    assert "\x1b[" in forced.stdout
+    assert plain.returncode == terminal.returncode == 0
+    assert "\x1b[" not in plain.stdout and "\x1b[" in terminal.stdout
 
 
 def test_status_lists_provider_batches_in_flight(tmp_path: Path) -> None:
