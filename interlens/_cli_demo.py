@@ -68,6 +68,12 @@ class DemoSettings:
                 "--model (a local model: hub id or path) and --provider/--model-id (a hosted model) exclude "
                 "each other: pass one of them"
             )
+        if self.model is not None and self.model.startswith(("/", "./", "../", "~")):
+            if not Path(self.model).expanduser().is_dir():
+                raise ConfigurationError(
+                    f"--model {self.model}: no such directory. Pass a directory written by save_pretrained "
+                    "(config.json and weights) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+                )
         if (self.provider is None) != (self.model_id is None):
             raise ConfigurationError(
                 "--provider and --model-id go together: a hosted model needs both, e.g. "
@@ -122,6 +128,7 @@ def _conversation(settings: DemoSettings) -> tuple[Conversation, str]:
             speaker = "a tiny random-weight qwen2 model built locally (nothing downloaded)"
         else:
             speaker = f"local model {model}"
+            model = os.path.expanduser(model)
         _quiet_transformers()
         participants = [
             AutoModelParticipant.from_pretrained(

@@ -495,6 +495,7 @@ def test_demo_with_failed_jobs_exits_1(server: Any, tmp_path: Path) -> None:
         (["--provider", "openai", "--model-id", "m"], "set OPENAI_API_KEY"),
         (["--provider", "acme", "--model-id", "m"], "--provider must be one of"),
         (["--n", "0"], "--n must be >= 1"),
+        (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
     ],
 )
 def test_demo_refuses_bad_options_with_exit_2(
