@@ -237,6 +237,8 @@ def test_status_of_a_live_run_then_of_its_killed_process(tmp_path: Path) -> None
         assert show.returncode == 0, show.stderr
         assert f"not finished: the {held_turns} turn(s) committed so far" in show.stdout
         assert show.stdout.count("by live") == int(held_turns)  # each committed reply, tagged by the child
+        exported = [json.loads(line) for line in interlens_cli("export", str(out)).stdout.splitlines()]
+        assert len(exported) == 6 and {r["job_id"]: r["state"] for r in exported}[held_job] == "running"
     finally:
         child.send_signal(signal.SIGKILL)
         assert exited(child.pid, timeout=60)
