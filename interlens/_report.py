@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _export
 from ._message import Transcript
 
 if TYPE_CHECKING:
+    import datasets
+    import pandas
+
     from interlens.scheduler import ErrorInfo, JobOutcome, RunOutcome
 
     from ._conversation import Conversation
@@ -188,9 +192,23 @@ class RunReport:
                 out[jid] = conv
         return out
 
+    def to_pandas(self) -> pandas.DataFrame:
+        """One row per job (``job_id``, ``lineup``, ``state``, ``seed``, tokens, error, the transcript as JSON
+        text and its final message, ``skipped``...), a dict analysis flattened into ``analysis.<key>``
+        columns. Needs pandas (``pip install 'interlens[export]'``)."""
+        return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
+
+    def to_dataset(self) -> datasets.Dataset:
+        """The rows of :meth:`to_pandas` as a ``datasets.Dataset``."""
+        return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
+
+    def _repr_html_(self) -> str:
+        return _export.summary_html(self)
+
     def __repr__(self) -> str:
         c = self._outcome.counts
+        where = f" out_dir={str(self.out_dir)!r}" if self.out_dir is not None else ""
         return (
             f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
-            f"skipped={c.get('skipped', 0)}>"
+            f"skipped={c.get('skipped', 0)}{where}>"
         )
