@@ -295,6 +295,19 @@ def test_show_prints_the_transcript_readably(finished: tuple[Path, Any]) -> None
     assert "n_tokens=" in with_meta.stdout
 
 
+def test_report_writes_the_html_page(finished: tuple[Path, Any], tmp_path: Path) -> None:
+    out, report = finished
+    page = tmp_path / "report.html"
+    result = interlens_cli("report", str(out), "-o", str(page))
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {page}" in result.stderr  # stdout stays clean for pipes
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") or html.lower().startswith("<!doctype html>")
+    assert all(job_id in html for job_id in report.results)  # every job in the transcript browser
+    missing = interlens_cli("report", str(tmp_path / "nope"), "-o", str(tmp_path / "x.html"))
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
 def test_show_of_a_failed_job_prints_the_whole_error(finished: tuple[Path, Any]) -> None:
     out, report = finished
     result = interlens_cli("show", str(out), bad_job(report))
