@@ -23,12 +23,16 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from interlens import APIParticipant, BatchPolicy, ConfigurationError, Conversation
 
+if TYPE_CHECKING:
+    from interlens.testing import FakeProviderServer
+
 
 @contextlib.contextmanager
-def providers(offline: bool) -> Iterator[object | None]:
+def providers(offline: bool) -> Iterator[FakeProviderServer | None]:
     """Offline: a fake provider server on loopback, with the environment pointing both SDKs at it."""
     if not offline:
         missing = [v for v in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY") if not os.environ.get(v)]

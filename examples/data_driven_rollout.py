@@ -38,6 +38,7 @@ def side_prompt(row: dict[str, Any]) -> str:
 def summarize(conv: Conversation) -> dict[str, Any]:
     """conv.row is the dataset row that produced this conversation (a dict), read here, never templated."""
     row = conv.row
+    assert row is not None  # a job of a data-driven rollout always has its row
     return {"motion_id": row["motion_id"], "turns": len(conv.transcript), "tokens": conv.tokens_generated}
 
 

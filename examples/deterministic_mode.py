@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from interlens import AutoModelParticipant, Conversation, ExecutionMode
+from interlens import AutoModelParticipant, Conversation, ExecutionMode, ModelParticipant
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         args.model = tiny_model("qwen2")
     out = Path(args.out)
 
-    def speaker(name: str, seed: int) -> AutoModelParticipant:
+    def speaker(name: str, seed: int) -> ModelParticipant:
         return AutoModelParticipant.from_pretrained(
             args.model,
             name=name,

@@ -59,6 +59,7 @@ def predicted(reply: str) -> str | None:
 
 def grade(conv: Conversation) -> dict[str, Any]:
     """The analyzer: runs in the worker on each finished conversation; only this dict is kept."""
+    assert conv.row is not None  # a job of a data-driven rollout always has its row
     answer = predicted(conv.transcript[-1].content)
     gold = conv.row["gold"]
     return {"answer": answer, "gold": gold, "correct": answer == gold}

@@ -20,7 +20,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from interlens import AutoModelParticipant, Conversation, dataset_field, run
+from interlens import AutoModelParticipant, Conversation, ModelParticipant, dataset_field, run
 
 QUIZ = [
     {"q": "What is 6 times 7?"},
@@ -38,7 +38,7 @@ def label(model: str) -> str:
 def rung(model: str, tag: str, max_new_tokens: int, turns: int) -> list[Conversation]:
     """The lineups of one rung: a debate pair, a solo speaker, and a data-driven quiz."""
 
-    def speaker(name: str, system_prompt: str | None = None) -> AutoModelParticipant:
+    def speaker(name: str, system_prompt: str | None = None) -> ModelParticipant:
         return AutoModelParticipant.from_pretrained(
             model, name=name, system_prompt=system_prompt, max_new_tokens=max_new_tokens
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from interlens import AutoModelParticipant, Conversation, TokenBudget
+from interlens import AutoModelParticipant, Conversation, ModelParticipant, TokenBudget
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         args.model = tiny_model("qwen2")
     out = Path(args.out)
 
-    def speaker(name: str) -> AutoModelParticipant:
+    def speaker(name: str) -> ModelParticipant:
         return AutoModelParticipant.from_pretrained(args.model, name=name, max_new_tokens=args.max_new_tokens)
 
     conv = Conversation([speaker("a"), speaker("b")], shared_context="Debate: tabs vs spaces.")
