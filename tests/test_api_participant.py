@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
-from interlens import Conversation, GenerationError, ScriptedParticipant, TokenBudget
+from interlens import Conversation, GenerationError, ScriptedParticipant, SteeringSpec, TokenBudget
 from interlens._api_loop import loop_gateway
 from interlens._api_participant import APIParticipant
 from interlens._exceptions import ConfigurationError
@@ -192,11 +192,12 @@ def test_bad_settings_are_refused_at_construction() -> None:
 
 
 def test_interp_request_at_generation_raises_not_ignored(server: FakeProviderServer) -> None:
-    class WithSteering(GenerationOptions):
-        steering = ("layer 3", 4.0)  # an interp request a future GenerationOptions may carry
+    # A turn's own steering (GenerationOptions.steering, what conv.step(steering=...) hands a participant).
+    # Built as a subclass attribute before it was a field, this request vanished into the field's default.
+    steered = GenerationOptions(steering=(SteeringSpec([1.0, 0.0, 0.0, 0.0], layers=[0], coef=4.0),))
 
     with pytest.raises(ConfigurationError, match="cannot do interp"):
-        api("a", "openai").generate(View("a", None, ()), WithSteering())
+        api("a", "openai").generate(View("a", None, ()), steered)
     assert generations(server) == []
 
 
