@@ -89,8 +89,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         [
             r"^rollout_0001: tokens per turn \[\d+, \d+\], rerun identical: True$",
             r"^token-identical reruns: 2/2$",
-            r"^deterministic turns batched: \[False\]$",
-            r"^batched \(default\) turns batched: \[True\]$",
+            r"^deterministic: 0/4 turns generated in a batch of more than one$",
+            r"^batched \(default\): [1-4]/4 turns generated in a batch of more than one$",
             r"^failed: 0$",
         ],
     ),
