@@ -73,3 +73,10 @@ def test_flags_in_backticks_belong_to_some_script() -> None:
     for page in PAGES:
         for flag in re.findall(r"`[^`]*?(--[a-z][\w-]*)[^`]*`", page.read_text()):
             assert f'"{flag}"' in sources, f"{_page_id(page)} names the option {flag}, which no script has"
+
+
+def test_readme_lists_every_example() -> None:
+    readme = (ROOT / "README.md").read_text()
+    examples = [*(ROOT / "examples").glob("*.py"), *(ROOT / "examples").glob("*.ipynb")]
+    missing = [p.name for p in examples if f"`examples/{p.name}`" not in readme]
+    assert missing == [], f"README's examples table lacks {missing}"
