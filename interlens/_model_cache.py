@@ -27,6 +27,11 @@ __all__ = ["clear_engine_cache", "load_engine"]
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 _guard = threading.Lock()
+# transformers resolves ``from transformers import X`` through a lazy module that is not thread-safe on first
+# use: two engines loading at once in two threads (two models in one run) made one of them fail with
+# "ImportError: cannot import name 'AutoModelForCausalLM'". The first import is serialized; loads still
+# overlap.
+_import_lock = threading.Lock()
 _engines: dict[tuple[Any, ...], LocalEngine] = {}
 _loading: dict[tuple[Any, ...], threading.Lock] = {}
 
@@ -158,7 +163,8 @@ def _load(
 def _from_pretrained(
     source: str, device: str, kwargs: dict[str, Any], *, local_files_only: bool, where: str
 ) -> LocalEngine:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with _import_lock:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -171,3 +174,30 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
     p = ModelParticipant(str(tmp_path / "nowhere"), name="x")
     with pytest.raises(ModelLoadError):
         p.live_engine()
+
+
+def test_two_models_loading_at_once_in_a_fresh_process_both_load(qwen2_path, llama_path):
+    """Two engines loading in two threads before transformers was imported (a run of two models): the
+    first ``from transformers import ...`` raced in transformers' lazy module, one load got ImportError."""
+    script = textwrap.dedent(
+        """
+        import sys, threading
+        from interlens._model_cache import load_engine
+        start, errors, engines = threading.Barrier(2), [], []
+        def load(path):
+            start.wait()
+            try:
+                engines.append(load_engine(path, device="cpu"))
+            except Exception as exc:
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=load, args=(p,)) for p in sys.argv[1:]]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(len(engines), errors)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, qwen2_path, llama_path], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "2 []"
