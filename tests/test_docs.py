@@ -69,10 +69,26 @@ def test_api_names_in_backticks_exist() -> None:
 
 def test_flags_in_backticks_belong_to_some_script() -> None:
     """`--streaming`, `--devices cpu cpu`...: prose names options too; each is a real one of a script."""
-    sources = "".join(p.read_text() for d in ("examples", "benchmarks") for p in (ROOT / d).glob("*.py"))
+    scripts = [p for d in ("examples", "benchmarks") for p in (ROOT / d).glob("*.py")]
+    sources = "".join(p.read_text() for p in scripts)
     for page in PAGES:
         for flag in re.findall(r"`[^`]*?(--[a-z][\w-]*)[^`]*`", page.read_text()):
-            assert f'"{flag}"' in sources, f"{_page_id(page)} names the option {flag}, which no script has"
+            known = f'"{flag}"' in sources or flag in _cli_options()
+            assert known, f"{_page_id(page)} names the option {flag}, which no script or command has"
+
+
+def _cli_options() -> set[str]:
+    """Every option of every `interlens` command, as the real command line declares it."""
+    import typer
+
+    from interlens._cli import app
+
+    group = typer.main.get_command(app)
+    options = {"--help"}
+    for command in getattr(group, "commands", {}).values():
+        for param in command.params:
+            options.update(getattr(param, "opts", ()), getattr(param, "secondary_opts", ()))
+    return options
 
 
 def test_readme_lists_every_example() -> None:
