@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from interlens import AutoModelParticipant, Conversation, Probe, SteeringSpec
+from interlens import AutoModelParticipant, Conversation, ModelParticipant, Probe, SteeringSpec
 
 AGREEABLE = ["I agree with you completely.", "What a kind and thoughtful idea.", "Thank you, that helps."]
 HOSTILE = ["That is a stupid idea.", "I completely disagree with you.", "You are wrong, again."]
@@ -66,7 +66,7 @@ def main() -> None:
         cache = conv.turn_activations("b", layers=[probe.layer])
         return {str(idx): value for idx, value in probe.per_turn(cache).items()}
 
-    def debate(a: AutoModelParticipant, name: str) -> Conversation:
+    def debate(a: ModelParticipant, name: str) -> Conversation:
         b = AutoModelParticipant.from_pretrained(args.model, name="b", max_new_tokens=24)
         return (
             Conversation([a, b], shared_context="Debate: should cities ban cars from their centres?")

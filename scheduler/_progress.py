@@ -33,7 +33,14 @@ class Progress:
         self._started = time.monotonic()
         self._bar: Any = None
         if enabled:
-            from tqdm.auto import tqdm
+            import importlib.util
+
+            # tqdm.auto picks the notebook widget in a kernel, which needs ipywidgets; without it tqdm warns
+            # "IProgress not found" and draws nothing useful, so fall back to the text bar quietly.
+            if importlib.util.find_spec("ipywidgets") is not None:
+                from tqdm.auto import tqdm
+            else:
+                from tqdm import tqdm
 
             self._bar = tqdm(total=total, unit="job", dynamic_ncols=True, desc="rollouts")
 

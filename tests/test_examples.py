@@ -205,7 +205,7 @@ def test_notebook_runs_in_a_jupyter_kernel(tmp_path: Path, monkeypatch: pytest.M
             r"^sync rollout: 2 jobs, 0 failed, [1-9]\d* tokens$",
         ],
     )
-    assert "<RunReport jobs=4 done=4 failed=0 skipped=0>" in results
+    assert "<RunReport jobs=4 done=4 failed=0 skipped=0 out_dir='runs/notebook'>" in results
     # The progress bar: a widget when ipywidgets is installed, else text on stderr; either way it drew.
     stderr = "".join(out.text for out in outputs if out.output_type == "stream" and out.name == "stderr")
     widgets = [out for out in outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
