@@ -15,6 +15,7 @@ error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` tha
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import socket
@@ -33,6 +34,7 @@ from anyio.abc import Process, TaskGroup
 
 from ._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
 from ._outcome import AttemptOutcome, ErrorInfo
+from ._placement import WorkerPlan, plan_workers
 from ._protocols import ExecutionMode, JobSpec
 from ._signals import Notifier
 from ._wire import (
@@ -64,7 +66,7 @@ class SubprocessWorker:
 
     def __init__(
         self,
-        device: str,
+        plan: WorkerPlan | str,
         *,
         capacity: int,
         mode: ExecutionMode,
@@ -74,16 +76,20 @@ class SubprocessWorker:
         start_timeout: float,
         call_gateway: CallGateway | None = None,
     ) -> None:
-        self._device = device
+        if isinstance(plan, str):
+            plan = plan_workers([plan])[0]
+        self._plan = plan
+        self._device = plan.device
         self._capacity = capacity
         self._init = partial(  # the preparation data is taken at each spawn
             Init,
             hooks=hooks,
-            device=device,
+            device=plan.inner,
             capacity=capacity,
             mode=mode,
             max_batch_size=max_batch_size,
             max_batch_wait=max_batch_wait,
+            threads=plan.threads,
         )
         self._call_gateway = call_gateway
         self._start_timeout = start_timeout
@@ -228,6 +234,7 @@ class SubprocessWorker:
                 stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
                 stderr=None,
                 pass_fds=(fd,),
+                env=self._plan.process_env(os.environ),  # its own GPU(s) only; its share of the cores
             )
         except BaseException:
             ours.close()

@@ -87,11 +87,12 @@ class Init:
 
     preparation: dict[str, Any]  # multiprocessing spawn's preparation data (sys.path, cwd, main module)
     hooks: bytes  # the cloudpickled init hooks (b"": none)
-    device: str
+    device: str  # as the worker addresses it ("cuda:0" for the parent's "cuda:3": CUDA_VISIBLE_DEVICES=3)
     capacity: int
     mode: ExecutionMode
     max_batch_size: int
     max_batch_wait: float
+    threads: int | None = None  # torch threads (the CPU workers' share of the cores), None: torch's default
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import anyio
 
 from ._errors import JobPickleError
 from ._outcome import AttemptOutcome, ErrorInfo
+from ._placement import set_worker_device
 from ._protocols import JobSpec
 from ._wire import (
     Blocked,
@@ -103,6 +104,7 @@ async def _serve(sock: socket.socket) -> int:
 
 def _prepare(init: Init) -> None:
     global _bootstrapping
+    set_worker_device(init.device)  # before the main module's import: its code may ask
     preparation = dict(init.preparation)
     _bootstrapping = True
     try:
@@ -116,6 +118,8 @@ def _prepare(init: Init) -> None:
         ) from exc
     finally:
         _bootstrapping = False
+    if init.threads is not None and "torch" in sys.modules:  # else OMP_NUM_THREADS, set for the spawn, holds
+        sys.modules["torch"].set_num_threads(init.threads)
     hooks = pickle.loads(init.hooks) if init.hooks else ()
     for hook in hooks:
         hook()

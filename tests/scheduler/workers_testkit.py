@@ -228,3 +228,31 @@ def exited(pid: int, timeout: float) -> bool:
         return bool(readable)
     finally:
         os.close(fd)
+
+
+@dataclass
+class EnvJob:
+    """Reports what its worker process sees: visible GPUs, thread settings, its device (and torch's threads
+    when ``torch_threads``, which imports torch in the worker)."""
+
+    torch_threads: bool = False
+    needs_device: bool = True
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        from interlens.scheduler import worker_device
+
+        seen: dict[str, Any] = {
+            "pid": os.getpid(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "worker_device": worker_device(),
+            "ctx_device": ctx.device,
+        }
+        if self.torch_threads:
+            import torch
+
+            seen["torch_threads"] = torch.get_num_threads()
+        return JobResult(conversation={}, analysis=seen)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
