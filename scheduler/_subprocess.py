@@ -7,7 +7,8 @@ ledger (turns come back over the pipe and are durable before the worker hears "o
 call (``ctx.call_gateway``: API keys, provider limits, batch rounds), placement and retries. The messages
 are ``_wire``'s; this is the parent's end of each exchange.
 
-Faults: the death of the process (SIGKILL, segfault, the OOM killer) shows up at once as EOF on the pipe;
+Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error
+that poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe;
 every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
 the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
 error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
@@ -42,6 +43,7 @@ from ._wire import (
     Call,
     Cancel,
     Connection,
+    Fatal,
     GatewayCall,
     Init,
     Ready,
@@ -290,6 +292,11 @@ class SubprocessWorker:
                         if pending is not None:
                             pending.outcome = outcome
                             pending.done.set()
+                    case Fatal(err):  # it exits next: its attempts are lost and retried elsewhere
+                        child.fatal = (
+                            "it hit a CUDA error that leaves its process unusable "
+                            f"({err.type}: {err.message}); a fresh worker process replaces it"
+                        )
                     case Call(call_id, TurnCall() as turn):
                         self._tg.start_soon(self._answer, child, call_id, turn)
                     case Call(call_id, GatewayCall() as api):
@@ -345,7 +352,7 @@ class SubprocessWorker:
         lost = ErrorInfo(
             WorkerLostError.__name__,
             f"the worker process for device {self._device!r} (pid {child.process.pid}) died while running "
-            f"this job ({why or status})",
+            f"this job ({why or child.fatal or status})",
             "",
         )
         for pending in child.attempts.values():
@@ -375,6 +382,7 @@ class _Child:
         self.scopes: set[anyio.CancelScope] = set()  # its jobs' API calls being served in the parent
         self.closed = False
         self.gone = anyio.Event()
+        self.fatal: str | None = None  # why it said it must go (a ``Fatal`` message), before it went
 
 
 class _Gate:

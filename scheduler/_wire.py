@@ -16,6 +16,7 @@ Every message is a small frozen dataclass defined here, and each end ``match``-e
                                                     provider batch (the notes a ``Blocker`` gets in-process)
     worker → parent   Ready(pid) | StartFailed(error)
                       Result(req, outcome)          how that attempt ended (an AttemptOutcome)
+                      Fatal(error)                  a CUDA error poisoned the process: it exits next
                       Call(call, TurnCall(req, index, turn))              record a turn in the ledger
                       Call(call, GatewayCall(job_id, spec, request, notes))   the run's API gateway
 
@@ -55,6 +56,7 @@ __all__ = [
     "Calls",
     "Cancel",
     "Connection",
+    "Fatal",
     "GatewayCall",
     "Init",
     "Message",
@@ -153,6 +155,15 @@ class StartFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Fatal:
+    """The worker hit an error that leaves its process unusable (a CUDA error other than out-of-memory):
+    it exits right after sending this, without the results of its running attempts, so they are retried on a
+    fresh process."""
+
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """How attempt ``req`` ended."""
 
@@ -190,8 +201,8 @@ class Call:
     request: TurnCall | GatewayCall
 
 
-Message = Init | Run | Cancel | Reply | Blocked | Unblocked | Ready | StartFailed | Result | Call
-_MESSAGES = (Init, Run, Cancel, Reply, Blocked, Unblocked, Ready, StartFailed, Result, Call)
+Message = Init | Run | Cancel | Reply | Blocked | Unblocked | Ready | StartFailed | Fatal | Result | Call
+_MESSAGES = (Init, Run, Cancel, Reply, Blocked, Unblocked, Ready, StartFailed, Fatal, Result, Call)
 
 
 class Connection:

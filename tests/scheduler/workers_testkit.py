@@ -256,3 +256,29 @@ class EnvJob:
 
     def is_transient(self, exc: BaseException) -> bool:
         return False
+
+
+class FaultyEngine:
+    """Raises ``RuntimeError(error)`` from every batch, as a broken CUDA kernel or a full GPU would."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def generate_batch(
+        self, requests: Sequence[Any], *, mode: ExecutionMode, cancelled: threading.Event | None = None
+    ) -> list[Any]:
+        raise RuntimeError(self.error)
+
+
+@dataclass(frozen=True)
+class FaultyEngineSpec(PidEngineSpec):
+    """A :class:`FaultyEngine`; each load appends the loading process's pid to the file ``log``."""
+
+    error: str = "CUDA error: device-side assert triggered"
+    log: str = ""
+
+    def load_engine(self, device: str) -> Any:
+        if self.log:
+            with open(self.log, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
+        return FaultyEngine(self.error)
