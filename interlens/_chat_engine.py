@@ -117,3 +117,16 @@ class ChatEngine:
     def release_memory(self) -> None:
         """Called by the scheduler before it retries a batch that ran out of memory."""
         self.engine.release_memory()
+
+    def evict(self) -> None:
+        """Called by the scheduler when no job left in the run needs this model: drop it from the
+        process-wide model cache and let its weights go (this engine is not used again)."""
+        from ._model_cache import forget_engine, free_device_memory
+
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        device = engine.device
+        forget_engine(engine)
+        del engine  # the last reference, unless a live caller still holds the model
+        free_device_memory(device)

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from interlens._exceptions import DeviceError, ModelLoadError
 from interlens._generation import LocalEngine
 
-__all__ = ["clear_engine_cache", "load_engine"]
+__all__ = [
+    "cached_engines",
+    "clear_engine_cache",
+    "forget_engine",
+    "free_device_memory",
+    "load_engine",
+    "release_kept",
+]
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -87,6 +95,45 @@ def clear_engine_cache() -> None:
     with _guard:
         _engines.clear()
         _loading.clear()
+
+
+def cached_engines() -> list[LocalEngine]:
+    """The engines this process holds now (for release, eviction and tests)."""
+    with _guard:
+        return list(_engines.values())
+
+
+def release_kept(reuse_keys: Iterable[Hashable]) -> None:
+    """Free the KV caches kept under ``reuse_keys`` in every cached engine (a conversation ended)."""
+    keys = list(reuse_keys)
+    for engine in cached_engines():
+        for key in keys:
+            engine.release(key)
+
+
+def forget_engine(engine: LocalEngine) -> None:
+    """Drop ``engine`` from the cache (the run no longer needs it) and its kept KV caches: a later
+    ``load_engine`` of that recipe loads it afresh; whoever still holds it may keep using it. Drop your own
+    reference, then call :func:`free_device_memory`, for the memory to go back to the device."""
+    with _guard:
+        for key in [k for k, v in _engines.items() if v is engine]:
+            del _engines[key]
+            _loading.pop(key, None)
+    engine.clear_reuse()
+
+
+def free_device_memory(device: str) -> None:
+    """Collect garbage cycles and hand the CUDA allocator's cached blocks back (after an eviction)."""
+    import gc
+
+    gc.collect()
+    if "cuda" in device:
+        import torch
+
+        if torch.cuda.is_available():
+            for member in device.split(","):
+                with torch.cuda.device(member):
+                    torch.cuda.empty_cache()
 
 
 def _canonical_device(device: str) -> str:

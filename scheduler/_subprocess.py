@@ -22,7 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from itertools import count
@@ -43,6 +43,7 @@ from ._wire import (
     Call,
     Cancel,
     Connection,
+    Evict,
     Fatal,
     GatewayCall,
     Init,
@@ -204,6 +205,14 @@ class SubprocessWorker:
                 raise
             assert pending.outcome is not None
             return pending.outcome
+
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        child = self._child
+        if child is not None and not child.closed:  # no process, no engines: nothing to start for this
+            try:
+                await child.conn.send(Evict(keys))
+            except _SEND_FAILED:
+                pass
 
     async def _current(self) -> _Child:
         """The live worker process, spawning one if there is none (one spawn at a time)."""

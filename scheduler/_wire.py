@@ -11,6 +11,7 @@ Every message is a small frozen dataclass defined here, and each end ``match``-e
     parent → worker   Init(preparation, hooks, device, ...)   first message: what to import, hooks, settings
                       Run(req, spec, attempt, committed_turns)   spec: the cloudpickled JobSpec
                       Cancel(req)                   stop that attempt (the run was cancelled)
+                      Evict(keys)                   drop those engines: the rest of the run needs none
                       Reply(call, ok, value)        the answer to a worker's Call
                       Blocked(call) | Unblocked(call)   a GatewayCall's row started / stopped waiting on a
                                                     provider batch (the notes a ``Blocker`` gets in-process)
@@ -56,6 +57,7 @@ __all__ = [
     "Calls",
     "Cancel",
     "Connection",
+    "Evict",
     "Fatal",
     "GatewayCall",
     "Init",
@@ -112,6 +114,13 @@ class Cancel:
     """Stop attempt ``req``: the run is stopping and no longer waits for its result."""
 
     req: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Drop these engines: no job left in the run needs them (see ``_eviction``)."""
+
+    keys: frozenset[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +210,10 @@ class Call:
     request: TurnCall | GatewayCall
 
 
-Message = Init | Run | Cancel | Reply | Blocked | Unblocked | Ready | StartFailed | Fatal | Result | Call
-_MESSAGES = (Init, Run, Cancel, Reply, Blocked, Unblocked, Ready, StartFailed, Fatal, Result, Call)
+Message = (
+    Init | Run | Cancel | Evict | Reply | Blocked | Unblocked | Ready | StartFailed | Fatal | Result | Call
+)
+_MESSAGES = (Init, Run, Cancel, Evict, Reply, Blocked, Unblocked, Ready, StartFailed, Fatal, Result, Call)
 
 
 class Connection:

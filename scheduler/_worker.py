@@ -11,7 +11,7 @@ on the parent side of that seam.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
@@ -79,6 +79,10 @@ class Worker(Protocol):
         ``exclusive``: run it alone on the worker (a job whose worker died under it is retried alone, so a
         job that kills its worker is told apart from the jobs that merely shared the worker with it).
         """
+        ...
+
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        """Drop the engines of ``keys`` if loaded here: no job left in the run needs them."""
         ...
 
     async def __aenter__(self) -> Self: ...
@@ -195,6 +199,10 @@ class InProcessWorker:
             tokens_generated=tokens,
             error=error,
         )
+
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        if self._engines is not None:
+            await self._engines.evict(keys)
 
     def _quiescent(self) -> bool:
         """Every live job is blocked on a generation or an API call: nothing else can join the queue soon, so

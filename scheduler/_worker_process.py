@@ -37,6 +37,7 @@ from ._wire import (
     Calls,
     Cancel,
     Connection,
+    Evict,
     Fatal,
     GatewayCall,
     Init,
@@ -177,6 +178,8 @@ class _Server:
                         self._calls.resolve(reply)
                     case Blocked() | Unblocked() as note:
                         self._calls.noted(note)
+                    case Evict(keys):  # done before the next message: a job it brings may load a model
+                        await worker.evict(keys)
                     case Cancel(req):
                         scope = self._scopes.get(req)
                         if scope is not None:

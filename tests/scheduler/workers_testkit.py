@@ -28,6 +28,8 @@ from interlens.scheduler import (
 
 #: Filled by :func:`mark_init` in a worker (and read back through each job's analysis).
 INIT_MARKS: list[str] = []
+#: Engine names in the order their engines were evicted in this process (read back the same way).
+EVICTED: list[str] = []
 #: Set by a test, read in the parent (where the run's gateway lives): what a :class:`ParentSpec`'s calls run.
 PARENT_CALLS: dict[str, Callable[[Any], Awaitable[Any]]] = {}
 
@@ -105,6 +107,7 @@ class WorkerJob:
             "attempt": ctx.attempt,
             "committed": len(ctx.committed_turns),
             "init": list(INIT_MARKS),
+            "evicted": list(EVICTED),
         }
         return JobResult(conversation={"turns": turns}, tokens_generated=len(turns), analysis=analysis)
 
@@ -282,3 +285,17 @@ class FaultyEngineSpec(PidEngineSpec):
             with open(self.log, "a") as fh:
                 fh.write(f"{os.getpid()}\n")
         return FaultyEngine(self.error)
+
+
+class EvictableEngine(PidEngine):
+    """Records its eviction; answers as "evicted" afterwards (it must never be asked again)."""
+
+    def evict(self) -> None:
+        EVICTED.append(self.name)
+        self.name = "evicted"
+
+
+@dataclass(frozen=True)
+class EvictableSpec(PidEngineSpec):
+    def load_engine(self, device: str) -> EvictableEngine:
+        return EvictableEngine(self.name)

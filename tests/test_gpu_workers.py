@@ -1,0 +1,64 @@
+"""GPU-readiness through the CPU code paths: models leave when the run no longer needs them, kept KV
+caches leave with their conversation, models load straight onto their device (``device_map``).
+
+Real tiny models, real from_pretrained loads; one device, so everything runs in this process and the test
+can look into the process-wide model cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from typing import Any
+
+import interlens
+from interlens import AutoModelParticipant, Conversation
+from interlens._model_cache import cached_engines, clear_engine_cache
+
+
+def _loaded(path: str) -> list[Any]:
+    want = os.path.realpath(path)
+    return [e for e in cached_engines() if os.path.realpath(e.model.config._name_or_path) == want]
+
+
+def _debate(path: str, name: str) -> Conversation:
+    a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=4, kv_reuse=True)
+    b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=4, kv_reuse=True)
+    rows = [{"topic": "tabs"}, {"topic": "spaces"}]
+    return Conversation(participants=[a, b], shared_context="Debate.").turns(3).data(rows).name(name)
+
+
+def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_with_their_job(
+    qwen2_path: str, llama_path: str
+) -> None:
+    clear_engine_cache()
+    refs: list[weakref.ref[Any]] = []
+
+    def on_qwen2(conv: Conversation) -> dict[str, Any]:  # runs in this process, inside the job
+        (engine,) = _loaded(qwen2_path)
+        refs.append(weakref.ref(engine))
+        return {"kept": sorted({key[0] for key in engine._reuse})}  # whose streams are kept now
+
+    def on_llama(conv: Conversation) -> dict[str, Any]:
+        gc.collect()
+        return {
+            "qwen2_cached": bool(_loaded(qwen2_path)),
+            "qwen2_alive": any(ref() is not None for ref in refs),
+            "llama_cached": bool(_loaded(llama_path)),
+        }
+
+    first = _debate(qwen2_path, "q").analyzer(on_qwen2)
+    second = _debate(llama_path, "l").analyzer(on_llama)
+    # One slot on one device: the jobs run one after another, lineup "q" before lineup "l".
+    report = interlens.run([first, second], devices=["cpu"], max_batch_size=1)
+    assert report.failed == [] and len(report.results) == 4
+    q = [report.results[f"q/row_{i:05d}"].analysis for i in range(2)]
+    # Each job kept KV caches for its own streams only: the first job's were released when it ended.
+    assert q == [{"kept": ["q/row_00000"]}, {"kept": ["q/row_00001"]}]
+    for i in range(2):  # once "q" was over, its model left the cache and nothing held its weights
+        analysis = report.results[f"l/row_{i:05d}"].analysis
+        assert analysis == {"qwen2_cached": False, "qwen2_alive": False, "llama_cached": True}
+    (llama,) = _loaded(llama_path)  # the last model stays for the next run in this process ...
+    assert dict(llama._reuse) == {}  # ... without the kept KV caches of conversations that are over
+    clear_engine_cache()
