@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from interlens._exceptions import DeviceError, ModelLoadError
@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+#: The share of a GPU's free memory a model split over a group may take (the rest: activations, KV cache).
+_MEMORY_SHARE = 0.85
 
 _guard = threading.Lock()
 _engines: dict[tuple[Any, ...], LocalEngine] = {}
@@ -51,8 +53,10 @@ def load_engine(
     """Return the engine for this load recipe, loading model + tokenizer on first use (thread-safe).
 
     ``dtype`` is one of ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the checkpoint's dtype) or
-    None (transformers' default). The model is put in eval mode on ``device``. A hub id must already be in
-    the local Hugging Face cache unless ``allow_download`` is true.
+    None: bfloat16 on CUDA, transformers' default (float32) elsewhere. The weights load straight onto
+    ``device`` (``device_map``, see :func:`load_kwargs`), or split over a group of GPUs written
+    ``"cuda:0,cuda:1"``, and the model is put in eval mode. A hub id must already be in the local Hugging
+    Face cache unless ``allow_download`` is true.
     """
     if not isinstance(path_or_id, str) or not path_or_id.strip():
         raise ModelLoadError(
@@ -137,7 +141,17 @@ def free_device_memory(device: str) -> None:
 
 
 def _canonical_device(device: str) -> str:
-    """Validate ``device`` and name it one way ("cuda" is "cuda:0"), so one device never holds two copies."""
+    """Validate ``device`` and name it one way ("cuda" is "cuda:0"), so one device never holds two copies.
+
+    A group of GPUs (one model split over them) is ``"cuda:0,cuda:1"``: each member is checked."""
+    if isinstance(device, str) and "," in device:
+        members = [_canonical_device(m.strip()) for m in device.split(",")]
+        if not all(m.startswith("cuda:") for m in members) or len(set(members)) != len(members):
+            raise DeviceError(
+                f"device={device!r}: a group of devices lists distinct CUDA GPUs, e.g. 'cuda:0,cuda:1'; "
+                "use one device such as 'cpu' otherwise."
+            )
+        return ",".join(members)
     import torch
 
     try:
@@ -158,6 +172,40 @@ def _canonical_device(device: str) -> str:
     if parsed.type == "mps" and not torch.backends.mps.is_available():
         raise DeviceError(f"device={device!r}: MPS is not available on this machine; use 'cpu'.")
     return str(parsed)
+
+
+def load_kwargs(
+    device: str, dtype: str | None, *, free_memory: Callable[[int], int] | None = None
+) -> dict[str, Any]:
+    """What ``from_pretrained`` gets for ``device`` (canonical) and ``dtype``: where the weights go, and how.
+
+    Straight onto the device (``device_map={"": device}``), never host RAM first: eight workers loading a
+    70B through host RAM would need a terabyte. A group (``"cuda:0,cuda:1"``) gets ``device_map="auto"``
+    limited to its GPUs (``max_memory`` from each one's free memory, ``free_memory(index)`` in bytes). On
+    CUDA, ``dtype=None`` means bfloat16: a checkpoint whose config says float32 would otherwise load in
+    float32, at twice the memory and a fraction of the speed. Elsewhere None keeps transformers' default.
+    """
+    kwargs: dict[str, Any] = {}
+    cuda = device.startswith("cuda")
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    elif cuda:
+        kwargs["dtype"] = "bfloat16"
+    if "," in device:
+        free = free_memory or _free_cuda_memory
+        indices = [int(m.partition(":")[2]) for m in device.split(",")]
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {i: int(free(i) * _MEMORY_SHARE) for i in indices}
+    else:
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def _free_cuda_memory(index: int) -> int:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(index)
+    return int(free)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -184,8 +232,15 @@ def _load(
             "save_pretrained, holding config.json and the weights)."
         )
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    kwargs.update(load_kwargs(device, dtype))
+    if not _have_accelerate():  # transformers places weights by device_map only through accelerate
+        placed = kwargs.pop("device_map")
+        kwargs.pop("max_memory", None)
+        if placed == "auto":
+            raise ModelLoadError(
+                f"loading {source!r} over the GPU group {device!r} needs the accelerate package (it splits "
+                "the model over the GPUs): pip install accelerate (or interlens[local])."
+            )
     if local:
         return _from_pretrained(source, device, kwargs, local_files_only=True, where="this directory")
     try:
@@ -217,10 +272,23 @@ def _from_pretrained(
             f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
             "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
         ) from exc
-    model = model.to(device)
+    if "device_map" not in kwargs:  # no accelerate: loaded on the CPU; a GPU gets it from there
+        model = model.to(device)
     model.eval()
-    return LocalEngine(model, tokenizer, device=device)
+    # A group's inputs go to its first GPU, where the embedding is; accelerate's hooks bring the logits back
+    # there too, so sampling runs on that device.
+    embedding = model.get_input_embeddings()
+    first = str(embedding.weight.device) if "," in device and embedding is not None else device
+    engine = LocalEngine(model, tokenizer, device=first)
+    engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
+    return engine
+
+
+def _have_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def _tok_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k != "dtype"}
+    return {k: v for k, v in kwargs.items() if k not in ("dtype", "device_map", "max_memory")}

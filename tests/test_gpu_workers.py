@@ -12,6 +12,8 @@ import os
 import weakref
 from typing import Any
 
+import pytest
+
 import interlens
 from interlens import AutoModelParticipant, Conversation
 from interlens._model_cache import cached_engines, clear_engine_cache
@@ -62,3 +64,46 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
     (llama,) = _loaded(llama_path)  # the last model stays for the next run in this process ...
     assert dict(llama._reuse) == {}  # ... without the kept KV caches of conversations that are over
     clear_engine_cache()
+
+
+def test_weights_load_straight_onto_the_device_through_the_device_map(qwen2_path: str) -> None:
+    pytest.importorskip("accelerate")  # how transformers honours device_map (interlens[local] installs it)
+    from interlens._model_cache import load_engine
+
+    clear_engine_cache()
+    engine = load_engine(qwen2_path, device="cpu")
+    # What from_pretrained was given: it placed the weights itself, no load-then-.to(). (transformers sets
+    # model.hf_device_map only for a map over several devices, so the engine keeps what it was given.)
+    assert engine.placement == {"device_map": {"": "cpu"}}
+    assert {str(p.device) for p in engine.model.parameters()} == {"cpu"}
+    assert str(engine.model.dtype) == "torch.float32"  # dtype=None keeps transformers' default off CUDA
+    clear_engine_cache()
+
+
+def test_the_load_plan_for_a_gpu_and_for_a_group_of_gpus() -> None:
+    from interlens._model_cache import load_kwargs
+
+    assert load_kwargs("cpu", None) == {"device_map": {"": "cpu"}}
+    assert load_kwargs("cuda:1", None) == {"device_map": {"": "cuda:1"}, "dtype": "bfloat16"}  # not fp32
+    assert load_kwargs("cuda:0", "float32") == {"device_map": {"": "cuda:0"}, "dtype": "float32"}
+    free = {0: 80_000_000_000, 1: 40_000_000_000}
+    group = load_kwargs("cuda:0,cuda:1", "float16", free_memory=free.__getitem__)
+    assert group == {
+        "device_map": "auto",
+        "max_memory": {0: 68_000_000_000, 1: 34_000_000_000},  # its own GPUs only, with room to spare
+        "dtype": "float16",
+    }
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cuda:0,cpu", "device='cuda:0' does not exist|a group of devices lists distinct CUDA GPUs"),
+        ("cpu,cpu", "a group of devices lists distinct CUDA GPUs"),
+    ],
+)
+def test_a_bad_group_is_refused_when_loading(qwen2_path: str, device: str, message: str) -> None:
+    from interlens._model_cache import load_engine
+
+    with pytest.raises(interlens.DeviceError, match=message):
+        load_engine(qwen2_path, device=device)
