@@ -37,6 +37,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "auto")
 _MEMORY_SHARE = 0.85
 
 _guard = threading.Lock()
+_import_lock = threading.Lock()
 _engines: dict[tuple[Any, ...], LocalEngine] = {}
 _loading: dict[tuple[Any, ...], threading.Lock] = {}
 
@@ -260,8 +261,7 @@ def _load(
 def _from_pretrained(
     source: str, device: str, kwargs: dict[str, Any], *, local_files_only: bool, where: str
 ) -> LocalEngine:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    AutoModelForCausalLM, AutoTokenizer = _transformers()
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
@@ -282,6 +282,20 @@ def _from_pretrained(
     engine = LocalEngine(model, tokenizer, device=first)
     engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
     return engine
+
+
+def _transformers() -> tuple[Any, Any]:
+    """``AutoModelForCausalLM`` and ``AutoTokenizer``, imported under a lock.
+
+    transformers resolves its names lazily, and two threads resolving them at once in a fresh process (a
+    worker loading two models concurrently) make one of them fail with "cannot import name
+    'AutoModelForCausalLM'". The cache classes the engine imports later are resolved here too, so a
+    generation starting while another model loads does not race either."""
+    with _import_lock:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
+
+        del DynamicCache, StaticCache
+    return AutoModelForCausalLM, AutoTokenizer
 
 
 def _have_accelerate() -> bool:

@@ -107,3 +107,29 @@ def test_a_bad_group_is_refused_when_loading(qwen2_path: str, device: str, messa
 
     with pytest.raises(interlens.DeviceError, match=message):
         load_engine(qwen2_path, device=device)
+
+
+def test_two_models_load_at_once_in_a_fresh_process(qwen2_path: str, llama_path: str) -> None:
+    """A worker loading two models concurrently: transformers' lazy names must not race (it did)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading\n"
+        "from interlens._model_cache import load_engine\n"
+        "errors = []\n"
+        "def load(path):\n"
+        "    try:\n"
+        "        load_engine(path)\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=load, args=(p,)) for p in sys.argv[1:]]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print(errors)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, qwen2_path, llama_path], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
