@@ -93,10 +93,11 @@ class ChatEngine:
         generate = [p for p in prepared if isinstance(p, GenerationRequest)]
         score = [p for p in prepared if isinstance(p, ScoreRequest)]
         mode = mode or ExecutionMode.BATCHED
-        generated = iter(
-            self.engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else []
-        )
-        scored = iter(self.engine.score(score, cancelled=cancelled) if score else [])
+        engine = self.engine  # held for the whole batch: an eviction meanwhile only drops self.engine
+        if engine is None:
+            raise RuntimeError(f"{self!r} was evicted (no job left in the run needed it); load it again")
+        generated = iter(engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else [])
+        scored = iter(engine.score(score, cancelled=cancelled) if score else [])
         out: list[Any] = []
         for p in prepared:
             if isinstance(p, Exception):

@@ -111,7 +111,7 @@ class JobContext(Protocol):
 
     job_id: str
     seed: int
-    device: str  # the device the job is pinned to ("cpu", "cuda:0", ...)
+    device: str  # as its worker addresses it ("cpu", "cuda:0": a CUDA worker sees only its own GPU)
     mode: ExecutionMode
     attempt: int  # 1 on the first attempt
     committed_turns: Sequence[Mapping[str, JSON]]  # turns a previous attempt/run already committed, in order
