@@ -67,10 +67,6 @@ class EngineCache:
             ) from err
         return slot.token, slot.engine
 
-    def __contains__(self, key: Hashable) -> bool:
-        slot = self._slots.get(key)
-        return slot is not None and slot.engine is not None
-
     async def evict(self, keys: Iterable[Hashable]) -> None:
         """Drop the loaded engines of ``keys`` and call their optional ``evict()`` (in a thread: it may
         collect garbage and wait on the device). A job still holding one finishes with it; a job asking for

@@ -227,7 +227,7 @@ class InProcessWorker:
         """A CUDA error other than out-of-memory corrupts the process's CUDA context: every later batch on
         the device would fail. A worker process exits (``on_fatal``) and is replaced; in this process there
         is nothing to replace, so the run is told how to recover."""
-        if not is_fatal_device_error(exc):
+        if self._device is None or not is_fatal_device_error(exc):  # the host worker holds no device
             return
         first = self._fatal is None
         if first:

@@ -65,9 +65,15 @@ def test_a_group_of_gpus_that_are_not_here_is_refused() -> None:
         validate_devices([["cuda:0", "cuda:1"]])
 
 
-async def test_a_worker_process_for_cuda_3_is_started_with_cuda_visible_devices_3() -> None:
-    """A real spawn for the plan of "cuda:3": the process reports its environment and its device."""
-    (plan,) = plan_workers(["cuda:3"], environ={})
+@pytest.mark.parametrize(
+    ("device", "visible", "inner"), [("cuda:3", "3", "cuda:0"), ("cuda:4,cuda:5", "4,5", "cuda:0,cuda:1")]
+)
+async def test_a_worker_process_for_cuda_3_is_started_with_cuda_visible_devices_3(
+    device: str, visible: str, inner: str
+) -> None:
+    """A real spawn for the plan of "cuda:3" (and of a group): the process reports its environment and its
+    device."""
+    (plan,) = plan_workers([device], environ={})
     spec = JobSpec("env/0", "env", seed=0, job=EnvJob())
 
     async def record(index: int, turn: Any) -> None:
@@ -86,10 +92,10 @@ async def test_a_worker_process_for_cuda_3_is_started_with_cuda_visible_devices_
         async with worker:
             await worker.started()
             outcome = await worker.run_attempt(spec, attempt=1, committed_turns=[], record_turn=record)
-    assert outcome.ok and worker.device == "cuda:3"
+    assert outcome.ok and worker.device == device
     seen = outcome.analysis
-    assert seen["visible"] == "3" and seen["pid"] != os.getpid()
-    assert seen["worker_device"] == seen["ctx_device"] == "cuda:0"  # addressed as cuda:0 inside
+    assert seen["visible"] == visible and seen["pid"] != os.getpid()
+    assert seen["worker_device"] == seen["ctx_device"] == inner  # addressed from cuda:0 inside
     assert children() == set()
 
 
