@@ -29,6 +29,7 @@ __all__ = [
     "forget_engine",
     "free_device_memory",
     "load_engine",
+    "recipe_key",
     "release_kept",
 ]
 
@@ -72,7 +73,7 @@ def load_engine(
     device = _canonical_device(device)
     local = os.path.isdir(os.path.expanduser(path_or_id))
     source = os.path.realpath(os.path.expanduser(path_or_id)) if local else path_or_id
-    key = (source, device, dtype, revision, bool(trust_remote_code))
+    key = recipe_key(source, device=device, dtype=dtype, revision=revision, trust=trust_remote_code)
     engine = _engines.get(key)
     if engine is not None:
         return engine
@@ -100,6 +101,14 @@ def clear_engine_cache() -> None:
     with _guard:
         _engines.clear()
         _loading.clear()
+
+
+def recipe_key(
+    source: str, *, device: str, dtype: str | None, revision: str | None, trust: bool
+) -> tuple[Any, ...]:
+    """What tells two loads apart: the dtype as loaded (None on CUDA is bfloat16, so asking for None and for
+    "bfloat16" shares one copy of the weights instead of holding two)."""
+    return (source, device, dtype or _default_dtype(device), revision, bool(trust))
 
 
 def cached_engines() -> list[LocalEngine]:
@@ -187,11 +196,9 @@ def load_kwargs(
     float32, at twice the memory and a fraction of the speed. Elsewhere None keeps transformers' default.
     """
     kwargs: dict[str, Any] = {}
-    cuda = device.startswith("cuda")
+    dtype = dtype or _default_dtype(device)
     if dtype is not None:
         kwargs["dtype"] = dtype
-    elif cuda:
-        kwargs["dtype"] = "bfloat16"
     if "," in device:
         free = free_memory or _free_cuda_memory
         indices = [int(m.partition(":")[2]) for m in device.split(",")]
@@ -200,6 +207,10 @@ def load_kwargs(
     else:
         kwargs["device_map"] = {"": device}
     return kwargs
+
+
+def _default_dtype(device: str) -> str | None:
+    return "bfloat16" if device.startswith("cuda") else None
 
 
 def _free_cuda_memory(index: int) -> int:

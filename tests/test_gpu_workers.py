@@ -133,3 +133,14 @@ def test_two_models_load_at_once_in_a_fresh_process(qwen2_path: str, llama_path:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_dtype_none_on_cuda_and_bfloat16_share_one_copy_of_the_weights() -> None:
+    from interlens._model_cache import recipe_key
+
+    def key(device: str, dtype: str | None) -> tuple[object, ...]:
+        return recipe_key("/m", device=device, dtype=dtype, revision=None, trust=False)
+
+    assert key("cuda:0", None) == key("cuda:0", "bfloat16") != key("cuda:0", "float32")
+    assert key("cuda:0,cuda:1", None) == key("cuda:0,cuda:1", "bfloat16")
+    assert key("cpu", None) != key("cpu", "bfloat16")  # off CUDA, None is float32
