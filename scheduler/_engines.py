@@ -2,13 +2,15 @@
 
 The first job to need an engine starts its load in the worker's own task group (not in the asking job's
 task), so a job cancelled mid-load does not strand the others waiting on it. A failed load is remembered
-for the run: every job that needs that engine fails fast with :class:`EngineLoadError`; others carry on.
+for the run (without its frames' locals, which would hold half-loaded weights): every job that needs that
+engine fails fast with :class:`EngineLoadError`; others carry on.
 An engine the run no longer needs is evicted (``_eviction`` decides, :meth:`EngineCache.evict` drops it).
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Hashable, Iterable
 from functools import partial
 from itertools import count
@@ -97,9 +99,22 @@ class EngineCache:
                 )
             slot.engine = engine
         except Exception as exc:
+            _drop_frames(exc)
             slot.error = exc
         finally:
             slot.loaded.set()
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the locals of a failed load's frames (its whole chain of causes): the error is kept for the
+    rest of the run, and its traceback would keep the half-loaded weights on the device with it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def _key_of(spec: EngineSpec) -> Hashable:

@@ -1,4 +1,5 @@
-"""An engine no remaining job of the run needs is evicted from the workers; one still needed stays."""
+"""Device memory over a run: an engine no remaining job needs is evicted (one still needed stays), and a
+failed load keeps no half-loaded weights alive."""
 
 from __future__ import annotations
 
@@ -102,3 +103,20 @@ async def test_a_worker_process_evicts_when_told_before_its_next_job() -> None:
     assert first.analysis["evicted"] == [] and second.analysis["evicted"] == ["m1"]
     assert first.analysis["pid"] == second.analysis["pid"] and EVICTED == []  # it happened in the worker
     assert children() == set()
+
+
+async def test_a_failed_load_keeps_no_half_loaded_weights_alive_for_the_rest_of_the_run() -> None:
+    from workers_testkit import HALF_LOADED, GcJob, HalfLoadSpec
+
+    HALF_LOADED.clear()
+    specs = [
+        JobSpec("h/0", "h", seed=0, job=WorkerJob(turns=1, engine=HalfLoadSpec("huge"))),
+        JobSpec("h/1", "h", seed=1, job=GcJob()),
+    ]
+    lineup = LineupSpec(name="h", fingerprint="h", jobs=iter(specs), n_jobs=2)
+    with anyio.fail_after(30):
+        out = await run_jobs([lineup], devices=["cpu"], out_dir=None, max_batch_size=1)
+    error = out.outcome("h/0").error
+    assert error is not None and "ran out of memory loading huge" in error.message  # the error is kept ...
+    assert out.outcome("h/1").analysis == {"alive": [False]}  # ... its frames' weights are not
+    HALF_LOADED.clear()

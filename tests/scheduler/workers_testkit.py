@@ -299,3 +299,39 @@ class EvictableEngine(PidEngine):
 class EvictableSpec(PidEngineSpec):
     def load_engine(self, device: str) -> EvictableEngine:
         return EvictableEngine(self.name)
+
+
+class Weights:
+    """Stands in for half-loaded weights (weakly referenced by :data:`HALF_LOADED`)."""
+
+
+#: Weak references to what a failed :class:`HalfLoadSpec` load held when it failed.
+HALF_LOADED: list[Any] = []
+
+
+@dataclass(frozen=True)
+class HalfLoadSpec(PidEngineSpec):
+    """Its load fails after it allocated its weights, as a load that runs out of memory halfway does."""
+
+    def load_engine(self, device: str) -> PidEngine:
+        import weakref
+
+        weights = Weights()
+        HALF_LOADED.append(weakref.ref(weights))
+        raise MemoryError(f"ran out of memory loading {self.name} on {device}")
+
+
+@dataclass
+class GcJob:
+    """Collects garbage, then reports whether the failed load's weights are still alive."""
+
+    needs_device: bool = True
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        import gc
+
+        gc.collect()
+        return JobResult(conversation={}, analysis={"alive": [ref() is not None for ref in HALF_LOADED]})
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
