@@ -8,7 +8,7 @@ A :class:`Conversation` is the recipe, the live dialogue and the rollout driver 
 Importing interlens is cheap: torch, transformers, datasets and the provider SDKs load on first use.
 """
 
-from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, available_devices
+from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, available_devices, worker_device
 
 from ._analyzers import register_analyzer, register_worker_init
 from ._api_participant import APIParticipant
@@ -99,4 +99,5 @@ __all__ = [
     "register_analyzer",
     "register_worker_init",
     "run",
+    "worker_device",
 ]

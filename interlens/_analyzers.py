@@ -51,7 +51,8 @@ def register_worker_init(fn: Callable[[], Any]) -> Callable[[], Any]:
     script, as spawn does, and calls its own copy of ``fn``, which shares the script's globals with the
     analyzers it registered: a probe ``fn`` loads into a global is the one they read), a closure by value.
     With one device it runs once in this process at the start of each run. Registering the same function
-    twice keeps one. Returns ``fn`` (usable as a decorator).
+    twice keeps one. Returns ``fn`` (usable as a decorator). ``fn`` learns its worker's device from
+    :func:`interlens.worker_device` (``"cuda:0"`` in every CUDA worker process: each sees only its own GPU).
     """
     if not callable(fn):
         raise ConfigurationError(f"register_worker_init() needs a callable taking no arguments, got {fn!r}")

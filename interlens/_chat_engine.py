@@ -93,10 +93,11 @@ class ChatEngine:
         generate = [p for p in prepared if isinstance(p, GenerationRequest)]
         score = [p for p in prepared if isinstance(p, ScoreRequest)]
         mode = mode or ExecutionMode.BATCHED
-        generated = iter(
-            self.engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else []
-        )
-        scored = iter(self.engine.score(score, cancelled=cancelled) if score else [])
+        engine = self.engine  # held for the whole batch: an eviction meanwhile only drops self.engine
+        if engine is None:
+            raise RuntimeError(f"{self!r} was evicted (no job left in the run needed it); load it again")
+        generated = iter(engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else [])
+        scored = iter(engine.score(score, cancelled=cancelled) if score else [])
         out: list[Any] = []
         for p in prepared:
             if isinstance(p, Exception):
@@ -117,3 +118,16 @@ class ChatEngine:
     def release_memory(self) -> None:
         """Called by the scheduler before it retries a batch that ran out of memory."""
         self.engine.release_memory()
+
+    def evict(self) -> None:
+        """Called by the scheduler when no job left in the run needs this model: drop it from the
+        process-wide model cache and let its weights go (this engine is not used again)."""
+        from ._model_cache import forget_engine, free_device_memory
+
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        device = engine.device
+        forget_engine(engine)
+        del engine  # the last reference, unless a live caller still holds the model
+        free_device_memory(device)

@@ -73,6 +73,9 @@ class LocalEngine(InterpRows, KVReuse):
         self.shared_prefill = shared_prefill
         self._lock = threading.Lock()
         self._reuse = OrderedDict()
+        #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
+        #: ``interlens._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
+        self.placement: dict[str, Any] = {}
         # "static" for batches (see ``_prefill``); tests and the benchmark may compare "dynamic".
         self._batch_cache = "static"
 

@@ -390,8 +390,10 @@ class AutoModelParticipant:
         to forbid it), once per process and device, shared by every participant with the same load recipe.
 
         Settings: ``system_prompt``, ``temperature``, ``top_p``, ``max_new_tokens``, ``stop``, ``seed``,
-        ``kv_reuse`` (True | False), ``device``, ``dtype``, ``revision``, ``steering`` (a
-        :class:`SteeringSpec` or a list of them, applied to every turn; needs ``batched=False`` in rollouts).
+        ``kv_reuse`` (True | False), ``device``, ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``,
+        ``"auto"``: the checkpoint's; None: bfloat16 on CUDA, float32 elsewhere), ``revision``, ``steering``
+        (a :class:`SteeringSpec` or a list of them, applied to every turn; needs ``batched=False`` in
+        rollouts).
         """
         unknown = sorted(set(settings) - set(_SETTINGS))
         if unknown:

@@ -29,7 +29,7 @@ __all__ = ["OPTION_DEFAULTS", "Options", "RunOptions", "check_n", "parse_options
 class RunOptions(TypedDict, total=False):
     """The keyword options of ``rollout``/``run`` (for type checkers and IDEs: ``**options: Unpack[...]``)."""
 
-    devices: Sequence[str] | None
+    devices: Sequence[str | Sequence[str]] | None  # an inner list: a group of GPUs for one worker
     out_dir: str | os.PathLike[str] | None
     seed: int
     batched: bool | None
@@ -75,7 +75,7 @@ class Options:
     """Checked options of one run call."""
 
     caller: str  # "rollout", "arollout", "run", "arun": named in every message
-    devices: list[str] | None
+    devices: list[str | Sequence[str]] | None
     out_dir: Path | None
     seed: int
     resume: bool
@@ -154,7 +154,7 @@ def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:
     )
 
 
-def _devices(where: str, devices: Any) -> list[str] | None:
+def _devices(where: str, devices: Any) -> list[str | Sequence[str]] | None:
     if devices is None:
         return None
     if isinstance(devices, str):

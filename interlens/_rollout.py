@@ -14,7 +14,7 @@ import of the package), so imports run one way, rollout → report → conversat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -74,14 +74,19 @@ class ConversationJob:
         async def record(index: int, message: Message) -> None:
             await ctx.record_turn(index, message.to_json())
 
-        with in_job(ctx):
-            await conv.advance(on_turn=record)
-            analysis, analysis_error = None, None
-            if conv.analyzer_fn is not None:
-                try:
-                    analysis = await run_analyzer(conv.analyzer_fn, conv)
-                except Exception as exc:
-                    analysis_error = exc
+        try:
+            with in_job(ctx):
+                await conv.advance(on_turn=record)
+                analysis, analysis_error = None, None
+                if conv.analyzer_fn is not None:
+                    try:
+                        analysis = await run_analyzer(conv.analyzer_fn, conv)
+                    except Exception as exc:
+                        analysis_error = exc
+        except Exception:
+            await _release_kept(conv, ctx.job_id)
+            raise
+        await _release_kept(conv, ctx.job_id)  # the conversation is over: its kept KV caches can go
         state = conv.to_json()
         if self.recipe is not None:
             state["recipe"] = self.recipe
@@ -94,6 +99,19 @@ class ConversationJob:
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
+
+
+async def _release_kept(conv: Conversation, stream_id: str) -> None:
+    """Free the KV caches this job's participants kept between turns (keyed ``(stream_id, name)``).
+
+    In a thread: the engine's lock may be held by another job's batch."""
+    import anyio
+
+    from ._model_cache import release_kept
+
+    keys = [(stream_id, p.name) for p in conv.participants if getattr(p, "kv_reuse", False)]
+    if keys:
+        await anyio.to_thread.run_sync(release_kept, keys)
 
 
 class _Jobs:
@@ -162,6 +180,7 @@ def lineup_spec(
             "a steered turn cannot share); pass batched=False (mode=ExecutionMode.DETERMINISTIC)"
         )
     needs_device = any(p.needs_device for p in conv.participants)
+    engine_keys = _engine_keys(conv.participants)
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
 
@@ -199,6 +218,7 @@ def lineup_spec(
             n_jobs=rows.total,
             describe=recipe,
             explain_input=explain_change,
+            engine_keys=engine_keys,
         )
     if any(
         is_templated(v)
@@ -228,7 +248,22 @@ def lineup_spec(
         n_jobs=count,
         describe=recipe,
         explain_input=explain_change,
+        engine_keys=engine_keys,
     )
+
+
+def _engine_keys(participants: Sequence[Any]) -> frozenset[Hashable] | None:
+    """The scheduler engines a lineup's turns use (an engine no remaining lineup needs is evicted); None when
+    a participant needs a device but names no engine (its jobs may use any)."""
+    keys: set[Hashable] = set()
+    for p in participants:
+        if not p.needs_device:
+            continue
+        key = getattr(p, "engine_key", None)
+        if key is None:
+            return None
+        keys.add(key)
+    return frozenset(keys)
 
 
 def _versions() -> dict[str, str]:

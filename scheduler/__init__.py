@@ -16,6 +16,7 @@ from ._errors import (
     WorkerStartError,
 )
 from ._outcome import ErrorInfo, JobOutcome, RunOutcome
+from ._placement import worker_device
 from ._protocols import (
     BatchCancelled,
     Engine,
@@ -77,4 +78,5 @@ __all__ = [
     "run_jobs",
     "run_sync",
     "validate_devices",
+    "worker_device",
 ]

@@ -55,12 +55,13 @@ def available_devices() -> list[str]:
     return ["cpu"]
 
 
-def validate_devices(devices: Sequence[str]) -> list[str]:
+def validate_devices(devices: Sequence[str | Sequence[str]]) -> list[str]:
     """Return ``devices`` as a list of strings, or raise :class:`DeviceError` naming the bad one and the fix.
 
     Accepted: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` for a visible GPU, ``"mps"`` where available. A
     ``torch.device`` is accepted too (it is turned into its string). Repeating a device is allowed: it means
-    two workers sharing it.
+    two workers sharing it. A GROUP of GPUs, one worker holding one model split over them, is a list
+    (``["cuda:0", "cuda:1"]``) or the same joined by commas (``"cuda:0,cuda:1"``); it is returned joined.
     """
     if isinstance(devices, str):
         raise DeviceError(
@@ -68,14 +69,12 @@ def validate_devices(devices: Sequence[str]) -> list[str]:
             f"write devices=[{devices!r}]"
         )
     out: list[str] = []
-    for d in devices:
-        if not isinstance(d, str) and type(d).__module__.split(".")[0] == "torch":
-            d = str(d)
-        if not isinstance(d, str):
-            raise DeviceError(
-                f"a device must be a string such as 'cpu' or 'cuda:0', got {d!r} ({type(d).__name__})"
-            )
-        out.append(d)
+    for i, d in enumerate(devices):
+        if isinstance(d, list | tuple):
+            out.append(_group(i, [_one_string(i, m) for m in d]))
+            continue
+        d = _one_string(i, d)
+        out.append(_group(i, d.split(",")) if "," in d else d)
     if not out:
         raise DeviceError(
             f"devices is empty; pass at least one device, e.g. devices={available_devices()!r} "
@@ -89,7 +88,43 @@ def validate_devices(devices: Sequence[str]) -> list[str]:
     return out
 
 
+def _one_string(i: int, d: object) -> str:
+    if not isinstance(d, str) and type(d).__module__.split(".")[0] == "torch":
+        d = str(d)
+    if not isinstance(d, str):
+        raise DeviceError(
+            f"devices[{i}]: a device must be a string such as 'cpu' or 'cuda:0', got {d!r} "
+            f"({type(d).__name__}); a group of GPUs for one worker is a list such as ['cuda:0', 'cuda:1']"
+        )
+    return d.strip()
+
+
+def _group(i: int, members: list[str]) -> str:
+    """A group of GPUs for one worker, checked and named ``"cuda:0,cuda:1"``."""
+    if not members:
+        raise DeviceError(
+            f"devices[{i}] is an empty group; a group lists the GPUs one worker spreads its model over, "
+            "e.g. devices=[['cuda:0', 'cuda:1']]"
+        )
+    names = []
+    for m in members:
+        match = _CUDA.fullmatch(m)
+        if match is None:
+            raise DeviceError(
+                f"devices[{i}]: a group of devices may hold only CUDA GPUs ('cuda:N'), got {m!r} in "
+                f"{members!r}; use a plain entry such as 'cpu' for a worker of its own"
+            )
+        names.append(f"cuda:{int(match.group(1) or 0)}")
+    if len(set(names)) != len(names):
+        raise DeviceError(f"devices[{i}]: the group {members!r} names a GPU twice; list each GPU once")
+    return ",".join(names)
+
+
 def _check_one(device: str, torch: Any | None) -> None:
+    if "," in device:
+        for member in device.split(","):
+            _check_one(member, torch)
+        return
     if device == "cpu":
         return
     here = f"devices available here: {available_devices()!r} (see available_devices())"

@@ -2,13 +2,18 @@
 
 The first job to need an engine starts its load in the worker's own task group (not in the asking job's
 task), so a job cancelled mid-load does not strand the others waiting on it. A failed load is remembered
-for the run: every job that needs that engine fails fast with :class:`EngineLoadError`; others carry on.
+for the run (without its frames' locals, which would hold half-loaded weights): every job that needs that
+engine fails fast with :class:`EngineLoadError`; others carry on.
+An engine the run no longer needs is evicted (``_eviction`` decides, :meth:`EngineCache.evict` drops it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import logging
+import traceback
+from collections.abc import Hashable, Iterable
 from functools import partial
+from itertools import count
 from typing import Any
 
 import anyio
@@ -20,11 +25,16 @@ from ._threads import run_in_thread
 
 __all__ = ["EngineCache"]
 
+log = logging.getLogger("interlens.scheduler")
+
 
 class _Slot:
-    __slots__ = ("engine", "error", "loaded")
+    __slots__ = ("engine", "error", "loaded", "token")
 
-    def __init__(self) -> None:
+    def __init__(self, token: Hashable) -> None:
+        self.token = (
+            token  # the batcher's key: a fresh one per load, so a reload never meets an evicted engine
+        )
         self.loaded = anyio.Event()
         self.engine: Engine | None = None
         self.error: BaseException | None = None
@@ -37,6 +47,7 @@ class EngineCache:
         self._device = device
         self._tg = task_group  # the worker's: loads outlive the job that asked first
         self._slots: dict[Hashable, _Slot] = {}
+        self._loads = count()
         self._limiter = anyio.CapacityLimiter(4)  # own tokens: busy job threads cannot delay a load
 
     def __len__(self) -> int:
@@ -46,7 +57,7 @@ class EngineCache:
         key = _key_of(spec)
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = _Slot()
+            slot = self._slots[key] = _Slot((key, next(self._loads)))
             self._tg.start_soon(self._load, spec, key, slot)
         await slot.loaded.wait()
         if slot.engine is None:
@@ -56,7 +67,25 @@ class EngineCache:
                 f"loading engine {key!r} on {self._device!r} {why}; "
                 "every job using this engine fails in this run, the others carry on"
             ) from err
-        return key, slot.engine
+        return slot.token, slot.engine
+
+    async def evict(self, keys: Iterable[Hashable]) -> None:
+        """Drop the loaded engines of ``keys`` and call their optional ``evict()`` (in a thread: it may
+        collect garbage and wait on the device). A job still holding one finishes with it; a job asking for
+        that engine again loads it afresh."""
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None or slot.engine is None:
+                continue  # never loaded here, still loading, or a failed load (remembered for the run)
+            del self._slots[key]
+            engine, slot.engine = slot.engine, None
+            evict = getattr(engine, "evict", None)
+            del engine
+            if callable(evict):
+                try:
+                    await run_in_thread(evict, limiter=self._limiter)
+                except Exception:
+                    log.warning("evicting engine %r on %r failed", key, self._device, exc_info=True)
 
     async def _load(self, spec: EngineSpec, key: Hashable, slot: _Slot) -> None:
         try:
@@ -70,9 +99,22 @@ class EngineCache:
                 )
             slot.engine = engine
         except Exception as exc:
+            _drop_frames(exc)
             slot.error = exc
         finally:
             slot.loaded.set()
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the locals of a failed load's frames (its whole chain of causes): the error is kept for the
+    rest of the run, and its traceback would keep the half-loaded weights on the device with it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def _key_of(spec: EngineSpec) -> Hashable:

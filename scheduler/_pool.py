@@ -2,7 +2,8 @@
 
 Kept apart from ``_run`` (which places and drives jobs) because what it decides is where code runs: a
 single device keeps everything in this process (no pickling, no start-up cost); several devices get one
-worker process each, started concurrently, so a run fails fast, before any job starts, when one of them
+worker process each (seeing only its own GPUs, with its share of the CPU cores: ``_placement``), started
+concurrently, so a run fails fast, before any job starts, when one of them
 cannot start. Init hooks run once per worker before its first job: in each worker process, or here once
 for an in-process run.
 
@@ -24,6 +25,7 @@ from typing import Any
 import anyio
 
 from ._errors import SchedulerConfigError, WorkerStartError
+from ._placement import plan_workers, set_worker_device
 from ._protocols import ExecutionMode
 from ._worker import CallGateway, InProcessWorker, Worker
 
@@ -60,9 +62,9 @@ async def open_workers(
         from ._subprocess import SubprocessWorker
 
         hooks = _pickle_hooks(worker_init)
-        for device in devices:
+        for plan in plan_workers(devices):
             worker: Worker = SubprocessWorker(
-                device,
+                plan,
                 capacity=max_batch_size,
                 hooks=hooks,
                 start_timeout=start_timeout,
@@ -83,6 +85,8 @@ async def open_workers(
         if errors:
             raise errors[0]
     else:
+        set_worker_device(devices[0])  # for the hooks and jobs of this run, as a worker process would say
+        stack.callback(set_worker_device, None)
         _run_hooks_here(worker_init)
         for device in devices:
             worker = InProcessWorker(device, capacity=max_batch_size, **settings)

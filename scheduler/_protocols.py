@@ -86,6 +86,10 @@ class Engine(Protocol):
         tensors are freed) and calls the engine's ``release_memory()`` if it has one (optional, not part of
         this protocol's required methods: e.g. return the CUDA allocator's cached blocks). A per-request
         failure can instead be returned in place as an Exception instance, raised to that caller only.
+
+        Also optional: ``evict()``, called (in a thread) when the run no longer needs this engine (see
+        ``LineupSpec.engine_keys``) and the worker drops it: let go of whatever keeps the weights alive (a
+        process-wide cache) and return the device memory. The engine is not called again afterwards.
         """
         ...
 
@@ -107,7 +111,7 @@ class JobContext(Protocol):
 
     job_id: str
     seed: int
-    device: str  # the device the job is pinned to ("cpu", "cuda:0", ...)
+    device: str  # as its worker addresses it ("cpu", "cuda:0": a CUDA worker sees only its own GPU)
     mode: ExecutionMode
     attempt: int  # 1 on the first attempt
     committed_turns: Sequence[Mapping[str, JSON]]  # turns a previous attempt/run already committed, in order
@@ -193,3 +197,7 @@ class LineupSpec:
     n_jobs: int | None = None  # when known, for progress
     describe: Mapping[str, JSON] = field(default_factory=dict)  # recipe summary, to explain a mismatch
     explain_input: Callable[[JobSpec, str], list[str]] | None = None
+    #: The ``engine_key`` of every engine its jobs use. Once every job of this lineup has ended, an engine no
+    #: remaining lineup names is evicted from the workers (``_eviction``). None: unknown (its jobs may use
+    #: any engine), so nothing is evicted while this lineup remains.
+    engine_keys: frozenset[Hashable] | None = None

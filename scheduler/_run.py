@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +25,7 @@ from interlens.store import RecordedJobs
 from ._checks import check_arguments, check_spec, needs_device
 from ._devices import validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
+from ._eviction import EngineNeeds
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
 from ._pool import WorkerInit, open_workers, refuse_while_bootstrapping
@@ -218,6 +219,7 @@ class _Run:
         self._error: Exception | None = None
         self._tg: TaskGroup | None = None
         self._gateway: Gateway | None = None
+        self._needs = EngineNeeds(lineups)
         self.api_stats: dict[str, Any] = {}
 
     @property
@@ -342,7 +344,15 @@ class _Run:
                     self._progress.job_skipped()
                     continue
                 needs_device(spec)  # a malformed job is refused when pulled, before it is recorded
+                self._needs.pulled(lineup.name)
                 yield spec
+            self._evict(self._needs.exhausted(lineup.name))
+
+    def _evict(self, keys: frozenset[Hashable]) -> None:
+        """Drop engines no remaining job of the run needs from every device worker (``_eviction``)."""
+        if keys and self._tg is not None:
+            for worker in self._pools[0]:
+                self._tg.start_soon(worker.evict, keys, name="interlens engine eviction")
 
     def _claim(self) -> tuple[JobSpec, Worker] | None:
         """The next buffered job and a slot for it on the least-loaded worker of its pool, if one is free.
@@ -398,8 +408,12 @@ class _Run:
             self._abort(exc)
         finally:
             worker.leave()
+            unneeded = self._needs.ended(spec.lineup)
             if self._gateway is not None:
                 self._gateway.poke()  # one job fewer to wait for: a pending round may be complete now
+        if unneeded:  # before this runner starts its next job, which may load the next model
+            for device_worker in self._pools[0]:
+                await device_worker.evict(unneeded)
 
     async def _drive(self, spec: JobSpec, worker: Worker) -> None:
         rec, job_id = self._rec, spec.job_id

@@ -7,7 +7,8 @@ ledger (turns come back over the pipe and are durable before the worker hears "o
 call (``ctx.call_gateway``: API keys, provider limits, batch rounds), placement and retries. The messages
 are ``_wire``'s; this is the parent's end of each exchange.
 
-Faults: the death of the process (SIGKILL, segfault, the OOM killer) shows up at once as EOF on the pipe;
+Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error
+that poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe;
 every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
 the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
 error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
@@ -15,12 +16,13 @@ error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` tha
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from itertools import count
@@ -33,6 +35,7 @@ from anyio.abc import Process, TaskGroup
 
 from ._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
 from ._outcome import AttemptOutcome, ErrorInfo
+from ._placement import WorkerPlan, plan_workers
 from ._protocols import ExecutionMode, JobSpec
 from ._signals import Notifier
 from ._wire import (
@@ -40,6 +43,8 @@ from ._wire import (
     Call,
     Cancel,
     Connection,
+    Evict,
+    Fatal,
     GatewayCall,
     Init,
     Ready,
@@ -64,7 +69,7 @@ class SubprocessWorker:
 
     def __init__(
         self,
-        device: str,
+        plan: WorkerPlan | str,
         *,
         capacity: int,
         mode: ExecutionMode,
@@ -74,16 +79,20 @@ class SubprocessWorker:
         start_timeout: float,
         call_gateway: CallGateway | None = None,
     ) -> None:
-        self._device = device
+        if isinstance(plan, str):
+            plan = plan_workers([plan])[0]
+        self._plan = plan
+        self._device = plan.device
         self._capacity = capacity
         self._init = partial(  # the preparation data is taken at each spawn
             Init,
             hooks=hooks,
-            device=device,
+            device=plan.inner,
             capacity=capacity,
             mode=mode,
             max_batch_size=max_batch_size,
             max_batch_wait=max_batch_wait,
+            threads=plan.threads,
         )
         self._call_gateway = call_gateway
         self._start_timeout = start_timeout
@@ -197,6 +206,14 @@ class SubprocessWorker:
             assert pending.outcome is not None
             return pending.outcome
 
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        child = self._child
+        if child is not None and not child.closed:  # no process, no engines: nothing to start for this
+            try:
+                await child.conn.send(Evict(keys))
+            except _SEND_FAILED:
+                pass
+
     async def _current(self) -> _Child:
         """The live worker process, spawning one if there is none (one spawn at a time)."""
         async with self._spawn_lock:
@@ -228,6 +245,7 @@ class SubprocessWorker:
                 stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
                 stderr=None,
                 pass_fds=(fd,),
+                env=self._plan.process_env(os.environ),  # its own GPU(s) only; its share of the cores
             )
         except BaseException:
             ours.close()
@@ -283,6 +301,11 @@ class SubprocessWorker:
                         if pending is not None:
                             pending.outcome = outcome
                             pending.done.set()
+                    case Fatal(err):  # it exits next: its attempts are lost and retried elsewhere
+                        child.fatal = (
+                            "it hit a CUDA error that leaves its process unusable "
+                            f"({err.type}: {err.message}); a fresh worker process replaces it"
+                        )
                     case Call(call_id, TurnCall() as turn):
                         self._tg.start_soon(self._answer, child, call_id, turn)
                     case Call(call_id, GatewayCall() as api):
@@ -338,7 +361,7 @@ class SubprocessWorker:
         lost = ErrorInfo(
             WorkerLostError.__name__,
             f"the worker process for device {self._device!r} (pid {child.process.pid}) died while running "
-            f"this job ({why or status})",
+            f"this job ({why or child.fatal or status})",
             "",
         )
         for pending in child.attempts.values():
@@ -368,6 +391,7 @@ class _Child:
         self.scopes: set[anyio.CancelScope] = set()  # its jobs' API calls being served in the parent
         self.closed = False
         self.gone = anyio.Event()
+        self.fatal: str | None = None  # why it said it must go (a ``Fatal`` message), before it went
 
 
 class _Gate:

@@ -11,11 +11,13 @@ Every message is a small frozen dataclass defined here, and each end ``match``-e
     parent → worker   Init(preparation, hooks, device, ...)   first message: what to import, hooks, settings
                       Run(req, spec, attempt, committed_turns)   spec: the cloudpickled JobSpec
                       Cancel(req)                   stop that attempt (the run was cancelled)
+                      Evict(keys)                   drop those engines: the rest of the run needs none
                       Reply(call, ok, value)        the answer to a worker's Call
                       Blocked(call) | Unblocked(call)   a GatewayCall's row started / stopped waiting on a
                                                     provider batch (the notes a ``Blocker`` gets in-process)
     worker → parent   Ready(pid) | StartFailed(error)
                       Result(req, outcome)          how that attempt ended (an AttemptOutcome)
+                      Fatal(error)                  a CUDA error poisoned the process: it exits next
                       Call(call, TurnCall(req, index, turn))              record a turn in the ledger
                       Call(call, GatewayCall(job_id, spec, request, notes))   the run's API gateway
 
@@ -55,6 +57,8 @@ __all__ = [
     "Calls",
     "Cancel",
     "Connection",
+    "Evict",
+    "Fatal",
     "GatewayCall",
     "Init",
     "Message",
@@ -87,11 +91,12 @@ class Init:
 
     preparation: dict[str, Any]  # multiprocessing spawn's preparation data (sys.path, cwd, main module)
     hooks: bytes  # the cloudpickled init hooks (b"": none)
-    device: str
+    device: str  # as the worker addresses it ("cuda:0" for the parent's "cuda:3": CUDA_VISIBLE_DEVICES=3)
     capacity: int
     mode: ExecutionMode
     max_batch_size: int
     max_batch_wait: float
+    threads: int | None = None  # torch threads (the CPU workers' share of the cores), None: torch's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,13 @@ class Cancel:
     """Stop attempt ``req``: the run is stopping and no longer waits for its result."""
 
     req: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Drop these engines: no job left in the run needs them (see ``_eviction``)."""
+
+    keys: frozenset[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +164,15 @@ class StartFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Fatal:
+    """The worker hit an error that leaves its process unusable (a CUDA error other than out-of-memory):
+    it exits right after sending this, without the results of its running attempts, so they are retried on a
+    fresh process."""
+
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """How attempt ``req`` ended."""
 
@@ -189,8 +210,10 @@ class Call:
     request: TurnCall | GatewayCall
 
 
-Message = Init | Run | Cancel | Reply | Blocked | Unblocked | Ready | StartFailed | Result | Call
-_MESSAGES = (Init, Run, Cancel, Reply, Blocked, Unblocked, Ready, StartFailed, Result, Call)
+Message = (
+    Init | Run | Cancel | Evict | Reply | Blocked | Unblocked | Ready | StartFailed | Fatal | Result | Call
+)
+_MESSAGES = (Init, Run, Cancel, Evict, Reply, Blocked, Unblocked, Ready, StartFailed, Fatal, Result, Call)
 
 
 class Connection:

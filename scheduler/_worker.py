@@ -10,14 +10,15 @@ on the parent side of that seam.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import anyio
 from anyio.abc import TaskGroup
 
-from ._batcher import Batcher
+from ._batcher import Batcher, is_out_of_memory
 from ._engines import EngineCache
 from ._errors import NoDeviceError, SchedulerError
 from ._outcome import AttemptOutcome, ErrorInfo
@@ -27,7 +28,9 @@ from ._signals import Notifier
 if TYPE_CHECKING:
     from .gateway import Blocker
 
-__all__ = ["HOST_DEVICE", "CallGateway", "InProcessWorker", "RecordTurn", "Worker"]
+__all__ = ["HOST_DEVICE", "CallGateway", "InProcessWorker", "RecordTurn", "Worker", "is_fatal_device_error"]
+
+log = logging.getLogger("interlens.scheduler")
 
 #: The ``device`` of jobs that need no local model (scripted or API-only): they run in the host worker.
 HOST_DEVICE = "host"
@@ -78,6 +81,10 @@ class Worker(Protocol):
         """
         ...
 
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        """Drop the engines of ``keys`` if loaded here: no job left in the run needs them."""
+        ...
+
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(
@@ -101,9 +108,12 @@ class InProcessWorker:
         max_batch_size: int,
         max_batch_wait: float,
         call_gateway: CallGateway | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._device = device
         self._call_gateway = call_gateway
+        self._on_fatal = on_fatal
+        self._fatal: BaseException | None = None
         self._capacity = capacity
         self._mode = mode
         self._max_batch_size = max_batch_size
@@ -180,6 +190,7 @@ class InProcessWorker:
             if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
                 raise TypeError(f"JobResult.tokens_generated must be an int >= 0, got {tokens!r}")
         except Exception as exc:  # the job's own failure; cancellation (a BaseException) propagates
+            self._check_fatal(exc)
             return AttemptOutcome(error=ErrorInfo.from_exception(exc), transient=_is_transient(job, exc))
         error = None if result.analysis_error is None else ErrorInfo.from_exception(result.analysis_error)
         return AttemptOutcome(
@@ -188,6 +199,10 @@ class InProcessWorker:
             tokens_generated=tokens,
             error=error,
         )
+
+    async def evict(self, keys: frozenset[Hashable]) -> None:
+        if self._engines is not None:
+            await self._engines.evict(keys)
 
     def _quiescent(self) -> bool:
         """Every live job is blocked on a generation or an API call: nothing else can join the queue soon, so
@@ -202,7 +217,32 @@ class InProcessWorker:
                 "model participant must set needs_device=True so it is placed on a device worker"
             )
         key, loaded = await self._engines.get(engine)
-        return await self._batcher.submit(key, loaded, request, owner=ctx)
+        try:
+            return await self._batcher.submit(key, loaded, request, owner=ctx)
+        except Exception as exc:  # seen here, before the job's code could wrap or swallow it
+            self._check_fatal(exc)
+            raise
+
+    def _check_fatal(self, exc: BaseException) -> None:
+        """A CUDA error other than out-of-memory corrupts the process's CUDA context: every later batch on
+        the device would fail. A worker process exits (``on_fatal``) and is replaced; in this process there
+        is nothing to replace, so the run is told how to recover."""
+        if self._device is None or not is_fatal_device_error(exc):  # the host worker holds no device
+            return
+        first = self._fatal is None
+        if first:
+            self._fatal = exc
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+        elif first:
+            log.error(
+                "device %r hit a CUDA error that leaves this process unusable (%s: %s): later jobs on it "
+                "will fail. Stop the run and start it again (it resumes from the ledger), or run with "
+                "several devices, where each worker is a process that is replaced when this happens",
+                self.device,
+                type(exc).__name__,
+                exc,
+            )
 
     async def call_gateway(self, ctx: _Context, spec: Any, request: Any) -> Any:
         if self._call_gateway is None:
@@ -271,6 +311,31 @@ class _BatcherBlocker:
 
     def unblock(self) -> None:
         self._batcher.unblock(self._ctx)
+
+
+_FATAL_PHRASES = (
+    "cuda error",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "cublas_status",
+    "cudnn_status",
+)
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a CUDA error that poisons the process: a device-side assert,
+    an illegal memory access, a failed kernel launch. Out-of-memory is not: the batcher splits the batch."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if not is_out_of_memory(current):
+            text = str(current).lower()
+            if type(current).__name__ == "AcceleratorError" or any(p in text for p in _FATAL_PHRASES):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _is_transient(job: Any, exc: BaseException) -> bool:

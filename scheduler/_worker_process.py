@@ -9,7 +9,9 @@ would in-process. The messages are ``_wire``'s; this is the worker's end of each
 
 A worker never outlives its parent: EOF on the pipe (the parent closed it, or died and the kernel closed it)
 ends the process at once with ``os._exit``, and a watchdog thread ends it if it is re-parented while its
-loop is stuck. Ctrl-C is ignored here: the parent catches it and shuts the workers down in order.
+loop is stuck. Ctrl-C is ignored here: the parent catches it and shuts the workers down in order. A CUDA
+error other than out-of-memory (a device-side assert) poisons the process: the worker sends ``Fatal`` and
+exits without its running attempts' results, so the parent retries them on a fresh process.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ import anyio
 
 from ._errors import JobPickleError
 from ._outcome import AttemptOutcome, ErrorInfo
+from ._placement import set_worker_device
 from ._protocols import JobSpec
 from ._wire import (
     Blocked,
     Calls,
     Cancel,
     Connection,
+    Evict,
+    Fatal,
     GatewayCall,
     Init,
     Ready,
@@ -51,6 +56,7 @@ __all__ = ["bootstrapping", "main"]
 
 _bootstrapping = False
 _WATCHDOG_S = 0.5
+_EXIT_FATAL = 70  # the exit status of a worker that left because a CUDA error poisoned it
 
 
 def bootstrapping() -> bool:
@@ -103,6 +109,7 @@ async def _serve(sock: socket.socket) -> int:
 
 def _prepare(init: Init) -> None:
     global _bootstrapping
+    set_worker_device(init.device)  # before the main module's import: its code may ask
     preparation = dict(init.preparation)
     _bootstrapping = True
     try:
@@ -116,6 +123,8 @@ def _prepare(init: Init) -> None:
         ) from exc
     finally:
         _bootstrapping = False
+    if init.threads is not None and "torch" in sys.modules:  # else OMP_NUM_THREADS, set for the spawn, holds
+        sys.modules["torch"].set_num_threads(init.threads)
     hooks = pickle.loads(init.hooks) if init.hooks else ()
     for hook in hooks:
         hook()
@@ -127,6 +136,23 @@ class _Server:
         self._calls = Calls(conn)
         self._init = init
         self._scopes: dict[int, anyio.CancelScope] = {}
+        self._fatal: BaseException | None = None
+        self._dying = anyio.Event()
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        """A CUDA error poisoned this process: no result may leave it any more (its running attempts are
+        retried on a fresh process); :meth:`_die` tells the parent why and exits."""
+        if self._fatal is None:
+            self._fatal = exc
+            self._dying.set()
+
+    async def _die(self) -> None:
+        await self._dying.wait()
+        assert self._fatal is not None
+        try:
+            await self._conn.send(Fatal(ErrorInfo.from_exception(self._fatal)))
+        finally:
+            _exit(_EXIT_FATAL)
 
     async def serve(self) -> int:
         init = self._init
@@ -137,8 +163,10 @@ class _Server:
             max_batch_size=init.max_batch_size,
             max_batch_wait=init.max_batch_wait,
             call_gateway=self._call_gateway,
+            on_fatal=self._on_fatal,
         )
         async with worker, anyio.create_task_group() as tg:
+            tg.start_soon(self._die)
             await self._conn.send(Ready(os.getpid()))
             while True:
                 match await self._conn.recv():
@@ -150,6 +178,8 @@ class _Server:
                         self._calls.resolve(reply)
                     case Blocked() | Unblocked() as note:
                         self._calls.noted(note)
+                    case Evict(keys):  # done before the next message: a job it brings may load a model
+                        await worker.evict(keys)
                     case Cancel(req):
                         scope = self._scopes.get(req)
                         if scope is not None:
@@ -173,7 +203,7 @@ class _Server:
                 outcome = await self._attempt(worker, run.req, run.spec, run.attempt, run.committed_turns)
             finally:
                 self._scopes.pop(run.req, None)
-        if outcome is None:  # cancelled by the parent, which no longer waits for it
+        if outcome is None or self._fatal is not None:  # cancelled, or this process is going: no result
             return
         try:
             await self._conn.send(Result(run.req, outcome))

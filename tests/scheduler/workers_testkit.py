@@ -28,6 +28,8 @@ from interlens.scheduler import (
 
 #: Filled by :func:`mark_init` in a worker (and read back through each job's analysis).
 INIT_MARKS: list[str] = []
+#: Engine names in the order their engines were evicted in this process (read back the same way).
+EVICTED: list[str] = []
 #: Set by a test, read in the parent (where the run's gateway lives): what a :class:`ParentSpec`'s calls run.
 PARENT_CALLS: dict[str, Callable[[Any], Awaitable[Any]]] = {}
 
@@ -105,6 +107,7 @@ class WorkerJob:
             "attempt": ctx.attempt,
             "committed": len(ctx.committed_turns),
             "init": list(INIT_MARKS),
+            "evicted": list(EVICTED),
         }
         return JobResult(conversation={"turns": turns}, tokens_generated=len(turns), analysis=analysis)
 
@@ -228,3 +231,107 @@ def exited(pid: int, timeout: float) -> bool:
         return bool(readable)
     finally:
         os.close(fd)
+
+
+@dataclass
+class EnvJob:
+    """Reports what its worker process sees: visible GPUs, thread settings, its device (and torch's threads
+    when ``torch_threads``, which imports torch in the worker)."""
+
+    torch_threads: bool = False
+    needs_device: bool = True
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        from interlens.scheduler import worker_device
+
+        seen: dict[str, Any] = {
+            "pid": os.getpid(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "worker_device": worker_device(),
+            "ctx_device": ctx.device,
+        }
+        if self.torch_threads:
+            import torch
+
+            seen["torch_threads"] = torch.get_num_threads()
+        return JobResult(conversation={}, analysis=seen)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False
+
+
+class FaultyEngine:
+    """Raises ``RuntimeError(error)`` from every batch, as a broken CUDA kernel or a full GPU would."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def generate_batch(
+        self, requests: Sequence[Any], *, mode: ExecutionMode, cancelled: threading.Event | None = None
+    ) -> list[Any]:
+        raise RuntimeError(self.error)
+
+
+@dataclass(frozen=True)
+class FaultyEngineSpec(PidEngineSpec):
+    """A :class:`FaultyEngine`; each load appends the loading process's pid to the file ``log``."""
+
+    error: str = "CUDA error: device-side assert triggered"
+    log: str = ""
+
+    def load_engine(self, device: str) -> Any:
+        if self.log:
+            with open(self.log, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
+        return FaultyEngine(self.error)
+
+
+class EvictableEngine(PidEngine):
+    """Records its eviction; answers as "evicted" afterwards (it must never be asked again)."""
+
+    def evict(self) -> None:
+        EVICTED.append(self.name)
+        self.name = "evicted"
+
+
+@dataclass(frozen=True)
+class EvictableSpec(PidEngineSpec):
+    def load_engine(self, device: str) -> EvictableEngine:
+        return EvictableEngine(self.name)
+
+
+class Weights:
+    """Stands in for half-loaded weights (weakly referenced by :data:`HALF_LOADED`)."""
+
+
+#: Weak references to what a failed :class:`HalfLoadSpec` load held when it failed.
+HALF_LOADED: list[Any] = []
+
+
+@dataclass(frozen=True)
+class HalfLoadSpec(PidEngineSpec):
+    """Its load fails after it allocated its weights, as a load that runs out of memory halfway does."""
+
+    def load_engine(self, device: str) -> PidEngine:
+        import weakref
+
+        weights = Weights()
+        HALF_LOADED.append(weakref.ref(weights))
+        raise MemoryError(f"ran out of memory loading {self.name} on {device}")
+
+
+@dataclass
+class GcJob:
+    """Collects garbage, then reports whether the failed load's weights are still alive."""
+
+    needs_device: bool = True
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        import gc
+
+        gc.collect()
+        return JobResult(conversation={}, analysis={"alive": [ref() is not None for ref in HALF_LOADED]})
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return False

@@ -1,0 +1,234 @@
+"""The GPU check (issue 15): one short script for a lent GPU machine, under 10 minutes on one H200.
+
+    python benchmarks/gpu_check.py [--size bench] [--rollouts 16] [--mem-fraction 0.003]
+
+Five parts, each printing what it saw and the memory in use per GPU afterwards:
+
+1. A 2-worker rollout: two GPUs (or two workers on one GPU, or two CPU workers without a GPU). Each job's
+   analyzer reports its worker's device as the worker sees it (``interlens.worker_device()``, "cuda:0" in
+   every CUDA worker), ``CUDA_VISIBLE_DEVICES`` and the torch memory it holds.
+2. An induced OOM (GPU only): each worker caps its allocator (``torch.cuda.set_per_process_memory_fraction``
+   in an init hook) and a batch of long prompts must be split until it fits; prints the batch sizes used.
+3. A NaN model next to a good one in one ``interlens.run``: the good lineup must succeed; the NaN one must
+   fail with a clear error (or, before the NaN check, poison its worker, which is then replaced).
+4. Steering + capture: live on the first device, and inside a deterministic 2-worker rollout.
+5. Eviction: two models one after the other on one device; the first must be gone when the second runs.
+
+The model is a real architecture built locally (``interlens.testing.tiny_model``: qwen2, random weights;
+``--size bench`` is ~27M parameters). Without a GPU every part still runs on the CPU (the GPU-only parts say
+they are skipped), which is how this script is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import interlens
+from interlens import AutoModelParticipant, Conversation, SteeringSpec
+from interlens.testing import tiny_model
+
+_FRACTION_VAR = "INTERLENS_GPU_CHECK_MEM_FRACTION"
+
+
+def cap_memory() -> None:
+    """Init hook: in a CUDA worker, cap the allocator when the OOM part asks (through the environment)."""
+    fraction = os.environ.get(_FRACTION_VAR)
+    device = interlens.worker_device() or ""
+    if fraction and device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(float(fraction), 0)
+
+
+interlens.register_worker_init(cap_memory)
+
+
+def where_am_i(conv: Conversation) -> dict[str, Any]:
+    import torch
+
+    device = interlens.worker_device() or ""
+    held = torch.cuda.memory_allocated(0) / 2**20 if device.startswith("cuda") else None
+    return {
+        "pid": os.getpid(),
+        "worker_device": device,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "threads": torch.get_num_threads(),
+        "allocated_mib": held,
+    }
+
+
+def activations(conv: Conversation) -> dict[str, Any]:
+    records = list(conv.turn_activations("a", layers=[0]))
+    return {
+        "records": len(records),
+        "shapes": [list(r.answer.shape) for r in records],
+        "device": str(records[0].answer.device) if records else None,
+        "steered turns": sum(1 for m in conv.transcript[1:] if m.metadata.get("steering")),
+    }
+
+
+def gpu_memory() -> str:
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        return "; ".join(f"GPU {line}" for line in out.splitlines()) or "nvidia-smi printed nothing"
+    return "no GPU (nvidia-smi not found)"
+
+
+def section(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+def debate(path: str, *, new_tokens: int, name: str, **settings: Any) -> Conversation:
+    a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=new_tokens, **settings)
+    b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=new_tokens, **settings)
+    return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(4).name(name)
+
+
+def nan_model(path: str, into: str) -> str:
+    """A copy of the model whose final norm is NaN: every logit is NaN."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.get_decoder().norm.weight.fill_(float("nan"))
+    model.save_pretrained(into)
+    AutoTokenizer.from_pretrained(path).save_pretrained(into)
+    return into
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default=None, help="tiny_model size (default: bench on GPU, tiny on CPU)")
+    parser.add_argument("--rollouts", type=int, default=16)
+    parser.add_argument("--mem-fraction", type=float, default=0.003, help="allocator cap for the OOM part")
+    args = parser.parse_args()
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    size = args.size or ("bench" if gpus else "tiny")
+    devices = ["cuda:0", "cuda:1"] if gpus >= 2 else (["cuda:0", "cuda:0"] if gpus else ["cpu", "cpu"])
+    print(f"torch {torch.__version__}, {gpus} GPU(s), devices={devices}, model size {size!r}")
+    print(f"memory: {gpu_memory()}")
+    path = tiny_model("qwen2", size=size)
+    llama = tiny_model("llama", size=size)
+    started = time.perf_counter()
+
+    section(f"1. a 2-worker rollout on {devices}")
+    t0 = time.perf_counter()
+    report = (
+        debate(path, new_tokens=32, name="two").analyzer(where_am_i).rollout(n=args.rollouts, devices=devices)
+    )
+    seconds = time.perf_counter() - t0
+    tokens = sum(r.tokens_generated for r in report.results.values())
+    print(f"{len(report.results)} jobs, failed {report.failed}, {tokens} tokens in {seconds:.1f} s")
+    seen = Counter(
+        (r.device, a["worker_device"], a["visible"], a["threads"], a["pid"])
+        for r in report.results.values()
+        if (a := r.analysis)
+    )
+    for (device, inner, visible, threads, pid), count in sorted(seen.items()):
+        print(
+            f"  {count} jobs on {device!r}: pid {pid} sees {inner!r}, "
+            f"CUDA_VISIBLE_DEVICES={visible}, torch threads {threads}"
+        )
+    print(f"memory: {gpu_memory()}")
+
+    section("2. an induced OOM")
+    if gpus:
+        os.environ[_FRACTION_VAR] = str(args.mem_fraction)
+        try:
+            a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=16)
+            long = (
+                Conversation(participants=[a], shared_context="tabs or spaces? " * 400).turns(1).name("oom")
+            )
+            t0 = time.perf_counter()
+            report = long.rollout(n=64, devices=devices, max_batch_size=64, seed=1)
+            sizes = Counter(
+                m.metadata.get("batch_size") for r in report.results.values() for m in r.transcript[1:]
+            )
+            errors = Counter(r.error.type for r in report.results.values() if r.error is not None)
+            print(
+                f"{len(report.results)} jobs in {time.perf_counter() - t0:.1f} s; batch sizes {dict(sizes)}"
+            )
+            print(f"failed: {len(report.failed)} {dict(errors)}")
+        finally:
+            os.environ.pop(_FRACTION_VAR, None)
+    else:
+        print("skipped: no GPU (the OOM bisection is tested on CPU with injected OOMs)")
+    print(f"memory: {gpu_memory()}")
+
+    section("3. a NaN model next to a good one")
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = nan_model(path, os.path.join(tmp, "nan"))
+        good = debate(path, new_tokens=16, name="good").turns(2)
+        broken = debate(bad, new_tokens=16, name="nan").turns(2)
+        t0 = time.perf_counter()
+        report = interlens.run([good.data([{}] * 4), broken.data([{}] * 4)], devices=devices, max_attempts=2)
+        print(f"{len(report.results)} jobs in {time.perf_counter() - t0:.1f} s")
+        for job_id, res in sorted(report.results.items()):
+            what = "ok" if res.error is None else f"{res.error.type}: {res.error.message[:300]}"
+            print(f"  {job_id}: {what}")
+    print(f"memory: {gpu_memory()}")
+
+    section("4. steering + capture")
+    import torch
+
+    first = devices[0]
+    from transformers import AutoConfig
+
+    d_model = AutoConfig.from_pretrained(path).hidden_size
+    spec = SteeringSpec(torch.ones(d_model), layers=[0], coef=2.0)
+    a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=8, device=first)
+    b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=8, device=first)
+    conv = Conversation(participants=[a, b], shared_context="Say something.")
+    with conv.capture(layers=[0, 1]) as cache:
+        message = conv.step("a", steering=spec)
+    record = next(iter(cache))
+    print(
+        f"live on {first}: {len(cache)} records, answer {list(record.answer.shape)} on {record.answer.device}"
+    )
+    print(f"  steering metadata: {message.metadata.get('steering')}")
+    steered = debate(path, new_tokens=8, name="steered").turns(2)
+    held = [p.set(steering=spec) if p.name == "a" else p for p in steered.participants]
+    steered = Conversation(participants=held, shared_context="Debate: tabs vs spaces.").turns(2)
+    report = steered.analyzer(activations).rollout(n=4, devices=devices, batched=False)
+    for job_id, res in sorted(report.results.items()):
+        print(f"  {job_id} on {res.device}: {res.analysis if res.error is None else res.error.message[:200]}")
+    print(f"memory: {gpu_memory()}")
+
+    section("5. eviction: two models, one after the other, on one device")
+    report = interlens.run(
+        [
+            debate(path, new_tokens=8, name="first").turns(2),
+            debate(llama, new_tokens=8, name="second").turns(2),
+        ],
+        devices=[first],
+        max_batch_size=1,
+    )
+    from interlens._model_cache import cached_engines
+
+    gc.collect()
+    names = [os.path.basename(e.model.config._name_or_path) for e in cached_engines()]
+    print(f"failed {report.failed}; models still cached after the run: {names}")
+    print(f"memory: {gpu_memory()}")
+    print(f"\ntotal {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
