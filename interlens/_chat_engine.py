@@ -51,9 +51,30 @@ class ChatScoreRequest:
 class ChatEngine:
     """A loaded model plus its tokenizer's chat template: views in, generations out (scheduler ``Engine``)."""
 
+    _RENDERED_KEPT = 4096  # rendered prompts waiting for their batch (a cancelled request's entry ages out)
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # Prompts rendered by ``request_tokens`` when a request was queued, by request identity: the batch
+        # then skips the render (the tokenizing moves off the device thread).
+        self._rendered: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+    def request_tokens(self, request: ChatRequest | ChatScoreRequest) -> int:
+        """What ``request`` costs in a batch, in tokens (the scheduler's batch budget; called on queueing)."""
+        ids = self.prompt_ids(request.view)
+        if len(self._rendered) >= self._RENDERED_KEPT:
+            self._rendered.pop(next(iter(self._rendered)))
+        self._rendered[id(request)] = (request, ids)
+        if isinstance(request, ChatScoreRequest):
+            return len(ids) + len(self.tokenizer(request.continuation, add_special_tokens=False)["input_ids"])
+        return len(ids) + max(1, request.sampling.max_new_tokens)
+
+    def _ids(self, request: ChatRequest | ChatScoreRequest) -> tuple[int, ...]:
+        kept = self._rendered.pop(id(request), None)
+        if kept is not None and kept[0] is request:
+            return kept[1]
+        return self.prompt_ids(request.view)
 
     def prompt_ids(self, view: View) -> tuple[int, ...]:
         """The token ids the model sees for ``view``, generation prompt included."""
@@ -72,7 +93,7 @@ class ChatEngine:
         prepared: list[Any] = []
         for req in requests:
             try:
-                ids = self.prompt_ids(req.view)
+                ids = self._ids(req)
                 if isinstance(req, ChatScoreRequest):
                     continuation = self.tokenizer(req.continuation, add_special_tokens=False)["input_ids"]
                     prepared.append(

@@ -159,6 +159,10 @@ class LocalEngine(InterpRows, KVReuse):
                 out.append(self._score_row(request))
         return out
 
+    def request_tokens(self, request: GenerationRequest) -> int:
+        """What ``request`` costs in a batch (prompt + max_new tokens): the scheduler's batch budget unit."""
+        return len(request.prompt_ids) + request.max_new_tokens
+
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
         with self._lock:
