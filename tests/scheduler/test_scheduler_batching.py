@@ -153,6 +153,27 @@ async def test_out_of_memory_retry_starts_after_the_failed_batch_is_freed() -> N
     assert [c[2] for c in engine.calls] == [0] * len(engine.calls)  # nothing of a failed batch outlived it
 
 
+async def test_a_row_that_fails_alone_keeps_no_tensor_alive_and_memory_is_released() -> None:
+    engine = MemoryHungryEngine(fits=0)  # even one row runs out of memory
+    spec = EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
+    jobs = [TurnsJob([spec], turns=1) for _ in range(2)]
+    with anyio.fail_after(20):
+        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+    assert out.failed == ["a/0000", "a/0001"]
+    assert out.outcome("a/0001").error.type == "OutOfMemoryError"
+    # 2 fails → released → 1 fails → released → 1 fails → released: the error each row keeps (and its
+    # traceback) holds none of the failed batch's tensors
+    assert [c[:2] for c in engine.calls] == [
+        ("generate", 2),
+        ("release", 0),
+        ("generate", 1),
+        ("release", 0),
+        ("generate", 1),
+        ("release", 0),
+    ]
+    assert len(engine.failed) == 6 and engine.alive() == 0
+
+
 async def test_other_batch_exception_fails_every_caller_of_that_batch_only() -> None:
     spec = EchoSpec(
         "m", make=lambda name, dev: EchoEngine(name, dev, fail_batch=RuntimeError("CUDA kernel broke"))
