@@ -119,11 +119,11 @@ class ChatEngine:
         )
         scored = iter(self.engine.score(score, cancelled=cancelled) if score else [])
         out: list[Any] = []
-        for p in prepared:
+        for req, p in zip(requests, prepared, strict=True):
             if isinstance(p, Exception):
                 out.append(p)
             elif isinstance(p, GenerationRequest):
-                out.append(next(generated))
+                out.append(_whose(next(generated), req.view))
             else:
                 out.append(self._scored(next(scored)))
         return out
@@ -138,3 +138,11 @@ class ChatEngine:
     def release_memory(self) -> None:
         """Called by the scheduler before it retries a batch that ran out of memory."""
         self.engine.release_memory()
+
+
+def _whose(result: Any, view: View) -> Any:
+    """A row's generation error, told whose turn it was (the engine only knows rows and tokens)."""
+    if isinstance(result, GenerationError):
+        turn = view.own_turns + 1
+        return type(result)(f"turn {turn} of participant {view.speaker!r}: {result}")
+    return result

@@ -6,6 +6,13 @@ each step samples every active row at once (``_sampling.Sampler``: a seeded row 
 end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
 removed), so long rows do not drag short ones along.
 
+Non-finite logits (fp16 overflow, a broken checkpoint) never reach a sampled token: each step reduces
+``isfinite(logits).all(-1)`` on the device and folds it into the chosen tokens (-1 for a bad row), so the one
+host sync the loop already makes (the chosen tokens) also brings the verdict. A bad row stops with a
+:class:`~interlens.GenerationError` (``Row.failure``, returned in place of its result) and is dropped like a
+finished row, so its garbage token is never fed; the other rows carry on. On CUDA a NaN fed onward would end
+in a device-side assert that poisons the whole process.
+
 The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
 stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
 """
@@ -16,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from interlens._exceptions import GenerationError
 from interlens._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
 from interlens._sampling import Sampler, eos_ids, pad_id
 from interlens.scheduler import BatchCancelled
@@ -36,6 +44,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
+    failure: GenerationError | None = None  # set instead of ``finish`` when the row's logits went bad
 
 
 class ModelRunner:
@@ -120,9 +129,14 @@ class ModelRunner:
         active = list(rows)
         sampler = Sampler([r.request for r in active], self.device)
         while True:
-            chosen = sampler(logits)
+            finite = torch.isfinite(logits).all(dim=-1)  # reduced on the device: no sync of its own
+            chosen = torch.where(finite, sampler(logits), -1)
             finished: list[int] = []
             for j, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+                if token < 0:
+                    row.failure = self._non_finite(row)
+                    finished.append(j)
+                    continue
                 row.tokens.append(token)
                 if token in eos:
                     row.finish = "eos"
@@ -151,6 +165,17 @@ class ModelRunner:
             kv_len += 1
             logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
             positions = positions + 1
+
+    def _non_finite(self, row: Row) -> GenerationError:
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        dtype = str(getattr(self.model, "dtype", "unknown")).removeprefix("torch.")
+        return GenerationError(
+            f"model {name!r} ({dtype} on {self.device}) produced non-finite logits (NaN or inf) for this "
+            f"row at generated token {len(row.tokens) + 1} (prompt of {len(row.request.prompt_ids)} "
+            "tokens); the row was stopped before sampling. Likely cause: float16 overflow or a broken "
+            "checkpoint (NaN weights). Fix: load the model with dtype='bfloat16' (or 'float32'), or check "
+            "the checkpoint's weights."
+        )
 
     def _hit_stop(self, row: Row) -> bool:
         # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.

@@ -50,12 +50,17 @@ class BatchPrefill(ModelRunner):
 
     def _generate_rows(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None
-    ) -> list[GenerationResult]:
-        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded."""
+    ) -> list[GenerationResult | Exception]:
+        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded.
+
+        A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
+        """
         done = self._prefill_and_decode(requests, cancelled)
         seconds = time.perf_counter() - done.started
         return [
-            self._result(row, seconds=seconds, batch_size=len(done.rows), shared=s, reused=0)
+            row.failure
+            if row.failure is not None
+            else self._result(row, seconds=seconds, batch_size=len(done.rows), shared=s, reused=0)
             for row, s in zip(done.rows, done.shared_rows, strict=True)
         ]
 

@@ -1,4 +1,4 @@
-"""The engine's memory on a real tiny model: grouped prefill keeps one small cache alive at a time."""
+"""The engine's memory and numerics on tiny models: one small cache alive at a time, NaN rows fail alone."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import interlens
+from interlens import AutoModelParticipant, Conversation
+from interlens._exceptions import GenerationError
 from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
 from interlens.testing import tiny_model
 
@@ -54,3 +57,86 @@ def test_grouped_prefill_drops_each_group_cache_before_the_next(qwen2_model: tup
     alone = [engine.generate_batch([r])[0] for r in requests]
     assert all(isinstance(r, GenerationResult) for r in batched + alone)
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+
+
+class PoisonedLogits:
+    """A forward hook: rows whose prompt holds ``marker`` get NaN logits (fp16 overflow, stood in for)."""
+
+    def __init__(self, marker: list[int]) -> None:
+        self.marker = torch.tensor(marker)
+
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        ids = kwargs.get("input_ids")
+        if ids is None or ids.shape[1] < len(self.marker):
+            return output
+        hit = (ids.unfold(1, len(self.marker), 1) == self.marker).all(-1).any(-1)
+        output.logits[hit] = float("nan")
+        return output
+
+
+def test_a_row_with_nan_logits_fails_alone_and_the_others_are_unchanged(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = LocalEngine(model, tokenizer, device="cpu")
+    texts = ["What is 2 + 2?", "Tabs or spaces?", "Say POISONPILL twice.", "Name a colour."]
+    requests = [
+        # the bad row samples with a nucleus: its NaN draw must not index past the vocabulary
+        GenerationRequest(
+            prompt_ids=_prompt(tokenizer, t), max_new_tokens=8, temperature=0.8, top_p=0.9, seed=i
+        )
+        for i, t in enumerate(texts)
+    ]
+    clean = [engine.generate_batch([r])[0] for r in requests]
+    marker = tokenizer("POISONPILL", add_special_tokens=False)["input_ids"]
+    handle = model.register_forward_hook(PoisonedLogits(marker), with_kwargs=True)
+    try:
+        results = engine.generate_batch(requests)
+        reused = engine.generate_batch(
+            [GenerationRequest(prompt_ids=requests[2].prompt_ids, max_new_tokens=4, reuse_key="s")]
+        )
+    finally:
+        handle.remove()
+    bad = results[2]
+    assert isinstance(bad, GenerationError)
+    message = str(bad)
+    assert "non-finite logits" in message and "generated token 1" in message
+    assert "dtype='bfloat16'" in message and "float32 on cpu" in message
+    assert [r.token_ids for i, r in enumerate(results) if i != 2] == [  # type: ignore[union-attr]
+        r.token_ids
+        for i, r in enumerate(clean)
+        if i != 2  # type: ignore[union-attr]
+    ]
+    assert isinstance(reused[0], GenerationError) and "s" not in engine._reuse  # no bad cache kept
+    again = engine.generate_batch([requests[0]])  # the engine is as usable as before
+    assert again[0].token_ids == clean[0].token_ids  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def nan_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A copy of the tiny qwen2 model whose first MLP is NaN: a broken checkpoint, saved like any other."""
+    path = tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    out = tmp_path_factory.mktemp("nan_model")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return str(out)
+
+
+def test_nan_model_fails_its_own_job_and_the_worker_carries_on(nan_model_path: str, llama_path: str) -> None:
+    def debate(path: str, name: str) -> Conversation:
+        a = AutoModelParticipant.from_pretrained(path, name="a", temperature=0.9, max_new_tokens=6)
+        b = AutoModelParticipant.from_pretrained(path, name="b", temperature=0.9, max_new_tokens=6)
+        return Conversation(participants=[a, b], shared_context="Tabs or spaces?").turns(3).name(name)
+
+    # one job at a time, the broken model's first: the healthy jobs run on the same worker AFTER it failed
+    conversations = [debate(nan_model_path, "broken"), debate(llama_path, "ok"), debate(llama_path, "ok2")]
+    report = interlens.run(conversations, devices=["cpu"], max_concurrency=1)
+    assert report.failed == ["broken"]
+    err = report.results["broken"].error
+    assert err.type == "GenerationError" and report.results["broken"].attempts == 1  # not worth a retry
+    assert "turn 1 of participant 'a'" in err.message and nan_model_path in err.message
+    assert "non-finite logits" in err.message and "dtype='bfloat16'" in err.message
+    for res in (report.results["ok"], report.results["ok2"]):
+        assert res.error is None and res.device == "cpu"
+        assert [m.author for m in res.transcript[1:]] == ["a", "b", "a"]
