@@ -135,6 +135,11 @@ class ChatEngine:
         tokens = tuple(self.tokenizer.convert_ids_to_tokens(list(ids)))
         return ScoredText(ids, tokens, tuple(result.logprobs), result.captured)
 
+    def token_budget(self) -> int | None:
+        """The engine's first batch budget in tokens (from free CUDA memory; None on CPU)."""
+        budget: int | None = self.engine.token_budget()
+        return budget
+
     def release_memory(self) -> None:
         """Called by the scheduler before it retries a batch that ran out of memory."""
         self.engine.release_memory()

@@ -138,7 +138,8 @@ class Batcher:
         """Queue one request for ``engine`` and wait for its result (or its own error)."""
         queue = self._queues.get(key)
         if queue is None:
-            queue = self._queues[key] = _Queue(engine, TokenBudget(grow_after=self._grow_after))
+            budget = TokenBudget(grow_after=self._grow_after, limit=_first_budget(engine))
+            queue = self._queues[key] = _Queue(engine, budget)
         req = _Request(owner, payload, anyio.current_time(), _request_tokens(engine, payload))
         queue.requests.append(req)
         self._queued += 1
@@ -293,6 +294,19 @@ def _request_tokens(engine: Engine, payload: Any) -> int:
         log.debug("%s.request_tokens failed", type(engine).__name__, exc_info=True)
         return 1
     return tokens if isinstance(tokens, int) and tokens >= 1 else 1
+
+
+def _first_budget(engine: Engine) -> int | None:
+    """The engine's own estimate of what fits (its optional ``token_budget()``: e.g. free CUDA memory)."""
+    estimate = getattr(engine, "token_budget", None)
+    if not callable(estimate):
+        return None
+    try:
+        tokens = estimate()
+    except Exception:
+        log.warning("%s.token_budget() failed; no first estimate", type(engine).__name__, exc_info=True)
+        return None
+    return tokens if isinstance(tokens, int) and tokens >= 1 else None
 
 
 def _drop_frames(exc: BaseException) -> None:

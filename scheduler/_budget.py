@@ -17,7 +17,9 @@ is kept per engine and learns from what happened:
   to the next larger failed cost, or goes, and then nothing limits the engine but ``max_batch_size``;
 * after ``grow_after`` successful batches in a row the limit grows half-way to the ceiling, and stops
   growing when it is within 1/16 of it: it converges on what fits in a few steps and never retries a size
-  that failed, so later rounds stop re-hitting the error.
+  that failed, so later rounds stop re-hitting the error. A limit without a ceiling (a first estimate, e.g.
+  from free device memory: the engine's optional ``token_budget()``) grows by a quarter instead, until
+  an error sets a ceiling.
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ class TokenBudget:
 
     def _grow(self) -> None:
         ceiling = self.ceiling
-        if self.limit is None or ceiling is None:
+        if self.limit is None:
+            return
+        if ceiling is None:  # an estimate nothing has contradicted yet
+            self.limit += max(1, self.limit // 4)
             return
         gap = ceiling - 1 - self.limit
         if gap > max(1, ceiling // 16):

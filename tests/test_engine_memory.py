@@ -12,7 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import interlens
 from interlens import AutoModelParticipant, Conversation
 from interlens._exceptions import GenerationError
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
+from interlens._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    _prefill_groups,
+    token_budget_estimate,
+)
 from interlens.testing import tiny_model
 
 
@@ -140,3 +146,31 @@ def test_nan_model_fails_its_own_job_and_the_worker_carries_on(nan_model_path: s
     for res in (report.results["ok"], report.results["ok2"]):
         assert res.error is None and res.device == "cpu"
         assert [m.author for m in res.transcript[1:]] == ["a", "b", "a"]
+
+
+def test_first_token_budget_is_estimated_from_free_memory_on_cuda_only(qwen2_model: tuple[Any, Any]) -> None:
+    from transformers import LlamaConfig
+
+    # a Llama-2-7B shape in bf16: KV 2×32×32×128 + activations 4×4096 + 3×11008 values per token
+    seven_b = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, num_hidden_layers=32, intermediate_size=11008
+    )
+    per_token = (2 * 32 * 32 * 128 + 4 * 4096 + 3 * 11008) * 2
+    assert (
+        token_budget_estimate(seven_b, free_bytes=80 * 2**30, dtype_bytes=2)
+        == int(80 * 2**30 * 0.7) // per_token
+    )
+    grouped = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        intermediate_size=11008,
+    )
+    grouped_per_token = (2 * 32 * 8 * 128 + 4 * 4096 + 3 * 11008) * 2  # a quarter of the KV heads
+    assert (
+        token_budget_estimate(grouped, free_bytes=2**30, dtype_bytes=2)
+        == int(2**30 * 0.7) // grouped_per_token
+    )
+    model, tokenizer = qwen2_model
+    assert LocalEngine(model, tokenizer, device="cpu").token_budget() is None  # CPU: no estimate

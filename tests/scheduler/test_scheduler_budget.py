@@ -155,3 +155,37 @@ def test_a_success_above_a_ceiling_lifts_it() -> None:
     assert budget.ceiling == 800 and budget.limit == 500
     budget.succeeded(900)
     assert budget.ceiling is None and budget.limit is None
+
+
+class EstimatingEngine(TightEngine):
+    """A TightEngine that, like a CUDA LocalEngine, estimates what fits before its first batch."""
+
+    def token_budget(self) -> int:
+        return 300
+
+
+async def test_an_engine_estimate_bounds_the_first_batch_and_then_grows() -> None:
+    engine = EstimatingEngine(capacity=550)
+    spec = tight_spec(engine)
+
+    def request(ctx: JobContext, i: int) -> str:
+        return f"{ctx.job_id}:{i}:100"
+
+    jobs = [TurnsJob([spec], turns=16, request=request) for _ in range(12)]
+    with anyio.fail_after(20):
+        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+    assert len(out.done) == 12
+    sizes = [rows for _, rows, _, _ in engine.calls]
+    assert sizes[:4] == [3, 3, 3, 3]  # the estimate, not max_batch_size: no failed prefill to learn from
+    # grown by quarters until an error set a ceiling, then settled on what fits
+    assert max(rows for _, rows, _, ok in engine.calls if ok) == 5 and 1 <= len(engine.ooms()) <= 3
+    settled = engine.calls[len(engine.calls) // 2 :]
+    assert all(ok for *_, ok in settled) and max(rows for _, rows, _, _ in settled) == 5
+
+
+def test_an_estimate_without_a_ceiling_grows_by_a_quarter() -> None:
+    budget = TokenBudget(grow_after=1, limit=400)
+    budget.succeeded(300)
+    assert budget.limit == 500
+    budget.failed(600, rows=6)
+    assert (budget.ceiling, budget.limit) == (600, 300)  # back to what fit
