@@ -15,11 +15,11 @@ is kept per engine and learns from what happened:
   isolates it either way);
 * a success at or above a ceiling disproves it (the failure was one bad row, not memory): the ceiling lifts
   to the next larger failed cost, or goes, and then nothing limits the engine but ``max_batch_size``;
-* after ``grow_after`` successful batches in a row the limit grows half-way to the ceiling, and stops
-  growing when it is within 1/16 of it: it converges on what fits in a few steps and never retries a size
-  that failed, so later rounds stop re-hitting the error. A limit without a ceiling (a first estimate, e.g.
-  from free device memory: the engine's optional ``token_budget()``) grows by a quarter instead, until
-  an error sets a ceiling.
+* after ``grow_after`` successful batches in a row (each using at least half the limit) the limit grows
+  half-way to the ceiling, and stops growing when it is within 1/16 of it: it converges on what fits in a
+  few steps and never retries a size that failed, so later rounds stop re-hitting the error. A limit
+  without a ceiling (a first estimate, e.g. from free device memory: the engine's optional
+  ``token_budget()``) grows by a quarter instead, until an error sets a ceiling.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class TokenBudget:
                 return
         if self.limit is not None and cost > self.limit:
             self.limit = cost  # proven to fit, and below the ceiling (or it would have been cut above)
+        if self.limit is not None and 2 * cost < self.limit:
+            return  # a small batch says nothing about whether a bigger limit would fit
         self._streak += 1
         if self._streak >= self.grow_after:
             self._streak = 0

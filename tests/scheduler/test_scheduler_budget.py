@@ -189,3 +189,12 @@ def test_an_estimate_without_a_ceiling_grows_by_a_quarter() -> None:
     assert budget.limit == 500
     budget.failed(600, rows=6)
     assert (budget.ceiling, budget.limit) == (600, 300)  # back to what fit
+
+
+def test_small_batches_do_not_grow_the_limit() -> None:
+    budget = TokenBudget(grow_after=1, limit=400)
+    for _ in range(10):
+        budget.succeeded(100)  # a quiet engine: a quarter of the limit each time
+    assert budget.limit == 400
+    budget.succeeded(200)
+    assert budget.limit == 500
