@@ -6,12 +6,12 @@ each step samples every active row at once (``_sampling.Sampler``: a seeded row 
 end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
 removed), so long rows do not drag short ones along.
 
-Non-finite logits (fp16 overflow, a broken checkpoint) never reach a sampled token: each step reduces
-``isfinite(logits).all(-1)`` on the device and folds it into the chosen tokens (-1 for a bad row), so the one
-host sync the loop already makes (the chosen tokens) also brings the verdict. A bad row stops with a
-:class:`~interlens.GenerationError` (``Row.failure``, returned in place of its result) and is dropped like a
-finished row, so its garbage token is never fed; the other rows carry on. On CUDA a NaN fed onward would end
-in a device-side assert that poisons the whole process.
+Non-finite logits (fp16 overflow, a broken checkpoint) never reach a sampled token: each step reduces each
+row's logits to one float32 sum on the device (NaN/inf iff a logit is) and folds the verdict into the chosen
+tokens (-1 for a bad row), so the one host sync the loop already makes (the chosen tokens) brings it along.
+A bad row stops with a :class:`~interlens.GenerationError` (``Row.failure``, returned in place of its
+result) and is dropped like a finished row, so its garbage token is never fed; the other rows carry on. On
+CUDA a NaN fed onward would end in a device-side assert that poisons the whole process.
 
 The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
 stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
@@ -129,7 +129,10 @@ class ModelRunner:
         active = list(rows)
         sampler = Sampler([r.request for r in active], self.device)
         while True:
-            finite = torch.isfinite(logits).all(dim=-1)  # reduced on the device: no sync of its own
+            # one reduction per row on the device, no sync of its own: a row's sum is NaN/inf iff one of its
+            # logits is (accumulated in float32, so a half-precision sum cannot overflow); an
+            # ``isfinite(logits).all(-1)`` would first build a rows × vocab mask, 20x slower on CPU
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
             chosen = torch.where(finite, sampler(logits), -1)
             finished: list[int] = []
             for j, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
