@@ -1,6 +1,6 @@
 """Benchmark: the decode loop's own cost per step (everything but the model's forward passes).
 
-Run:  python benchmarks/bench_decode_step.py [--device cpu] [--rows 64] [--new 64] [--repeats 5]
+Run:  python benchmarks/bench_decode_step.py [--device cpu] [--rows 64] [--new 64] [--repeats 5] [--threads N]
 
 ``LocalEngine.generate_batch`` on the "bench" qwen2 tiny model (~27 M parameters, random weights), seeded
 sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``:
@@ -32,9 +32,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", default="bench", help="tiny model size: bench (~27 M) or tiny")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from interlens._generation import GenerationRequest

@@ -174,3 +174,41 @@ def test_first_token_budget_is_estimated_from_free_memory_on_cuda_only(qwen2_mod
     )
     model, tokenizer = qwen2_model
     assert LocalEngine(model, tokenizer, device="cpu").token_budget() is None  # CPU: no estimate
+
+
+class StepSizes(LocalEngine):
+    """A LocalEngine that notes the batch size of every decode step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sizes: list[int] = []
+
+    def _step(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sizes.append(tokens.shape[0])
+        return super()._step(tokens, *args, **kwargs)
+
+
+def test_finished_rows_are_dropped_in_bunches_and_change_no_token(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = StepSizes(model, tokenizer, device="cpu")
+    engine._eos_ids = frozenset()  # every row runs to its own cap: one row leaves at each step
+    texts = [f"Row {i}: tabs or spaces?" for i in range(15)] + ["Say POISONPILL."]
+    requests = [
+        GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=2 + i, temperature=0.9, seed=i)
+        for i, t in enumerate(texts)
+    ]
+    marker = tokenizer("POISONPILL", add_special_tokens=False)["input_ids"]
+    handle = model.register_forward_hook(PoisonedLogits(marker), with_kwargs=True)
+    try:
+        batched = engine.generate_batch(requests)
+        steps = list(engine.sizes)
+        alone = [engine.generate_batch([r])[0] for r in requests[:15]]
+    finally:
+        handle.remove()
+    assert isinstance(batched[15], GenerationError)  # failed at its first token
+    assert [r.token_ids for r in batched[:15]] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+    assert [r.n_tokens for r in batched[:15]] == list(range(2, 17))  # type: ignore[union-attr]
+    # the NaN row fails on the first draw but stays in the batch (fed an ignored id) until the finished rows
+    # are 1/8 of it; then a row ends per step and the batch shrinks every second step down to 8 rows,
+    # every step below (one row is 1/8 of 8)
+    assert steps == [16, 14, 14, 12, 12, 10, 10, 8, 7, 6, 5, 4, 3, 2, 1]
