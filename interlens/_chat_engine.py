@@ -51,9 +51,30 @@ class ChatScoreRequest:
 class ChatEngine:
     """A loaded model plus its tokenizer's chat template: views in, generations out (scheduler ``Engine``)."""
 
+    _RENDERED_KEPT = 4096  # rendered prompts waiting for their batch (a cancelled request's entry ages out)
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # Prompts rendered by ``request_tokens`` when a request was queued, by request identity: the batch
+        # then skips the render (the tokenizing moves off the device thread).
+        self._rendered: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+    def request_tokens(self, request: ChatRequest | ChatScoreRequest) -> int:
+        """What ``request`` costs in a batch, in tokens (the scheduler's batch budget; called on queueing)."""
+        ids = self.prompt_ids(request.view)
+        if len(self._rendered) >= self._RENDERED_KEPT:
+            self._rendered.pop(next(iter(self._rendered)))
+        self._rendered[id(request)] = (request, ids)
+        if isinstance(request, ChatScoreRequest):
+            return len(ids) + len(self.tokenizer(request.continuation, add_special_tokens=False)["input_ids"])
+        return len(ids) + max(1, request.sampling.max_new_tokens)
+
+    def _ids(self, request: ChatRequest | ChatScoreRequest) -> tuple[int, ...]:
+        kept = self._rendered.pop(id(request), None)
+        if kept is not None and kept[0] is request:
+            return kept[1]
+        return self.prompt_ids(request.view)
 
     def prompt_ids(self, view: View) -> tuple[int, ...]:
         """The token ids the model sees for ``view``, generation prompt included."""
@@ -72,7 +93,7 @@ class ChatEngine:
         prepared: list[Any] = []
         for req in requests:
             try:
-                ids = self.prompt_ids(req.view)
+                ids = self._ids(req)
                 if isinstance(req, ChatScoreRequest):
                     continuation = self.tokenizer(req.continuation, add_special_tokens=False)["input_ids"]
                     prepared.append(
@@ -99,11 +120,11 @@ class ChatEngine:
         generated = iter(engine.generate_batch(generate, mode=mode, cancelled=cancelled) if generate else [])
         scored = iter(engine.score(score, cancelled=cancelled) if score else [])
         out: list[Any] = []
-        for p in prepared:
+        for req, p in zip(requests, prepared, strict=True):
             if isinstance(p, Exception):
                 out.append(p)
             elif isinstance(p, GenerationRequest):
-                out.append(next(generated))
+                out.append(_whose(next(generated), req.view))
             else:
                 out.append(self._scored(next(scored)))
         return out
@@ -114,6 +135,11 @@ class ChatEngine:
         ids = tuple(result.continuation_ids)
         tokens = tuple(self.tokenizer.convert_ids_to_tokens(list(ids)))
         return ScoredText(ids, tokens, tuple(result.logprobs), result.captured)
+
+    def token_budget(self) -> int | None:
+        """The engine's first batch budget in tokens (from free CUDA memory; None on CPU)."""
+        budget: int | None = self.engine.token_budget()
+        return budget
 
     def release_memory(self) -> None:
         """Called by the scheduler before it retries a batch that ran out of memory."""
@@ -131,3 +157,11 @@ class ChatEngine:
         forget_engine(engine)
         del engine  # the last reference, unless a live caller still holds the model
         free_device_memory(device)
+
+
+def _whose(result: Any, view: View) -> Any:
+    """A row's generation error, told whose turn it was (the engine only knows rows and tokens)."""
+    if isinstance(result, GenerationError):
+        turn = view.own_turns + 1
+        return type(result)(f"turn {turn} of participant {view.speaker!r}: {result}")
+    return result

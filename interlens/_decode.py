@@ -4,7 +4,14 @@ Why a hand-written loop rather than ``model.generate``: ``generate`` cannot hono
 / max_new_tokens / stop strings, cannot drop finished rows, and draws every row from one RNG stream. Here
 each step samples every active row at once (``_sampling.Sampler``: a seeded row from its own stream), checks
 end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
-removed), so long rows do not drag short ones along.
+removed, once enough have finished to pay for the copy), so long rows do not drag short ones along.
+
+Non-finite logits (fp16 overflow, a broken checkpoint) never reach a sampled token: each step reduces each
+row's logits to one float32 sum on the device (NaN/inf iff a logit is) and folds the verdict into the chosen
+tokens (-1 for a bad row), so the one host sync the loop already makes (the chosen tokens) brings it along.
+A bad row stops with a :class:`~interlens.GenerationError` (``Row.failure``, returned in place of its
+result) and is dropped like a finished row, so its garbage token is never fed; the other rows carry on. On
+CUDA a NaN fed onward would end in a device-side assert that poisons the whole process.
 
 The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
 stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
@@ -16,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from interlens._exceptions import GenerationError
 from interlens._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
 from interlens._sampling import Sampler, eos_ids, pad_id
 from interlens.scheduler import BatchCancelled
@@ -27,6 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelRunner", "Row", "left_pad", "raise_if_cancelled", "stop_window"]
 
+#: Finished rows stay in the batch (fed an ignored token) until they are at least 1/_COMPACT_SHARE of it:
+#: dropping them copies the whole KV cache (every layer, every position), which at a row leaving on most
+#: steps cost more per step than the rows' own share of the forward pass (benchmarks/bench_decode_step.py).
+_COMPACT_SHARE = 8
+
 
 @dataclass
 class Row:
@@ -36,6 +49,11 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
+    failure: GenerationError | None = None  # set instead of ``finish`` when the row's logits went bad
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.failure is not None
 
 
 class ModelRunner:
@@ -108,7 +126,8 @@ class ModelRunner:
         *,
         static: bool,
     ) -> None:
-        """Sample until every row is finished, dropping finished rows from the batch as they finish.
+        """Sample until every row is finished, dropping finished rows from the batch (in bunches: see
+        ``_COMPACT_SHARE``).
 
         ``positions`` holds each active row's position of the NEXT token to feed; ``attn`` is the full-length
         2-D mask (None when no row is padded); ``kv_len`` the KV length already in the cache. Each row's last
@@ -119,10 +138,20 @@ class ModelRunner:
         eos = self._eos_ids
         active = list(rows)
         sampler = Sampler([r.request for r in active], self.device)
+        dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
         while True:
-            chosen = sampler(logits)
-            finished: list[int] = []
-            for j, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+            # one reduction per row on the device, no sync of its own: a row's sum is NaN/inf iff one of its
+            # logits is (accumulated in float32, so a half-precision sum cannot overflow); an
+            # ``isfinite(logits).all(-1)`` would first build a rows × vocab mask, 20x slower on CPU
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
+            chosen = torch.where(finite, sampler(logits), -1)
+            for row, token in zip(active, chosen.tolist(), strict=True):
+                if row.done:  # finished on an earlier step, still in the batch: its draw is ignored
+                    continue
+                if token < 0:
+                    row.failure = self._non_finite(row)
+                    dead += 1
+                    continue
                 row.tokens.append(token)
                 if token in eos:
                     row.finish = "eos"
@@ -131,13 +160,12 @@ class ModelRunner:
                 elif len(row.tokens) >= row.request.max_new_tokens:
                     row.finish = "length"
                 if row.finish is not None:
-                    finished.append(j)
-            if len(finished) == len(active):
+                    dead += 1
+            if dead == len(active):
                 return
             raise_if_cancelled(cancelled)
-            if finished:
-                gone = set(finished)
-                keep = [j for j in range(len(active)) if j not in gone]
+            if dead and dead * _COMPACT_SHARE >= len(active):
+                keep = [j for j, row in enumerate(active) if not row.done]
                 keep_t = torch.tensor(keep, dtype=torch.long, device=chosen.device)
                 cache.reorder_cache(keep_t)  # index_select on the batch dim, for static and dynamic layers
                 chosen = chosen.index_select(0, keep_t)
@@ -148,9 +176,23 @@ class ModelRunner:
                         attn = None  # the padded rows are gone: let attention skip the mask
                 active = [active[j] for j in keep]
                 sampler = sampler.select(keep)
+                dead = 0
+            elif dead:
+                chosen = chosen.clamp(min=0)  # a failed row still in the batch is fed a valid (ignored) id
             kv_len += 1
             logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
             positions = positions + 1
+
+    def _non_finite(self, row: Row) -> GenerationError:
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        dtype = str(getattr(self.model, "dtype", "unknown")).removeprefix("torch.")
+        return GenerationError(
+            f"model {name!r} ({dtype} on {self.device}) produced non-finite logits (NaN or inf) for this "
+            f"row at generated token {len(row.tokens) + 1} (prompt of {len(row.request.prompt_ids)} "
+            "tokens); the row was stopped before sampling. Likely cause: float16 overflow or a broken "
+            "checkpoint (NaN weights). Fix: load the model with dtype='bfloat16' (or 'float32'), or check "
+            "the checkpoint's weights."
+        )
 
     def _hit_stop(self, row: Row) -> bool:
         # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.

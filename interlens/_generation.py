@@ -47,6 +47,7 @@ __all__ = [
     "ScoreRequest",
     "ScoreResult",
     "_prefill_groups",
+    "token_budget_estimate",
 ]
 
 
@@ -162,6 +163,26 @@ class LocalEngine(InterpRows, KVReuse):
                 out.append(self._score_row(request))
         return out
 
+    def request_tokens(self, request: GenerationRequest) -> int:
+        """What ``request`` costs in a batch (prompt + max_new tokens): the scheduler's batch budget unit."""
+        return len(request.prompt_ids) + request.max_new_tokens
+
+    def token_budget(self) -> int | None:
+        """A first batch budget in tokens from the device's free memory (CUDA only; None elsewhere).
+
+        Only a starting point for the scheduler's adaptive budget, which shrinks on an out-of-memory error
+        and grows after successes: the allocator's cached-but-unused blocks count as free.
+        """
+        import torch
+
+        if not self.device.startswith("cuda") or not torch.cuda.is_available():
+            return None
+        with torch.cuda.device(self.device):
+            free, _ = torch.cuda.mem_get_info()
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
+        return token_budget_estimate(self.model.config, free_bytes=free + cached, dtype_bytes=dtype_bytes)
+
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
         with self._lock:
@@ -207,3 +228,21 @@ class LocalEngine(InterpRows, KVReuse):
                 f"{self._vocab_size}); tokenize the prompt and continuation with this model's own tokenizer."
             )
         return self._check_interp(request.capture, request.steering)
+
+
+def token_budget_estimate(config: Any, *, free_bytes: int, dtype_bytes: int, headroom: float = 0.7) -> int:
+    """How many batch tokens (rows × (prompt + max_new)) fit in ``headroom`` of ``free_bytes``.
+
+    A token costs its KV (2 × layers × kv heads × head dim) for the whole batch, plus the prefill's
+    activations, which live one layer at a time (a few hidden- and MLP-wide vectors per token). Rough by
+    design: the scheduler's budget corrects it on the first out-of-memory error.
+    """
+    text = getattr(config, "text_config", None) or config
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    mlp = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim
+    per_token = (kv + 4 * hidden + 3 * mlp) * dtype_bytes
+    return max(1, int(free_bytes * headroom) // per_token)

@@ -72,8 +72,9 @@ class InterpRows(BatchPrefill):
 
     def _generate_interp(
         self, request: GenerationRequest, cancelled: threading.Event | None
-    ) -> GenerationResult:
-        """One hooked row, alone and from scratch; its capture aligned with its generated tokens."""
+    ) -> GenerationResult | Exception:
+        """One hooked row, alone and from scratch; its capture aligned with its generated tokens (or the
+        row's ``GenerationError`` when its logits went non-finite)."""
         import torch
 
         prompt_len = len(request.prompt_ids)
@@ -82,6 +83,8 @@ class InterpRows(BatchPrefill):
         ) as recorder:
             done = self._prefill_and_decode([request], cancelled)
             row = done.rows[0]
+            if row.failure is not None:
+                return row.failure
             if recorder is not None:  # feed the last sampled token: its position's activations
                 last = torch.tensor([[row.tokens[-1]]], dtype=torch.long, device=self.device)
                 position = prompt_len + len(row.tokens) - 1

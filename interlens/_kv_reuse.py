@@ -30,7 +30,7 @@ class KVReuse(ModelRunner):
 
     def _generate_reusing(
         self, request: GenerationRequest, cancelled: threading.Event | None
-    ) -> GenerationResult:
+    ) -> GenerationResult | Exception:
         """A single row on its reuse stream: prefill only what the stream's cache does not hold yet.
 
         The entry is taken OUT of the table while in use and put back only after success, so an error or a
@@ -69,6 +69,8 @@ class KVReuse(ModelRunner):
         self._decode(
             [row], out.logits[:, -1, :], cache, start_pos, None, len(prompt), cancelled, static=False
         )
+        if row.failure is not None:  # non-finite logits: its error, and no cache kept for the stream
+            return row.failure
         # The last sampled token was never fed, so the cache holds the prompt and all but the last token.
         self._reuse[key] = (prompt + row.tokens[:-1], cache)
         while len(self._reuse) > self.kv_reuse_capacity:

@@ -50,12 +50,17 @@ class BatchPrefill(ModelRunner):
 
     def _generate_rows(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None
-    ) -> list[GenerationResult]:
-        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded."""
+    ) -> list[GenerationResult | Exception]:
+        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded.
+
+        A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
+        """
         done = self._prefill_and_decode(requests, cancelled)
         seconds = time.perf_counter() - done.started
         return [
-            self._result(row, seconds=seconds, batch_size=len(done.rows), shared=s, reused=0)
+            row.failure
+            if row.failure is not None
+            else self._result(row, seconds=seconds, batch_size=len(done.rows), shared=s, reused=0)
             for row, s in zip(done.rows, done.shared_rows, strict=True)
         ]
 
@@ -140,34 +145,37 @@ class BatchPrefill(ModelRunner):
         can be half padding, and on CPU the prefill is most of a turn's cost. Prefilling length-sorted groups
         at their own widths and copying each group's KV to the right end of the batch cache gives the same
         layout (pads stay masked) for a fraction of the compute. Only for caches of plain static layers.
+
+        Each group's small cache is copied into the batch cache as soon as it is filled and dropped before
+        the next group runs: the batch cache plus ONE small cache is the peak, not the batch cache plus all.
         """
         import torch
         from transformers import StaticCache
 
         device = self.device
+        batch = len(requests)
         logits: torch.Tensor | None = None
-        parts: list[tuple[torch.Tensor, int, Any]] = []
         for rows in groups:
             width = max(len(requests[r].prompt_ids) for r in rows)
             ids, mask = left_pad([requests[r].prompt_ids for r in rows], width, self._pad_id)
-            small = StaticCache(config=self.model.config, max_cache_len=width)
+            small: Any = StaticCache(config=self.model.config, max_cache_len=width)
             part = self._forward(ids, mask, small, device)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             if logits is None:
-                logits = part.new_empty((len(requests), part.shape[-1]))
+                logits = part.new_empty((batch, part.shape[-1]))
             logits[index] = part
-            parts.append((index, width, small))
+            for layer, src in zip(cache.layers, small.layers, strict=True):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(
+                        src.keys.new_empty((batch, src.keys.shape[1], 1, src.keys.shape[3])),
+                        src.values.new_empty((batch, src.values.shape[1], 1, src.values.shape[3])),
+                    )
+                layer.keys[index, :, prompt_len - width : prompt_len] = src.keys
+                layer.values[index, :, prompt_len - width : prompt_len] = src.values
+            # Copied: drop this group's cache before the next group's is allocated (one alive at a time).
+            del small, part, src
         assert logits is not None
-        for i, layer in enumerate(cache.layers):
-            keys, values = parts[0][2].layers[i].keys, parts[0][2].layers[i].values
-            batch = len(requests)
-            layer.lazy_initialization(
-                keys.new_empty((batch, keys.shape[1], 1, keys.shape[3])),
-                values.new_empty((batch, values.shape[1], 1, values.shape[3])),
-            )
-            for index, width, small in parts:
-                layer.keys[index, :, prompt_len - width : prompt_len] = small.layers[i].keys
-                layer.values[index, :, prompt_len - width : prompt_len] = small.layers[i].values
+        for layer in cache.layers:
             layer.cumulative_length.fill_(prompt_len)
         return logits
 

@@ -183,7 +183,10 @@ def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor, total: torch.Tensor | None 
     if total is None:
         total = cdf[:, -1]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    # clamped for a row whose logits were NaN (its target too): the decode loop fails that row, but an
+    # index past the vocabulary must never reach a gather on the device (a CUDA device-side assert)
+    index = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    return index.clamp_(max=cdf.shape[-1] - 1)
 
 
 def _nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,12 @@ requests, as soon as one of these holds:
   scheduler cannot see, such as a file or an un-instrumented API call);
 - DETERMINISTIC mode: every request is its own batch, served at once.
 
+How many rows a batch takes is also bounded by the engine's :class:`~._budget.TokenBudget` (rows × the
+longest row's prompt + max_new tokens, counted by the engine's optional ``request_tokens(payload)``): it
+shrinks when a batch runs out of memory and grows back slowly, so later rounds stop paying for failed
+prefills, and a size that failed is not tried again. A queue whose next request would exceed the budget
+counts as holding a full batch.
+
 A batch that runs out of memory is split in halves and retried, down to single requests; only a request
 that fails alone gets the error. Before a retry the failed attempt's tensors are released (its traceback's
 frames cleared) and the engine may return its allocator cache (``release_memory``). Any other exception from
@@ -31,6 +37,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
+from ._budget import TokenBudget
 from ._errors import BatchResultError
 from ._protocols import BatchCancelled, Engine, ExecutionMode
 from ._signals import Notifier
@@ -57,11 +64,12 @@ class Waiter(Protocol):
 
 
 class _Request:
-    __slots__ = ("done", "enqueued_at", "error", "in_flight", "owner", "payload", "result")
+    __slots__ = ("done", "enqueued_at", "error", "in_flight", "owner", "payload", "result", "tokens")
 
-    def __init__(self, owner: Waiter, payload: Any, now: float) -> None:
+    def __init__(self, owner: Waiter, payload: Any, now: float, tokens: int) -> None:
         self.owner = owner
         self.payload = payload
+        self.tokens = tokens  # what this row costs in a batch (see ``_request_tokens``)
         self.enqueued_at = now
         self.done = anyio.Event()
         self.in_flight = False
@@ -70,11 +78,24 @@ class _Request:
 
 
 class _Queue:
-    __slots__ = ("engine", "requests")
+    __slots__ = ("budget", "engine", "requests")
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, budget: TokenBudget) -> None:
         self.engine = engine
+        self.budget = budget
         self.requests: deque[_Request] = deque()
+
+    def fitting(self, most: int) -> int:
+        """How many queued requests (oldest first, at most ``most``) the next batch takes under the budget."""
+        n = longest = 0
+        for req in self.requests:
+            if n == most:
+                break
+            wider = max(longest, req.tokens)
+            if n and not self.budget.allows((n + 1) * wider):
+                break
+            n, longest = n + 1, wider
+        return n
 
 
 class Batcher:
@@ -88,8 +109,10 @@ class Batcher:
         max_wait: float,
         quiescent: Callable[[], bool],
         changed: Notifier,
+        grow_after: int = 4,
     ) -> None:
         self._mode = mode
+        self._grow_after = grow_after
         self._max = 1 if mode is ExecutionMode.DETERMINISTIC else max_batch_size
         self._max_wait = max_wait
         self._quiescent = quiescent
@@ -115,8 +138,9 @@ class Batcher:
         """Queue one request for ``engine`` and wait for its result (or its own error)."""
         queue = self._queues.get(key)
         if queue is None:
-            queue = self._queues[key] = _Queue(engine)
-        req = _Request(owner, payload, anyio.current_time())
+            budget = TokenBudget(grow_after=self._grow_after, limit=_first_budget(engine))
+            queue = self._queues[key] = _Queue(engine, budget)
+        req = _Request(owner, payload, anyio.current_time(), _request_tokens(engine, payload))
         queue.requests.append(req)
         self._queued += 1
         owner.outstanding += 1
@@ -158,8 +182,8 @@ class Batcher:
     async def serve(self) -> None:
         """Dispatch batches forever (until the worker's task group is cancelled)."""
         while True:
-            engine, batch = await self._next_batch()
-            results = await self._generate(engine, [r.payload for r in batch])
+            queue, batch = await self._next_batch()
+            results = await self._generate(queue, [r.payload for r in batch], [r.tokens for r in batch])
             for req, res in zip(batch, results, strict=True):
                 if isinstance(res, Exception):
                     req.error = res
@@ -171,9 +195,14 @@ class Batcher:
     def _ready(self) -> bool:
         if self._mode is ExecutionMode.DETERMINISTIC or self._quiescent():
             return True
-        return any(len(q.requests) >= self._max for q in self._queues.values())
+        # full: as many rows as a batch takes, or the budget stops the batch before the queue's end
+        for q in self._queues.values():
+            n = q.fitting(self._max)
+            if n == self._max or n < len(q.requests):
+                return True
+        return False
 
-    async def _next_batch(self) -> tuple[Engine, list[_Request]]:
+    async def _next_batch(self) -> tuple[_Queue, list[_Request]]:
         while True:
             event = self._changed.event()
             if self._queued == 0:
@@ -186,25 +215,33 @@ class Batcher:
             with anyio.move_on_after(remaining):
                 await event.wait()
 
-    def _take(self) -> tuple[Engine, list[_Request]]:
+    def _take(self) -> tuple[_Queue, list[_Request]]:
         queue = max(
             (q for q in self._queues.values() if q.requests),
             key=lambda q: (len(q.requests), -q.requests[0].enqueued_at),  # most queued, then oldest
         )
-        batch = [queue.requests.popleft() for _ in range(min(self._max, len(queue.requests)))]
+        batch = [queue.requests.popleft() for _ in range(queue.fitting(self._max))]
         for req in batch:
             req.in_flight = True
         self._queued -= len(batch)
-        return queue.engine, batch
+        return queue, batch
 
-    async def _generate(self, engine: Engine, payloads: Sequence[Any]) -> list[Any]:
+    async def _generate(self, queue: _Queue, payloads: Sequence[Any], tokens: Sequence[int]) -> list[Any]:
         """One result (or Exception) per payload; halves an out-of-memory batch down to single rows.
+
+        Every attempt tells the queue's budget how it went (its cost: rows × the widest row's tokens).
 
         The halves run AFTER the ``except`` block, with the failed attempt's frames cleared: a live
         traceback keeps every local of the failed ``generate_batch`` (its KV cache, its logits) reachable,
         and the retry would meet the same memory pressure. The engine's optional ``release_memory()`` then
         hands the freed blocks back to the device (see ``Engine``).
         """
+        engine = queue.engine
+        cost = len(payloads) * max(tokens)
+        if len(payloads) > 1 and not queue.budget.allows(cost):  # e.g. the twin of a half that just failed
+            mid = len(payloads) // 2
+            first = await self._generate(queue, payloads[:mid], tokens[:mid])
+            return first + await self._generate(queue, payloads[mid:], tokens[mid:])
         split = False
         try:
             results = await _generate_in_thread(engine, payloads, self._mode, self._limiter)
@@ -212,14 +249,24 @@ class Batcher:
             if not is_out_of_memory(exc):
                 return [exc] * len(payloads)
             _drop_frames(exc)
+            queue.budget.failed(cost, rows=len(payloads))
+            log.info(
+                "%s: out of memory at %d rows (cost %d); batch limit now %s",
+                type(engine).__name__,
+                len(payloads),
+                cost,
+                queue.budget.limit,
+            )
             if len(payloads) == 1:
+                await _release_memory(engine, self._limiter)
                 return [exc]
             split = True  # below, once ``exc`` and its traceback are gone
         if split:
             await _release_memory(engine, self._limiter)
             mid = len(payloads) // 2
-            first = await self._generate(engine, payloads[:mid])
-            return first + await self._generate(engine, payloads[mid:])
+            first = await self._generate(queue, payloads[:mid], tokens[:mid])
+            return first + await self._generate(queue, payloads[mid:], tokens[mid:])
+        queue.budget.succeeded(cost)
         if (
             not isinstance(results, Sequence)
             or isinstance(results, str | bytes)
@@ -232,6 +279,34 @@ class Batcher:
             )
             return [err] * len(payloads)
         return list(results)
+
+
+def _request_tokens(engine: Engine, payload: Any) -> int:
+    """What one row costs in a batch: the engine's ``request_tokens(payload)`` (prompt + max_new tokens), or
+    1 (the budget then counts rows) when it has none or cannot tell (the batch itself will say what's wrong).
+    """
+    count = getattr(engine, "request_tokens", None)
+    if not callable(count):
+        return 1
+    try:
+        tokens = count(payload)
+    except Exception:
+        log.debug("%s.request_tokens failed", type(engine).__name__, exc_info=True)
+        return 1
+    return tokens if isinstance(tokens, int) and tokens >= 1 else 1
+
+
+def _first_budget(engine: Engine) -> int | None:
+    """The engine's own estimate of what fits (its optional ``token_budget()``: e.g. free CUDA memory)."""
+    estimate = getattr(engine, "token_budget", None)
+    if not callable(estimate):
+        return None
+    try:
+        tokens = estimate()
+    except Exception:
+        log.warning("%s.token_budget() failed; no first estimate", type(engine).__name__, exc_info=True)
+        return None
+    return tokens if isinstance(tokens, int) and tokens >= 1 else None
 
 
 def _drop_frames(exc: BaseException) -> None:

@@ -133,6 +133,20 @@ def test_batched_generation_through_engine(family):
     assert results[2].token_ids[: results[0].n_tokens] == results[0].token_ids
 
 
+def test_request_tokens_counts_prompt_plus_max_new_and_is_rendered_once(qwen2_path):
+    from interlens._participant import GenerationOptions
+
+    conv = _debate(qwen2_path, temperature=0.0)
+    participant = conv.participants[1]
+    engine = participant.live_engine()
+    request = participant.request(conv.view("b"), GenerationOptions(max_new_tokens=6))
+    prompt = len(engine.prompt_ids(conv.view("b")))
+    assert prompt > 5 and engine.request_tokens(request) == prompt + 6  # the batch budget's unit
+    assert id(request) in engine._rendered  # rendered when queued, off the device thread
+    [result] = engine.generate_batch([request])
+    assert result.prompt_tokens == prompt and id(request) not in engine._rendered
+
+
 def test_two_participants_with_one_id_share_one_model(qwen2_path):
     a = AutoModelParticipant.from_pretrained(qwen2_path, name="a")
     b = AutoModelParticipant.from_pretrained(qwen2_path, name="b", temperature=0.3)

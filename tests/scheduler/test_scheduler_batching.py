@@ -91,7 +91,8 @@ async def test_out_of_memory_batch_is_halved_until_only_the_poisoned_row_fails()
     err = out.outcome("a/0005").error
     assert err is not None and err.type == "OutOfMemoryError" and "out of memory" in err.message
     # 16 → 8+8, the poisoned half → 4+4, its poisoned half → 2+2 → 1+1: every clean half succeeds once.
-    assert spec.engine.sizes == [16, 8, 4, 4, 2, 1, 1, 2, 8]
+    # The clean twin of the first failed 8 is not tried at 8 (a size that just failed): it runs as 4+4.
+    assert spec.engine.sizes == [16, 8, 4, 4, 2, 1, 1, 2, 4, 4]
 
 
 class MemoryHungryEngine:
@@ -136,7 +137,8 @@ async def test_out_of_memory_retry_starts_after_the_failed_batch_is_freed() -> N
         out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
     assert len(out.done) == 8
     assert out.outcome("a/0003").conversation["turns"][0]["text"] == "ok(a/0003:0)"
-    # 8 fails → freed, released → 4 fails → freed, released → 2, 2 → the other 4 fails → ... → 2, 2.
+    # 8 fails → freed, released → 4 fails → freed, released → 2, 2 → the other 4 (a size that just
+    # failed) is split unasked → 2, 2.
     assert [c[:2] for c in engine.calls] == [
         ("generate", 8),
         ("release", 0),
@@ -144,13 +146,32 @@ async def test_out_of_memory_retry_starts_after_the_failed_batch_is_freed() -> N
         ("release", 0),
         ("generate", 2),
         ("generate", 2),
-        ("generate", 4),
-        ("release", 0),
         ("generate", 2),
         ("generate", 2),
     ]
-    assert len(engine.failed) == 6
+    assert len(engine.failed) == 4
     assert [c[2] for c in engine.calls] == [0] * len(engine.calls)  # nothing of a failed batch outlived it
+
+
+async def test_a_row_that_fails_alone_keeps_no_tensor_alive_and_memory_is_released() -> None:
+    engine = MemoryHungryEngine(fits=0)  # even one row runs out of memory
+    spec = EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
+    jobs = [TurnsJob([spec], turns=1) for _ in range(2)]
+    with anyio.fail_after(20):
+        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+    assert out.failed == ["a/0000", "a/0001"]
+    assert out.outcome("a/0001").error.type == "OutOfMemoryError"
+    # 2 fails → released → 1 fails → released → 1 fails → released: the error each row keeps (and its
+    # traceback) holds none of the failed batch's tensors
+    assert [c[:2] for c in engine.calls] == [
+        ("generate", 2),
+        ("release", 0),
+        ("generate", 1),
+        ("release", 0),
+        ("generate", 1),
+        ("release", 0),
+    ]
+    assert len(engine.failed) == 6 and engine.alive() == 0
 
 
 async def test_other_batch_exception_fails_every_caller_of_that_batch_only() -> None:

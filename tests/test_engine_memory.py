@@ -1,0 +1,214 @@
+"""The engine's memory and numerics on tiny models: one small cache alive at a time, NaN rows fail alone."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import interlens
+from interlens import AutoModelParticipant, Conversation
+from interlens._exceptions import GenerationError
+from interlens._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    _prefill_groups,
+    token_budget_estimate,
+)
+from interlens.testing import tiny_model
+
+
+class WatchedEngine(LocalEngine):
+    """A LocalEngine that notes, at each prefill forward, how many caches of EARLIER forwards are alive."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.caches: list[weakref.ref[Any]] = []
+        self.alive_at_forward: list[int] = []
+
+    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+        self.alive_at_forward.append(sum(ref() is not None for ref in self.caches))
+        self.caches.append(weakref.ref(cache))
+        return super()._forward(ids, mask, cache, device)
+
+
+@pytest.fixture(scope="module")
+def qwen2_model() -> tuple[Any, Any]:
+    path = tiny_model("qwen2")  # plain static layers: the grouped prefill applies
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _prompt(tokenizer: Any, text: str) -> tuple[int, ...]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+    return tuple(ids)
+
+
+def test_grouped_prefill_drops_each_group_cache_before_the_next(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = WatchedEngine(model, tokenizer, device="cpu")
+    texts = [" ".join(["spaces"] * n) for n in (1, 40, 3, 25, 8, 60, 2, 15, 33, 5, 50, 4)]
+    requests = [
+        GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=6, temperature=0) for t in texts
+    ]
+    groups = _prefill_groups([len(r.prompt_ids) for r in requests])
+    assert len(groups) >= 3
+    batched = engine.generate_batch(requests)
+    assert engine.alive_at_forward == [0] * len(groups)  # each group's cache gone before the next forward
+    alone = [engine.generate_batch([r])[0] for r in requests]
+    assert all(isinstance(r, GenerationResult) for r in batched + alone)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+
+
+class PoisonedLogits:
+    """A forward hook: rows whose prompt holds ``marker`` get NaN logits (fp16 overflow, stood in for)."""
+
+    def __init__(self, marker: list[int]) -> None:
+        self.marker = torch.tensor(marker)
+
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        ids = kwargs.get("input_ids")
+        if ids is None or ids.shape[1] < len(self.marker):
+            return output
+        hit = (ids.unfold(1, len(self.marker), 1) == self.marker).all(-1).any(-1)
+        output.logits[hit] = float("nan")
+        return output
+
+
+def test_a_row_with_nan_logits_fails_alone_and_the_others_are_unchanged(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = LocalEngine(model, tokenizer, device="cpu")
+    texts = ["What is 2 + 2?", "Tabs or spaces?", "Say POISONPILL twice.", "Name a colour."]
+    requests = [
+        # the bad row samples with a nucleus: its NaN draw must not index past the vocabulary
+        GenerationRequest(
+            prompt_ids=_prompt(tokenizer, t), max_new_tokens=8, temperature=0.8, top_p=0.9, seed=i
+        )
+        for i, t in enumerate(texts)
+    ]
+    clean = [engine.generate_batch([r])[0] for r in requests]
+    marker = tokenizer("POISONPILL", add_special_tokens=False)["input_ids"]
+    handle = model.register_forward_hook(PoisonedLogits(marker), with_kwargs=True)
+    try:
+        results = engine.generate_batch(requests)
+        reused = engine.generate_batch(
+            [GenerationRequest(prompt_ids=requests[2].prompt_ids, max_new_tokens=4, reuse_key="s")]
+        )
+    finally:
+        handle.remove()
+    bad = results[2]
+    assert isinstance(bad, GenerationError)
+    message = str(bad)
+    assert "non-finite logits" in message and "generated token 1" in message
+    assert "dtype='bfloat16'" in message and "float32 on cpu" in message
+    assert [r.token_ids for i, r in enumerate(results) if i != 2] == [  # type: ignore[union-attr]
+        r.token_ids
+        for i, r in enumerate(clean)
+        if i != 2  # type: ignore[union-attr]
+    ]
+    assert isinstance(reused[0], GenerationError) and "s" not in engine._reuse  # no bad cache kept
+    again = engine.generate_batch([requests[0]])  # the engine is as usable as before
+    assert again[0].token_ids == clean[0].token_ids  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def nan_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A copy of the tiny qwen2 model whose first MLP is NaN: a broken checkpoint, saved like any other."""
+    path = tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    out = tmp_path_factory.mktemp("nan_model")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return str(out)
+
+
+def test_nan_model_fails_its_own_job_and_the_worker_carries_on(nan_model_path: str, llama_path: str) -> None:
+    def debate(path: str, name: str) -> Conversation:
+        a = AutoModelParticipant.from_pretrained(path, name="a", temperature=0.9, max_new_tokens=6)
+        b = AutoModelParticipant.from_pretrained(path, name="b", temperature=0.9, max_new_tokens=6)
+        return Conversation(participants=[a, b], shared_context="Tabs or spaces?").turns(3).name(name)
+
+    # one job at a time, the broken model's first: the healthy jobs run on the same worker AFTER it failed
+    conversations = [debate(nan_model_path, "broken"), debate(llama_path, "ok"), debate(llama_path, "ok2")]
+    report = interlens.run(conversations, devices=["cpu"], max_concurrency=1)
+    assert report.failed == ["broken"]
+    err = report.results["broken"].error
+    assert err.type == "GenerationError" and report.results["broken"].attempts == 1  # not worth a retry
+    assert "turn 1 of participant 'a'" in err.message and nan_model_path in err.message
+    assert "non-finite logits" in err.message and "dtype='bfloat16'" in err.message
+    for res in (report.results["ok"], report.results["ok2"]):
+        assert res.error is None and res.device == "cpu"
+        assert [m.author for m in res.transcript[1:]] == ["a", "b", "a"]
+
+
+def test_first_token_budget_is_estimated_from_free_memory_on_cuda_only(qwen2_model: tuple[Any, Any]) -> None:
+    from transformers import LlamaConfig
+
+    # a Llama-2-7B shape in bf16: KV 2×32×32×128 + activations 4×4096 + 3×11008 values per token
+    seven_b = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, num_hidden_layers=32, intermediate_size=11008
+    )
+    per_token = (2 * 32 * 32 * 128 + 4 * 4096 + 3 * 11008) * 2
+    assert (
+        token_budget_estimate(seven_b, free_bytes=80 * 2**30, dtype_bytes=2)
+        == int(80 * 2**30 * 0.7) // per_token
+    )
+    grouped = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        intermediate_size=11008,
+    )
+    grouped_per_token = (2 * 32 * 8 * 128 + 4 * 4096 + 3 * 11008) * 2  # a quarter of the KV heads
+    assert (
+        token_budget_estimate(grouped, free_bytes=2**30, dtype_bytes=2)
+        == int(2**30 * 0.7) // grouped_per_token
+    )
+    model, tokenizer = qwen2_model
+    assert LocalEngine(model, tokenizer, device="cpu").token_budget() is None  # CPU: no estimate
+
+
+class StepSizes(LocalEngine):
+    """A LocalEngine that notes the batch size of every decode step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sizes: list[int] = []
+
+    def _step(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sizes.append(tokens.shape[0])
+        return super()._step(tokens, *args, **kwargs)
+
+
+def test_finished_rows_are_dropped_in_bunches_and_change_no_token(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = StepSizes(model, tokenizer, device="cpu")
+    engine._eos_ids = frozenset()  # every row runs to its own cap: one row leaves at each step
+    texts = [f"Row {i}: tabs or spaces?" for i in range(15)] + ["Say POISONPILL."]
+    requests = [
+        GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=2 + i, temperature=0.9, seed=i)
+        for i, t in enumerate(texts)
+    ]
+    marker = tokenizer("POISONPILL", add_special_tokens=False)["input_ids"]
+    handle = model.register_forward_hook(PoisonedLogits(marker), with_kwargs=True)
+    try:
+        batched = engine.generate_batch(requests)
+        steps = list(engine.sizes)
+        alone = [engine.generate_batch([r])[0] for r in requests[:15]]
+    finally:
+        handle.remove()
+    assert isinstance(batched[15], GenerationError)  # failed at its first token
+    assert [r.token_ids for r in batched[:15]] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+    assert [r.n_tokens for r in batched[:15]] == list(range(2, 17))  # type: ignore[union-attr]
+    # the NaN row fails on the first draw but stays in the batch (fed an ignored id) until the finished rows
+    # are 1/8 of it; then a row ends per step and the batch shrinks every second step down to 8 rows,
+    # every step below (one row is 1/8 of 8)
+    assert steps == [16, 14, 14, 12, 12, 10, 10, 8, 7, 6, 5, 4, 3, 2, 1]
