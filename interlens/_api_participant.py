@@ -99,6 +99,12 @@ class APIParticipant(Participant):
     recipe builds offline; a missing key fails the first turn with an error naming the variable. Keys never
     reach a pickle, the ledger, a checkpoint or a log line.
 
+    OpenAI-compatible servers (vLLM, SGLang, llama.cpp): ``provider="openai", base_url="http://host:8000/v1"``.
+    ``auth``: None (default) sends the key when ``OPENAI_API_KEY`` is set; when it is not, an endpoint on a
+    local or private host (localhost, 127.0.0.0/8, ::1, 10/8, 172.16/12, 192.168/16) is called without
+    one, and any other endpoint is refused for want of a key. ``auth=False`` never sends a key (a server
+    elsewhere without auth; provider "openai" only); ``auth=True`` always requires one.
+
     Scheduling: ``max_in_flight`` (default 64) bounds concurrent requests per (provider, endpoint, limit),
     shared by every participant with the same three; ``timeout`` (120 s) per request; ``retry`` a
     :class:`RetryPolicy` (429/5xx/timeouts, honouring retry-after); ``batch_policy`` a :class:`BatchPolicy`.
@@ -124,6 +130,7 @@ class APIParticipant(Participant):
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         retry: RetryPolicy | None = None,
         batch_policy: BatchPolicy | None = None,
+        auth: bool | None = None,
         **unsupported: Any,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
@@ -134,7 +141,7 @@ class APIParticipant(Participant):
             raise ConfigurationError(
                 f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
                 "provider, model_id, system_prompt, temperature, top_p, max_tokens, stop, batch, base_url, "
-                "timeout, max_in_flight, retry, batch_policy"
+                "timeout, max_in_flight, retry, batch_policy, auth"
             )
         if provider not in PROVIDERS:
             raise ConfigurationError(
@@ -172,6 +179,17 @@ class APIParticipant(Participant):
             raise ConfigurationError(
                 f"{name}: batch_policy must be a BatchPolicy, got {type(batch_policy).__name__}"
             )
+        if auth is not None and not isinstance(auth, bool):
+            raise ConfigurationError(
+                f"{name}: auth must be None (a key when one is set; none needed by a local server), True or "
+                f"False, got {auth!r}"
+            )
+        if auth is False and provider != "openai":
+            raise ConfigurationError(
+                f"{name}: auth=False is for OpenAI-compatible servers without a key (provider='openai' with "
+                f"their base_url); {provider_named(provider).title} always needs a key"
+            )
+        self.auth = auth
         self.provider = provider
         self.model_id = model_id
         self.temperature = _number_or_none(name, "temperature", temperature, 0, 2, open_low=False)
@@ -188,7 +206,8 @@ class APIParticipant(Participant):
     # ---------------------------------------------------------------- the gateway's APISpec
     @property
     def client_key(self) -> Hashable:
-        return ("api", self.provider, resolve_base_url(self.provider, self.base_url), self.max_in_flight)
+        url = resolve_base_url(self.provider, self.base_url)
+        return ("api", self.provider, url, self.max_in_flight, self.auth)
 
     @property
     def batch_key(self) -> Hashable | None:
@@ -203,6 +222,7 @@ class APIParticipant(Participant):
             base_url=self.base_url,
             max_in_flight=self.max_in_flight,
             who=f"APIParticipant({self.name!r})",
+            auth=self.auth,
         )
 
     # ---------------------------------------------------------------- generation
@@ -296,6 +316,7 @@ class APIParticipant(Participant):
             "max_in_flight": self.max_in_flight,
             "retry": dataclasses.asdict(self.retry_policy),
             "batch_policy": dataclasses.asdict(self.batch_policy),
+            "auth": self.auth,
         }
 
     def describe(self) -> dict[str, Any]:

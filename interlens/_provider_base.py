@@ -229,20 +229,28 @@ def request_digest(provider: str, base_url: str, endpoint: str, body: Mapping[st
 
 
 async def post_json(
-    shards: Shards, path: str, body: Mapping[str, Any], *, timeout: float, provider: str
+    shards: Shards,
+    path: str,
+    body: Mapping[str, Any],
+    *,
+    timeout: float,
+    provider: str,
+    headers: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """POST one request body through the least-loaded client shard; the decoded JSON body and the headers.
 
     Goes through the SDK's generic ``post`` (not the typed ``create``) to skip response model building, the
     largest per-request cost on the client; a body that is not JSON is a retryable provider error.
+    ``headers`` are the request's own (an omitted ``Authorization`` for an endpoint called without a key).
     """
     import httpx2
 
     shard = shards.pick()
+    options: dict[str, Any] = {"timeout": timeout}
+    if headers:
+        options["headers"] = headers
     try:
-        response = await shards.clients[shard].post(
-            path, cast_to=httpx2.Response, body=body, options={"timeout": timeout}
-        )
+        response = await shards.clients[shard].post(path, cast_to=httpx2.Response, body=body, options=options)
     finally:
         shards.load[shard] -= 1
     try:
