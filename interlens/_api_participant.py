@@ -277,7 +277,12 @@ class APIParticipant(Participant):
         return self.message(result, time.perf_counter() - start)
 
     def message(self, result: APIResult, seconds: float) -> Message:
-        """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata."""
+        """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata.
+
+        ``metadata["usage"]`` is what the turn cost, from the provider's usage fields (never re-tokenized):
+        provider, model, ``mode`` ("live" or "batch"), input tokens (all of them, cached or not), output,
+        cache-read and cache-write tokens. It is stored with the turn, so the ledger is the account.
+        """
         n_tokens = result.output_tokens if result.output_tokens is not None else count_tokens(result.text)
         metadata: dict[str, Any] = {
             "n_tokens": n_tokens,
@@ -287,6 +292,15 @@ class APIParticipant(Participant):
             "model": self.model_id,
             "seconds": round(seconds, 6),
             "at": time.time(),
+        }
+        metadata["usage"] = {
+            "provider": self.provider,
+            "model": self.model_id,
+            "mode": "batch" if result.batch_id else "live",
+            "input_tokens": result.prompt_tokens or 0,
+            "output_tokens": result.output_tokens if result.output_tokens is not None else n_tokens,
+            "cache_read_tokens": result.cache_read_tokens,
+            "cache_write_tokens": result.cache_write_tokens,
         }
         if result.model and result.model != self.model_id:
             metadata["provider_model"] = result.model

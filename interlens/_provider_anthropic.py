@@ -23,6 +23,7 @@ from ._provider_base import (
     ProviderResponseError,
     Shards,
     classify_failure,
+    count,
     post_json,
     request_digest,
 )
@@ -108,11 +109,19 @@ class AnthropicClient:
             stop = data.get("stop_reason")
         except (KeyError, TypeError, AttributeError) as exc:
             raise ProviderResponseError(f"anthropic sent a malformed message ({exc!r})", True) from exc
+        # input_tokens counts only what was neither read from nor written to the cache: add them back.
+        read, written = (
+            count(usage.get("cache_read_input_tokens")),
+            count(usage.get("cache_creation_input_tokens")),
+        )
+        uncached = usage.get("input_tokens")
         return APIResult(
             text=text,
             finish_reason=_FINISH.get(stop, stop),
-            prompt_tokens=usage.get("input_tokens"),
+            prompt_tokens=None if uncached is None else count(uncached) + read + written,
             output_tokens=usage.get("output_tokens"),
+            cache_read_tokens=read,
+            cache_write_tokens=written,
             model=data.get("model"),
             request_id=request_id,
             batch_id=batch_id,
@@ -173,4 +182,5 @@ ANTHROPIC = Provider(
     fold=fold,
     body=body,
     client=AnthropicClient,
+    batch_price=0.5,  # "50% of standard API prices" (docs.anthropic.com, Message Batches API pricing)
 )

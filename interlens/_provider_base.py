@@ -36,6 +36,7 @@ __all__ = [
     "ProviderResponseError",
     "Shards",
     "classify_failure",
+    "count",
     "post_json",
     "request_digest",
     "row_error",
@@ -74,7 +75,12 @@ class APIRequest:
 
 @dataclass(frozen=True, slots=True)
 class APIResult:
-    """A provider's answer to one request, normalized across providers."""
+    """A provider's answer to one request, normalized across providers.
+
+    Usage as the provider reported it (never re-tokenized): ``prompt_tokens`` is every input token, of
+    which ``cache_read_tokens`` were read from the provider's prompt cache and ``cache_write_tokens``
+    written to it (Anthropic's ``cache_creation_input_tokens``; OpenAI reports no writes).
+    """
 
     text: str
     finish_reason: str | None
@@ -83,6 +89,8 @@ class APIResult:
     model: str | None = None
     request_id: str | None = None
     batch_id: str | None = None
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class ProviderResponseError(Exception):
@@ -113,6 +121,8 @@ class Provider:
     :class:`ProviderClient` from ``(provider=, base_url=, api_key=, max_in_flight=)``; ``batch``: whether the
     provider has a batch API; ``title``: its name in messages. Keys and endpoints come from
     ``key_variable``/``url_variable`` (the names the official SDKs read), else ``default_url``.
+    ``batch_price``: the batch API's price as a fraction of the live one, as the provider documents it
+    (1.0: no documented discount), applied by cost estimates to batch turns.
     """
 
     name: str
@@ -124,6 +134,7 @@ class Provider:
     fold: Callable[[Messages], Messages]
     body: Callable[[APIRequest], dict[str, Any]]
     client: Callable[..., ProviderClient]
+    batch_price: float = 1.0
 
 
 _SHARD_SIZE = 8
@@ -201,6 +212,11 @@ def classify_failure(exc: BaseException, sdk: Any) -> Failure:
     if isinstance(exc, sdk.APIConnectionError):  # timeouts included
         return Failure(True)
     return Failure(False)
+
+
+def count(value: Any) -> int:
+    """A usage field as a token count: a non-negative int, else 0 (missing, null, or not a number)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def row_error(status: int | None, message: str) -> BatchRowError:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _export
 from ._message import Transcript
+from ._usage import UsageReport, summarize
 
 if TYPE_CHECKING:
     import datasets
@@ -159,6 +160,31 @@ class RunReport:
         """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
         limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
         return self._outcome.api
+
+    def usage(self, prices: Mapping[str, tuple[float, ...]] | None = None) -> UsageReport:
+        """What the run spent: API requests and tokens (input, output, cache read, cache write) per provider,
+        model and mode (live or batch), and local tokens per model, from the turns' recorded usage.
+
+        With an ``out_dir``: every message the ledger holds (failed and pending jobs' turns, earlier runs of
+        the same ``out_dir`` included: what a spend guard counts); without one: the results in memory.
+        ``prices={"model-id": (usd_per_mtok_in, usd_per_mtok_out)}`` (optionally a cache-read and a
+        cache-write price after them; otherwise cached tokens are priced as input) gives a cost estimate
+        (``.usd``, per row and in total); batch turns get the discount their provider documents: OpenAI's
+        and Anthropic's batch APIs cost half the live price. There is no built-in price table.
+        """
+        if self.out_dir is not None:
+            from interlens.store import LedgerReader
+
+            with LedgerReader(self.out_dir) as reader:
+                return summarize(reader.turn_values("$.metadata"), prices, where="RunReport.usage()")
+        metadata = (
+            message.get("metadata") or {}
+            for outcome in self._outcome.outcomes()
+            if outcome.conversation is not None
+            for message in outcome.conversation.get("transcript", [])
+            if isinstance(message, Mapping)
+        )
+        return summarize(metadata, prices, where="RunReport.usage()")
 
     def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
         """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to

@@ -353,6 +353,13 @@ class FakeProviderServer:
             return out
 
     @property
+    def reported_usage(self) -> list[dict[str, Any]]:
+        """The usage of every answer given since start or :meth:`reset_meters`, live or as a batch row, as
+        the response reported it: ``{"provider", "model", "batch", "usage"}`` (the provider's own object)."""
+        with self._state.lock:
+            return [dict(entry) for entry in self._state.usage]
+
+    @property
     def handler_errors(self) -> list[str]:
         """Tracebacks of exceptions raised while answering (e.g. by ``reply``); those requests got a 500."""
         with self._state.lock:
@@ -363,6 +370,7 @@ class FakeProviderServer:
         current in-flight count). Batches, files and faults are kept."""
         with self._state.lock:
             self._state.records.clear()
+            self._state.usage.clear()
             self._state.batches_created = dict.fromkeys(PROVIDERS, 0)
             self._state.max_in_flight = dict(self._state.in_flight)
             self._state.max_total = sum(self._state.in_flight.values())

@@ -71,7 +71,7 @@ class AnthropicBatch:
 
 def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
     gen = state.generate(body, body.get("max_tokens"))
-    return {
+    out = {
         "id": new_id("msg_"),
         "type": "message",
         "role": "assistant",
@@ -87,6 +87,10 @@ def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> di
             "service_tier": tier,
         },
     }
+    state.usage.append(
+        {"provider": "anthropic", "model": body["model"], "batch": tier == "batch", "usage": out["usage"]}
+    )
+    return out
 
 
 def _messages(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:

@@ -249,6 +249,8 @@ class State:
         self.faults: list[Fault] = []
         self.row_rules: list[RowRule] = []
         self.errors: list[str] = []
+        #: Usage of every answer given (live or as a batch row), as reported: the meter tests compare with.
+        self.usage: list[dict[str, Any]] = []
         # Provider resources; the provider modules own their shapes.
         self.files: dict[str, Any] = {}
         self.openai_batches: dict[str, Any] = {}

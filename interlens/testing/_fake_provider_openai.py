@@ -92,7 +92,9 @@ class OpenAIBatch:
         return out
 
 
-def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(
+    state: State, provider: str, body: dict[str, Any], *, batch: bool = False
+) -> dict[str, Any]:
     gen = state.generate(body, body.get("max_completion_tokens", body.get("max_tokens")))
     finish = "length" if gen.truncated else "stop"
     choice: dict[str, Any] = {
@@ -127,6 +129,7 @@ def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[s
         out["provider"] = "FakeProvider"
         choice["native_finish_reason"] = finish
         usage["cost"] = 0.0
+    state.usage.append({"provider": provider, "model": body["model"], "batch": batch, "usage": usage})
     return out
 
 
@@ -318,7 +321,7 @@ def _finish(state: State, batch: OpenAIBatch) -> None:
             line["response"] = {"status_code": status, "request_id": rid, "body": {"error": err}}
             bad.append(line)
             continue
-        completion = chat_completion(state, "openai", body)
+        completion = chat_completion(state, "openai", body, batch=True)
         tokens_in += completion["usage"]["prompt_tokens"]
         tokens_out += completion["usage"]["completion_tokens"]
         line["response"] = {"status_code": 200, "request_id": rid, "body": completion}
