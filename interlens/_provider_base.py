@@ -71,6 +71,7 @@ class APIRequest:
     stop: tuple[str, ...] = ()
     timeout: float = 120.0
     turn: int | None = None  # the conversation's turn index (None: an ephemeral sample); the batch map key
+    cache: bool = False  # mark prompt-cache breakpoints where the provider takes them (Anthropic)
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,3 +146,78 @@ def test_interlens_status_shows_the_api_usage(server: FakeProviderServer, tmp_pa
     assert rows == reported_totals(server)
     text = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     assert "API usage" in text and "claude-batch" in text
+
+
+# -- prompt caching
+
+
+def cached_debate(provider: str, model: str, turns: int = 8, **settings: Any) -> Conversation:
+    return Conversation(
+        [
+            api("pro", provider, model, system_prompt="Argue YES, citing history at length.", **settings),
+            api("con", provider, model, system_prompt="Argue NO, with examples.", **settings),
+        ],
+        shared_context="Is a hot dog a sandwich? Consider every definition of sandwich you know of.",
+    ).turns(turns)
+
+
+def test_anthropic_breakpoints_are_sent_and_later_turns_read_the_cache(server: FakeProviderServer) -> None:
+    conv = cached_debate("anthropic", "claude-test")
+    conv.run()
+    bodies = [r.json for r in server.requests if r.path == "/v1/messages"]
+    marker = {"type": "ephemeral"}
+    for body in bodies:
+        assert body["system"][0]["cache_control"] == marker  # the system block
+        last = body["messages"][-1]["content"]
+        assert isinstance(last, list) and last[-1]["cache_control"] == marker  # the last message
+        earlier = [m for m in body["messages"][:-1] if not isinstance(m["content"], str)]
+        assert earlier == []  # two breakpoints only
+    turns = list(conv.transcript)[1:]
+    usages = [m.metadata["usage"] for m in turns]
+    for k, usage in enumerate(usages):
+        reported = server.reported_usage[k]["usage"]
+        assert usage["cache_read_tokens"] == reported["cache_read_input_tokens"]
+        assert usage["cache_write_tokens"] == reported["cache_creation_input_tokens"]
+        if k < 2:  # each speaker's first turn writes its prefix, reads nothing
+            assert usage["cache_read_tokens"] == 0 and usage["cache_write_tokens"] == usage["input_tokens"]
+        else:  # from its second turn on, its whole previous prompt is read from the cache, the rest written
+            assert usage["cache_read_tokens"] == usages[k - 2]["input_tokens"] > 0
+            assert usage["cache_write_tokens"] == usage["input_tokens"] - usage["cache_read_tokens"]
+    assert all(u["cache_read_tokens"] > u["input_tokens"] / 2 for u in usages[4:])  # most, as history grows
+
+
+def test_prompt_cache_false_sends_no_breakpoint_and_reads_nothing(server: FakeProviderServer) -> None:
+    conv = cached_debate("anthropic", "claude-test", turns=4, prompt_cache=False)
+    conv.run()
+    bodies = [r.json for r in server.requests if r.path == "/v1/messages"]
+    assert all(isinstance(b["system"], str) for b in bodies)
+    assert all(isinstance(m["content"], str) for b in bodies for m in b["messages"])
+    assert all(m.metadata["usage"]["cache_read_tokens"] == 0 for m in list(conv.transcript)[1:])
+
+
+def test_openai_records_cached_tokens_of_its_automatic_cache(server: FakeProviderServer) -> None:
+    conv = cached_debate("openai", "gpt-test", turns=6)
+    conv.run()
+    usages = [m.metadata["usage"] for m in list(conv.transcript)[1:]]
+    reported = [e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in server.reported_usage]
+    assert [u["cache_read_tokens"] for u in usages] == reported
+    assert reported[:2] == [0, 0] and all(r > 0 for r in reported[2:])
+    assert all(u["cache_write_tokens"] == 0 for u in usages)
+    bodies = [r.json["messages"] for r in server.requests if r.path == "/v1/chat/completions"]
+    for earlier, later in zip(bodies, bodies[2:], strict=False):  # a speaker's prompts are prefix-stable
+        assert later[: len(earlier)] == earlier
+
+
+def test_the_fake_refuses_cache_markers_anthropic_refuses() -> None:
+    from interlens.testing._fake_provider_requests import validate_message
+
+    def body(*markers: Any) -> dict[str, Any]:
+        blocks = [{"type": "text", "text": f"part {i}", "cache_control": m} for i, m in enumerate(markers)]
+        return {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": blocks}]}
+
+    ok = {"type": "ephemeral"}
+    assert validate_message(body(ok, {"type": "ephemeral", "ttl": "1h"})) is None
+    assert validate_message(body(*[ok] * 4)) is None
+    assert "A maximum of 4 blocks" in str(validate_message(body(*[ok] * 5)))
+    assert "Input should be 'ephemeral'" in str(validate_message(body({"type": "persistent"})))
+    assert "ttl" in str(validate_message(body({"type": "ephemeral", "ttl": "2d"})))

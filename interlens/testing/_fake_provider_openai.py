@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from email.message import Message
 from typing import Any
 
-from ._fake_provider_core import Ctx, Route, State, json_response, jsonl, new_id, openai_error_type
+from ._fake_provider_core import (
+    Ctx,
+    Route,
+    State,
+    content_text,
+    count_tokens,
+    json_response,
+    jsonl,
+    new_id,
+    openai_error_type,
+)
 from ._fake_provider_http import HttpResponse
 from ._fake_provider_requests import validate_chat
 
@@ -103,11 +113,19 @@ def chat_completion(
         "logprobs": None,
         "message": {"role": "assistant", "content": gen.text, "refusal": None, "annotations": []},
     }
+    blocks = [
+        (m, count_tokens(content_text(m.get("content"))), False)
+        for m in body.get("messages") or []
+        if isinstance(m, dict)
+    ]
+    cached = (
+        state.cache_lookup(provider, body["model"], blocks, automatic=True)[0] if provider == "openai" else 0
+    )
     usage: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
