@@ -156,6 +156,12 @@ class RunReport:
         return self._outcome.counts
 
     @property
+    def stopped(self) -> str | None:
+        """Why the run ended before every job ran (its API budget was reached: what was spent and how to
+        continue), else None; ``counts["pending"]`` is then how many jobs a rerun will finish."""
+        return self._outcome.stopped
+
+    @property
     def api_stats(self) -> Mapping[str, Any]:
         """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
         limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
