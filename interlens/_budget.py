@@ -156,12 +156,9 @@ class Spend:
         return (b.tokens is not None and tokens > b.tokens) or (b.usd is not None and usd > b.usd)
 
     def admit(self, requests: Sequence[Any], *, batch: bool) -> tuple[int, float] | None:
-        if not batch:
-            b = self.budget
-            spent = (b.tokens is not None and self.tokens >= b.tokens) or (
-                b.usd is not None and self.usd >= b.usd
-            )
-            if spent:
+        if not batch:  # sent while the spend (and what batches in flight may cost) is below the budget
+            b, tokens, usd = self.budget, self.tokens + self.reserved_tokens, self.usd + self.reserved_usd
+            if (b.tokens is not None and tokens >= b.tokens) or (b.usd is not None and usd >= b.usd):
                 self._halted = True
                 return None
             return (0, 0.0)

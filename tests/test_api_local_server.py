@@ -116,3 +116,15 @@ def test_auth_setting_is_checked_and_kept() -> None:
 )
 def test_which_endpoints_count_as_local(url: str, expected: bool) -> None:
     assert is_local_endpoint(url) is expected
+
+
+def test_batches_to_a_local_server_send_no_key_either(open_server: FakeProviderServer) -> None:
+    from interlens.scheduler.gateway import BatchPolicy
+
+    quick = BatchPolicy(idle_s=0.3, poll_initial_s=0.01, poll_max_s=0.05)
+    speaker = local("a", open_server.openai_base_url, batch=True, batch_policy=quick)
+    report = Conversation([speaker], shared_context="hi").turns(1).rollout(n=3)
+    assert report.failed == [] and open_server.batch_count("openai") == 1
+    paths = {r.path.split("/")[2] for r in open_server.requests}
+    assert paths == {"files", "batches"}  # upload, create, poll, results: every call of the batch API
+    assert all(not r.authenticated for r in open_server.requests)
