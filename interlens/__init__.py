@@ -12,6 +12,7 @@ from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, availab
 
 from ._analyzers import register_analyzer, register_worker_init
 from ._api_participant import APIParticipant
+from ._budget import APIBudget
 from ._capture import ActivationCache, ActivationRecord
 from ._conversation import Conversation
 from ._exceptions import (
@@ -50,6 +51,7 @@ from ._templating import dataset_field
 __version__ = "0.1.0"
 
 __all__ = [
+    "APIBudget",
     "APIParticipant",
     "ActivationCache",
     "ActivationRecord",

@@ -99,6 +99,19 @@ class APIParticipant(Participant):
     recipe builds offline; a missing key fails the first turn with an error naming the variable. Keys never
     reach a pickle, the ledger, a checkpoint or a log line.
 
+    OpenAI-compatible servers (vLLM, SGLang, llama.cpp): ``provider="openai", base_url="http://host:8000/v1"``.
+    ``auth``: None (default) sends the key when ``OPENAI_API_KEY`` is set; when it is not, an endpoint on a
+    local or private host (localhost, 127.0.0.0/8, ::1, 10/8, 172.16/12, 192.168/16) is called without
+    one, and any other endpoint is refused for want of a key. ``auth=False`` never sends a key (a server
+    elsewhere without auth; provider "openai" only); ``auth=True`` always requires one.
+
+    Prompt caching (``prompt_cache``, default True): a multi-turn conversation resends its growing history,
+    and the provider's cache makes the repeated prefix cost a fraction. Anthropic caches only where asked:
+    the system block and the last message get cache breakpoints (writes cost 25% over the input price,
+    reads 10% of it, so a speaker's second turn already repays the first; False for one-turn rollouts).
+    OpenAI caches long prefixes by itself, for free: the body keeps the history as a stable prefix (system
+    first, then the messages as they were), nothing is sent. Cache reads and writes are in the turn's usage.
+
     Scheduling: ``max_in_flight`` (default 64) bounds concurrent requests per (provider, endpoint, limit),
     shared by every participant with the same three; ``timeout`` (120 s) per request; ``retry`` a
     :class:`RetryPolicy` (429/5xx/timeouts, honouring retry-after); ``batch_policy`` a :class:`BatchPolicy`.
@@ -124,6 +137,8 @@ class APIParticipant(Participant):
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         retry: RetryPolicy | None = None,
         batch_policy: BatchPolicy | None = None,
+        auth: bool | None = None,
+        prompt_cache: bool = True,
         **unsupported: Any,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
@@ -134,7 +149,7 @@ class APIParticipant(Participant):
             raise ConfigurationError(
                 f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
                 "provider, model_id, system_prompt, temperature, top_p, max_tokens, stop, batch, base_url, "
-                "timeout, max_in_flight, retry, batch_policy"
+                "timeout, max_in_flight, retry, batch_policy, auth, prompt_cache"
             )
         if provider not in PROVIDERS:
             raise ConfigurationError(
@@ -172,6 +187,20 @@ class APIParticipant(Participant):
             raise ConfigurationError(
                 f"{name}: batch_policy must be a BatchPolicy, got {type(batch_policy).__name__}"
             )
+        if auth is not None and not isinstance(auth, bool):
+            raise ConfigurationError(
+                f"{name}: auth must be None (a key when one is set; none needed by a local server), True or "
+                f"False, got {auth!r}"
+            )
+        if auth is False and provider != "openai":
+            raise ConfigurationError(
+                f"{name}: auth=False is for OpenAI-compatible servers without a key (provider='openai' with "
+                f"their base_url); {provider_named(provider).title} always needs a key"
+            )
+        if not isinstance(prompt_cache, bool):
+            raise ConfigurationError(f"{name}: prompt_cache must be True or False, got {prompt_cache!r}")
+        self.prompt_cache = prompt_cache
+        self.auth = auth
         self.provider = provider
         self.model_id = model_id
         self.temperature = _number_or_none(name, "temperature", temperature, 0, 2, open_low=False)
@@ -188,7 +217,8 @@ class APIParticipant(Participant):
     # ---------------------------------------------------------------- the gateway's APISpec
     @property
     def client_key(self) -> Hashable:
-        return ("api", self.provider, resolve_base_url(self.provider, self.base_url), self.max_in_flight)
+        url = resolve_base_url(self.provider, self.base_url)
+        return ("api", self.provider, url, self.max_in_flight, self.auth)
 
     @property
     def batch_key(self) -> Hashable | None:
@@ -203,6 +233,7 @@ class APIParticipant(Participant):
             base_url=self.base_url,
             max_in_flight=self.max_in_flight,
             who=f"APIParticipant({self.name!r})",
+            auth=self.auth,
         )
 
     # ---------------------------------------------------------------- generation
@@ -225,6 +256,7 @@ class APIParticipant(Participant):
             stop=self.stop,
             timeout=self.timeout,
             turn=turn,
+            cache=self.prompt_cache,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
@@ -257,7 +289,12 @@ class APIParticipant(Participant):
         return self.message(result, time.perf_counter() - start)
 
     def message(self, result: APIResult, seconds: float) -> Message:
-        """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata."""
+        """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata.
+
+        ``metadata["usage"]`` is what the turn cost, from the provider's usage fields (never re-tokenized):
+        provider, model, ``mode`` ("live" or "batch"), input tokens (all of them, cached or not), output,
+        cache-read and cache-write tokens. It is stored with the turn, so the ledger is the account.
+        """
         n_tokens = result.output_tokens if result.output_tokens is not None else count_tokens(result.text)
         metadata: dict[str, Any] = {
             "n_tokens": n_tokens,
@@ -267,6 +304,15 @@ class APIParticipant(Participant):
             "model": self.model_id,
             "seconds": round(seconds, 6),
             "at": time.time(),
+        }
+        metadata["usage"] = {
+            "provider": self.provider,
+            "model": self.model_id,
+            "mode": "batch" if result.batch_id else "live",
+            "input_tokens": result.prompt_tokens or 0,
+            "output_tokens": result.output_tokens if result.output_tokens is not None else n_tokens,
+            "cache_read_tokens": result.cache_read_tokens,
+            "cache_write_tokens": result.cache_write_tokens,
         }
         if result.model and result.model != self.model_id:
             metadata["provider_model"] = result.model
@@ -296,6 +342,8 @@ class APIParticipant(Participant):
             "max_in_flight": self.max_in_flight,
             "retry": dataclasses.asdict(self.retry_policy),
             "batch_policy": dataclasses.asdict(self.batch_policy),
+            "auth": self.auth,
+            "prompt_cache": self.prompt_cache,
         }
 
     def describe(self) -> dict[str, Any]:

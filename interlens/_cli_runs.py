@@ -9,6 +9,7 @@ plain data first (``run_status``: also what ``status --json`` prints), then draw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
 from ._exceptions import ConfigurationError, translate
+from ._usage import summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
 
@@ -133,6 +135,7 @@ def run_status(reader: LedgerReader) -> dict[str, Any]:
         "failures": failures,
         "failures_total": len(failed_ids),
         "failures_by_type": summary["failures_by_type"],
+        "api_usage": [dataclasses.asdict(u) for u in summarize(reader.turn_values("$.metadata")).api],
         "open_batches": [
             {
                 "provider": b.provider,
@@ -245,6 +248,19 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
                     style="dim",
                 )
             )
+    usage = data.get("api_usage") or []
+    if usage:
+        table = Table(title="API usage (tokens)", box=box.SIMPLE_HEAD, title_justify="left")
+        for column in ("provider", "model", "mode"):
+            table.add_column(column)
+        for column in ("requests", "input", "cache read", "cache write", "output"):
+            table.add_column(column, justify="right")
+        for u in usage:
+            counts = (u["requests"], u["input_tokens"], u["cache_read_tokens"], u["cache_write_tokens"])
+            table.add_row(
+                u["provider"], Text(u["model"]), u["mode"], *(f"{n:,}" for n in (*counts, u["output_tokens"]))
+            )
+        console.print(table)
     batches = data["open_batches"]
     if batches:
         table = Table(title="Provider batches in flight", box=box.SIMPLE_HEAD, title_justify="left")

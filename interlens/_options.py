@@ -23,6 +23,8 @@ from ._validate import check_bool, check_int, check_number, type_name
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode
 
+    from ._budget import APIBudget
+
 __all__ = ["OPTION_DEFAULTS", "Options", "RunOptions", "check_n", "parse_options", "prepare_out_dir"]
 
 
@@ -41,6 +43,7 @@ class RunOptions(TypedDict, total=False):
     progress: bool | None
     max_batch_wait: float
     worker_start_timeout: float
+    api_budget: APIBudget | None
 
 
 #: Each option and its default, in the order the error for an unknown option lists them.
@@ -57,6 +60,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "progress": None,
     "max_batch_wait": 0.05,
     "worker_start_timeout": 300.0,
+    "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
 }
 
 #: Options people reach for that do not exist, and what to write instead.
@@ -82,6 +86,7 @@ class Options:
     mode: ExecutionMode
     progress: bool | None
     scheduler: dict[str, Any] = field(default_factory=dict)  # passed to run_jobs as they are
+    api_budget: APIBudget | None = None
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -130,7 +135,21 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
             fix="None shows a bar when interactive",
         ),
         scheduler=scheduler,
+        api_budget=_api_budget(where, given["api_budget"]),
     )
+
+
+def _api_budget(where: str, budget: Any) -> APIBudget | None:
+    from ._budget import APIBudget, ambient_budget
+
+    if budget is None:
+        return ambient_budget()
+    if not isinstance(budget, APIBudget):
+        raise ConfigurationTypeError(
+            f"{where}: api_budget must be an APIBudget (e.g. api_budget=APIBudget(tokens=2_000_000)) or "
+            f"None, got {type_name(budget)}"
+        )
+    return budget
 
 
 def check_n(caller: str, n: Any) -> int | None:

@@ -36,6 +36,7 @@ __all__ = [
     "ProviderResponseError",
     "Shards",
     "classify_failure",
+    "count",
     "post_json",
     "request_digest",
     "row_error",
@@ -70,11 +71,17 @@ class APIRequest:
     stop: tuple[str, ...] = ()
     timeout: float = 120.0
     turn: int | None = None  # the conversation's turn index (None: an ephemeral sample); the batch map key
+    cache: bool = False  # mark prompt-cache breakpoints where the provider takes them (Anthropic)
 
 
 @dataclass(frozen=True, slots=True)
 class APIResult:
-    """A provider's answer to one request, normalized across providers."""
+    """A provider's answer to one request, normalized across providers.
+
+    Usage as the provider reported it (never re-tokenized): ``prompt_tokens`` is every input token, of
+    which ``cache_read_tokens`` were read from the provider's prompt cache and ``cache_write_tokens``
+    written to it (Anthropic's ``cache_creation_input_tokens``; OpenAI reports no writes).
+    """
 
     text: str
     finish_reason: str | None
@@ -83,6 +90,8 @@ class APIResult:
     model: str | None = None
     request_id: str | None = None
     batch_id: str | None = None
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class ProviderResponseError(Exception):
@@ -113,6 +122,8 @@ class Provider:
     :class:`ProviderClient` from ``(provider=, base_url=, api_key=, max_in_flight=)``; ``batch``: whether the
     provider has a batch API; ``title``: its name in messages. Keys and endpoints come from
     ``key_variable``/``url_variable`` (the names the official SDKs read), else ``default_url``.
+    ``batch_price``: the batch API's price as a fraction of the live one, as the provider documents it
+    (1.0: no documented discount), applied by cost estimates to batch turns.
     """
 
     name: str
@@ -124,6 +135,7 @@ class Provider:
     fold: Callable[[Messages], Messages]
     body: Callable[[APIRequest], dict[str, Any]]
     client: Callable[..., ProviderClient]
+    batch_price: float = 1.0
 
 
 _SHARD_SIZE = 8
@@ -203,6 +215,11 @@ def classify_failure(exc: BaseException, sdk: Any) -> Failure:
     return Failure(False)
 
 
+def count(value: Any) -> int:
+    """A usage field as a token count: a non-negative int, else 0 (missing, null, or not a number)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def row_error(status: int | None, message: str) -> BatchRowError:
     """A failed batch row with an HTTP status, retryable by the same rule as a single call."""
     retryable = status is not None and (status in RETRY_STATUSES or status >= 500)
@@ -229,20 +246,28 @@ def request_digest(provider: str, base_url: str, endpoint: str, body: Mapping[st
 
 
 async def post_json(
-    shards: Shards, path: str, body: Mapping[str, Any], *, timeout: float, provider: str
+    shards: Shards,
+    path: str,
+    body: Mapping[str, Any],
+    *,
+    timeout: float,
+    provider: str,
+    headers: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """POST one request body through the least-loaded client shard; the decoded JSON body and the headers.
 
     Goes through the SDK's generic ``post`` (not the typed ``create``) to skip response model building, the
     largest per-request cost on the client; a body that is not JSON is a retryable provider error.
+    ``headers`` are the request's own (an omitted ``Authorization`` for an endpoint called without a key).
     """
     import httpx2
 
     shard = shards.pick()
+    options: dict[str, Any] = {"timeout": timeout}
+    if headers:
+        options["headers"] = headers
     try:
-        response = await shards.clients[shard].post(
-            path, cast_to=httpx2.Response, body=body, options={"timeout": timeout}
-        )
+        response = await shards.clients[shard].post(path, cast_to=httpx2.Response, body=body, options=options)
     finally:
         shards.load[shard] -= 1
     try:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _export
 from ._message import Transcript
+from ._usage import UsageReport, summarize
 
 if TYPE_CHECKING:
     import datasets
@@ -155,10 +156,41 @@ class RunReport:
         return self._outcome.counts
 
     @property
+    def stopped(self) -> str | None:
+        """Why the run ended before every job ran (its API budget was reached: what was spent and how to
+        continue), else None; ``counts["pending"]`` is then how many jobs a rerun will finish."""
+        return self._outcome.stopped
+
+    @property
     def api_stats(self) -> Mapping[str, Any]:
         """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
         limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
         return self._outcome.api
+
+    def usage(self, prices: Mapping[str, tuple[float, ...]] | None = None) -> UsageReport:
+        """What the run spent: API requests and tokens (input, output, cache read, cache write) per provider,
+        model and mode (live or batch), and local tokens per model, from the turns' recorded usage.
+
+        With an ``out_dir``: every message the ledger holds (failed and pending jobs' turns, earlier runs of
+        the same ``out_dir`` included: what a spend guard counts); without one: the results in memory.
+        ``prices={"model-id": (usd_per_mtok_in, usd_per_mtok_out)}`` (optionally a cache-read and a
+        cache-write price after them; otherwise cached tokens are priced as input) gives a cost estimate
+        (``.usd``, per row and in total); batch turns get the discount their provider documents: OpenAI's
+        and Anthropic's batch APIs cost half the live price. There is no built-in price table.
+        """
+        if self.out_dir is not None:
+            from interlens.store import LedgerReader
+
+            with LedgerReader(self.out_dir) as reader:
+                return summarize(reader.turn_values("$.metadata"), prices, where="RunReport.usage()")
+        metadata = (
+            message.get("metadata") or {}
+            for outcome in self._outcome.outcomes()
+            if outcome.conversation is not None
+            for message in outcome.conversation.get("transcript", [])
+            if isinstance(message, Mapping)
+        )
+        return summarize(metadata, prices, where="RunReport.usage()")
 
     def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
         """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
@@ -208,7 +240,8 @@ class RunReport:
     def __repr__(self) -> str:
         c = self._outcome.counts
         where = f" out_dir={str(self.out_dir)!r}" if self.out_dir is not None else ""
+        stopped = f" pending={c.get('pending', 0)} (API budget reached)" if self.stopped is not None else ""
         return (
             f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
-            f"skipped={c.get('skipped', 0)}{where}>"
+            f"skipped={c.get('skipped', 0)}{stopped}{where}>"
         )

@@ -294,7 +294,14 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
         for conv, spec in lineups:
             if any(p.needs_device for p in conv.participants):
                 check_shippable(conv.analyzer_fn, lineup=spec.name)
+    spend = None
+    if options.api_budget is not None:
+        participants = [p for conv, _ in lineups for p in conv.participants if p.kind == "api"]
+        models = {str(getattr(p, "model_id", "")) for p in participants}
+        options.api_budget.check_models(models, where=f"{options.caller}()")
     prepare_out_dir(options)
+    if options.api_budget is not None:
+        spend = options.api_budget.guard(options.out_dir, resume=options.resume)
     try:
         outcome = await run_jobs(
             [spec for _, spec in lineups],
@@ -305,12 +312,22 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
             progress=options.progress,
             versions=_versions(),
             worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
+            spend_guard=spend,
             **options.scheduler,
         )
     except Exception as exc:
         raise translate(exc) from exc.__cause__
     report = RunReport(outcome, {spec.name: conv for conv, spec in lineups})
     _warn_failures(report, options.caller)
+    if report.stopped is not None:
+        where = f" (out_dir={str(report.out_dir)!r})" if report.out_dir is not None else ""
+        log.warning(
+            "%s() stopped early%s: %s. %d jobs did not finish.",
+            options.caller,
+            where,
+            report.stopped,
+            report.counts.get("pending", 0),
+        )
     return report
 
 

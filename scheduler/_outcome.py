@@ -107,7 +107,8 @@ class RunOutcome:
     and ``skipped`` (done by an earlier run, not rerun). With an ``out_dir`` every per-job read goes to the
     ledger, so a million-job run does not hold a million conversations in memory. ``api``: the run's API
     gateway statistics (``Gateway.stats()``: per provider client its limit, peak in flight, rate-limited
-    calls, retries; batches submitted, rows re-attached), read as it closed.
+    calls, retries; batches submitted, rows re-attached), read as it closed. ``stopped``: set when the API
+    spend guard ended the run early; ``counts["pending"]`` then says how many jobs it left to a rerun.
     """
 
     ledger_path: Path | None
@@ -115,6 +116,8 @@ class RunOutcome:
     _source: OutcomeSource = field(repr=False)
     _skipped: Sequence[str] = field(repr=False, default=())
     api: Mapping[str, Any] = field(repr=False, default_factory=dict)
+    #: Why the run stopped before every job ran (the API spend guard's message), else None.
+    stopped: str | None = None
 
     @property
     def job_ids(self) -> list[str]:

@@ -34,7 +34,7 @@ from ._protocols import ExecutionMode, JobSpec, LineupSpec
 from ._resume import InputRefusal, input_changed, verify_recorded_inputs
 from ._signals import Notifier
 from ._worker import Worker
-from .gateway import BatchStore, Blocker, Gateway
+from .gateway import BatchStore, Blocker, Gateway, SpendGuard, SpendLimitReached
 
 __all__ = ["run_jobs"]
 
@@ -94,6 +94,7 @@ async def run_jobs(
     max_batch_wait: float = 0.05,
     worker_init: Sequence[WorkerInit] = (),
     worker_start_timeout: float = 300.0,
+    spend_guard: SpendGuard | None = None,
 ) -> RunOutcome:
     """Run every job of ``lineups`` and return how each ended.
 
@@ -109,8 +110,11 @@ async def run_jobs(
     ``worker_init``: picklable callables run once in each worker before its first job.
     ``worker_start_timeout``: seconds a worker process has to report ready.
     ``max_batch_wait``: seconds a queued generation waits for more company when some live job is busy with
-    something the scheduler cannot see. Cancelling this coroutine stops within seconds and leaves the
-    ledger consistent (the run is marked interrupted; running jobs are requeued by the next run).
+    something the scheduler cannot see. ``spend_guard``: the run's API budget, asked by the gateway before
+    each request or provider batch is sent; once it refuses one, no new job starts, a job whose request
+    was refused goes back to pending (not failed), jobs in flight finish, and ``RunOutcome.stopped`` says why.
+    Cancelling this coroutine stops within seconds and leaves the ledger consistent (the run is marked
+    interrupted; running jobs are requeued by the next run).
     """
     check_arguments(
         lineups,
@@ -139,6 +143,7 @@ async def run_jobs(
         progress=progress_wanted(progress),
         worker_init=tuple(worker_init),
         worker_start_timeout=float(worker_start_timeout),
+        spend_guard=spend_guard,
     )
     status = "failed"
     try:
@@ -158,7 +163,8 @@ async def run_jobs(
                 await recorder.end(status)
             finally:
                 await recorder.close()
-    return replace(recorder.outcome(counts=run.counts(), skipped=run.skipped), api=run.api_stats)
+    outcome = recorder.outcome(counts=run.counts(), skipped=run.skipped)
+    return replace(outcome, api=run.api_stats, stopped=run.stopped)
 
 
 async def _open_recorder(
@@ -191,8 +197,11 @@ class _Run:
         progress: bool,
         worker_init: Sequence[WorkerInit] = (),
         worker_start_timeout: float = 300.0,
+        spend_guard: SpendGuard | None = None,
     ) -> None:
         self._lineups = lineups
+        self._spend = spend_guard
+        self._left_pending = 0  # jobs whose API request the spend guard refused, back to pending
         self._worker_init = worker_init
         self._worker_start_timeout = worker_start_timeout
         self._rec = recorder
@@ -221,6 +230,7 @@ class _Run:
         self._gateway: Gateway | None = None
         self._needs = EngineNeeds(lineups)
         self.api_stats: dict[str, Any] = {}
+        self._total = total
 
     @property
     def skipped(self) -> list[str]:
@@ -228,7 +238,20 @@ class _Run:
 
     def counts(self) -> dict[str, int]:
         p = self._progress
-        return {"total": self._pulled, "done": p.done, "failed": p.failed, "skipped": p.skipped}
+        counts = {"total": self._pulled, "done": p.done, "failed": p.failed, "skipped": p.skipped}
+        if self.stopped is not None:  # jobs not finished: refused, never started, or never pulled
+            total = max(self._total or 0, self._pulled)
+            counts["pending"] = max(total - p.done - p.failed - p.skipped, self._left_pending)
+        return counts
+
+    @property
+    def halted(self) -> bool:
+        """The spend guard refused a request: start no new job."""
+        return self._spend is not None and self._spend.halted
+
+    @property
+    def stopped(self) -> str | None:
+        return None if self._spend is None or not self._spend.halted else self._spend.refusal()
 
     async def execute(self) -> None:
         try:
@@ -238,7 +261,9 @@ class _Run:
             await self._rec.begin()
             async with AsyncExitStack() as stack:
                 # Entered first, so it closes last: workers' API calls in flight end before its clients do.
-                gateway = Gateway(store=self._rec.batch_store, quiescent=self._round_complete)
+                gateway = Gateway(
+                    store=self._rec.batch_store, quiescent=self._round_complete, spend=self._spend
+                )
                 self._gateway = await stack.enter_async_context(gateway)
                 stack.callback(self._keep_api_stats, gateway)  # after the workers close, before it does
                 # Before any job asks: a rerun re-attaches to the provider batches a crash left in flight.
@@ -303,6 +328,10 @@ class _Run:
         specs = self._specs(recorded)
         while True:
             refill = self._refill.event()
+            if self.halted:  # the API budget is spent: what is not started stays for a rerun
+                self._exhausted = True
+                self._refilled.notify()
+                return
             if len(self._buffer) <= self._chunk // 2:
                 chunk = _take_chunk(specs, limit=self._chunk, seconds=_ADD_CHUNK_S)
                 if not chunk:
@@ -360,7 +389,7 @@ class _Run:
         Jobs start in order: when the next one's pool is full, nothing starts (a later job of the other pool
         does not overtake it), exactly as if one loop pulled and placed them.
         """
-        if not self._buffer or self._error is not None:
+        if not self._buffer or self._error is not None or self.halted:
             return None
         spec = self._buffer[0]
         pool = self._pools[0] if needs_device(spec) else self._pools[1]
@@ -411,6 +440,8 @@ class _Run:
             unneeded = self._needs.ended(spec.lineup)
             if self._gateway is not None:
                 self._gateway.poke()  # one job fewer to wait for: a pending round may be complete now
+            if self.halted:
+                self._refill.notify()  # the pull loop ends
         if unneeded:  # before this runner starts its next job, which may load the next model
             for device_worker in self._pools[0]:
                 await device_worker.evict(unneeded)
@@ -453,6 +484,14 @@ class _Run:
                     await rec.retry(job_id)
                     continue
                 await self._fail(job_id, _killer(outcome, deaths))
+                return
+            if (
+                self.halted
+                and outcome.error is not None
+                and outcome.error.type == SpendLimitReached.__qualname__
+            ):
+                await rec.retry(job_id)  # not failed: it continues when a rerun has budget left
+                self._left_pending += 1
                 return
             failures += 1
             if outcome.transient and outcome.conversation is None and failures < self._max_attempts:

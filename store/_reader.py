@@ -241,6 +241,17 @@ class LedgerReader:
         )
         return [TurnRecord(job_id, idx, json.loads(turn), at) for idx, turn, at in rows]
 
+    def turn_values(self, json_path: str) -> Iterator[Any]:
+        """The JSON value at ``json_path`` (an SQLite JSON path such as ``'$.metadata.usage'``) of every
+        stored message that has one, whichever job, state or run it belongs to (each message is stored once):
+        a scan for totals (what a run spent) without reading whole transcripts."""
+        sql = (
+            "SELECT json_extract(turn_json, ?) FROM turns "
+            "WHERE json_type(turn_json, ?) IN ('object', 'array')"
+        )
+        for (text,) in self._conn.execute(sql, (json_path, json_path)):
+            yield json.loads(text)
+
     # ------------------------------------------------------------------------------------------ runs, batches
 
     def runs(self) -> list[dict[str, Any]]:

@@ -78,7 +78,8 @@ def test_live_conversation_with_each_provider(server: FakeProviderServer) -> Non
     pro, con, judge = requests[3].json, requests[4].json, requests[5].json
     assert pro["messages"][0] == {"role": "system", "content": "Argue YES."}
     assert pro["max_completion_tokens"] == 1024 and "temperature" not in pro
-    assert con["system"] == "Argue NO." and con["max_tokens"] == 1024
+    assert con["max_tokens"] == 1024
+    assert con["system"] == [{"type": "text", "text": "Argue NO.", "cache_control": {"type": "ephemeral"}}]
     roles = [m["role"] for m in con["messages"]]
     assert roles[0] == "user" and all(a != b for a, b in itertools.pairwise(roles))
     assert (

@@ -99,6 +99,9 @@ class FakeProviderServer:
             wait on the server from inside it.
         hold_timeout: the longest a request waits while the server is :meth:`hold`-ing (the server never hangs
             forever on a forgotten :meth:`release`).
+        require_auth: False serves requests that carry no credentials, like an OpenAI-compatible local
+            server (vLLM, SGLang, llama.cpp) started without an API key; ``RequestRecord.authenticated``
+            still says whether a request sent any.
     """
 
     def __init__(
@@ -108,12 +111,16 @@ class FakeProviderServer:
         polls_per_state: int = 1,
         reply: ReplyFn | None = None,
         hold_timeout: float = 60.0,
+        require_auth: bool = True,
     ) -> None:
         check_positive("latency", latency, upper=_MAX_HOLD)
         if isinstance(polls_per_state, bool) or not isinstance(polls_per_state, int) or polls_per_state < 1:
             raise ValueError(f"polls_per_state must be an int >= 1, got {polls_per_state!r}")
         if reply is not None and not callable(reply):
             raise TypeError(f"reply must be a callable body -> str, got {type(reply).__name__}")
+        if not isinstance(require_auth, bool):
+            raise TypeError(f"require_auth must be True or False, got {require_auth!r}")
+        self._require_auth = require_auth
         self._hold_timeout = check_positive("hold_timeout", hold_timeout, allow_zero=False, upper=_MAX_HOLD)
         self._state = State(latency=float(latency), polls_per_state=polls_per_state, reply=reply)
         self._server = Server(self._handle)
@@ -346,6 +353,13 @@ class FakeProviderServer:
             return out
 
     @property
+    def reported_usage(self) -> list[dict[str, Any]]:
+        """The usage of every answer given since start or :meth:`reset_meters`, live or as a batch row, as
+        the response reported it: ``{"provider", "model", "batch", "usage"}`` (the provider's own object)."""
+        with self._state.lock:
+            return [dict(entry) for entry in self._state.usage]
+
+    @property
     def handler_errors(self) -> list[str]:
         """Tracebacks of exceptions raised while answering (e.g. by ``reply``); those requests got a 500."""
         with self._state.lock:
@@ -356,6 +370,7 @@ class FakeProviderServer:
         current in-flight count). Batches, files and faults are kept."""
         with self._state.lock:
             self._state.records.clear()
+            self._state.usage.clear()
             self._state.batches_created = dict.fromkeys(PROVIDERS, 0)
             self._state.max_in_flight = dict(self._state.in_flight)
             self._state.max_total = sum(self._state.in_flight.values())
@@ -437,7 +452,7 @@ class FakeProviderServer:
             self._state.end(record, status)
 
     def _respond(self, ctx: Ctx, conn: Connection, authed: bool, bad_json: bool) -> HttpResponse | None:
-        if not authed:
+        if not authed and self._require_auth:
             how = (
                 "Authorization: Bearer <key> or x-api-key" if ctx.provider == "anthropic" else "Bearer <key>"
             )

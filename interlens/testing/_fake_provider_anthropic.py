@@ -16,6 +16,8 @@ from ._fake_provider_core import (
     Route,
     State,
     anthropic_error_type,
+    content_text,
+    count_tokens,
     json_response,
     jsonl,
     new_id,
@@ -69,9 +71,28 @@ class AnthropicBatch:
         }
 
 
+def _blocks(body: dict[str, Any]) -> list[tuple[Any, int, bool]]:
+    """The prompt as cacheable blocks in Anthropic's order (system, then each message's content blocks)."""
+    out: list[tuple[Any, int, bool]] = []
+
+    def add(where: str, content: Any) -> None:
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        for part in parts:
+            if isinstance(part, dict):
+                bare = {k: v for k, v in part.items() if k != "cache_control"}
+                out.append(((where, bare), count_tokens(content_text([part])), "cache_control" in part))
+
+    add("system", body.get("system"))
+    for msg in body.get("messages") or []:
+        if isinstance(msg, dict):
+            add(str(msg.get("role")), msg.get("content"))
+    return out
+
+
 def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
     gen = state.generate(body, body.get("max_tokens"))
-    return {
+    read, written = state.cache_lookup("anthropic", body["model"], _blocks(body), automatic=False)
+    out = {
         "id": new_id("msg_"),
         "type": "message",
         "role": "assistant",
@@ -80,13 +101,17 @@ def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> di
         "stop_reason": "max_tokens" if gen.truncated else "end_turn",
         "stop_sequence": None,
         "usage": {
-            "input_tokens": gen.prompt_tokens,
+            "input_tokens": gen.prompt_tokens - read - written,  # what was neither read nor written
             "output_tokens": gen.completion_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": read,
             "service_tier": tier,
         },
     }
+    state.usage.append(
+        {"provider": "anthropic", "model": body["model"], "batch": tier == "batch", "usage": out["usage"]}
+    )
+    return out
 
 
 def _messages(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:

@@ -249,6 +249,10 @@ class State:
         self.faults: list[Fault] = []
         self.row_rules: list[RowRule] = []
         self.errors: list[str] = []
+        #: Usage of every answer given (live or as a batch row), as reported: the meter tests compare with.
+        self.usage: list[dict[str, Any]] = []
+        #: Prompt prefixes in the provider's cache: (provider, model, sha256 of the prefix's blocks).
+        self.prompt_cache: set[tuple[str, str, str]] = set()
         # Provider resources; the provider modules own their shapes.
         self.files: dict[str, Any] = {}
         self.openai_batches: dict[str, Any] = {}
@@ -294,6 +298,36 @@ class State:
         if truncated:
             text = " ".join(words[:max_tokens])
         return Generation(text, count_tokens(prompt_text(body)), count_tokens(text), truncated)
+
+    def cache_lookup(
+        self, provider: str, model: str, blocks: list[tuple[Any, int, bool]], *, automatic: bool
+    ) -> tuple[int, int]:
+        """(tokens read from the cache, tokens written to it) for a prompt made of ``blocks``.
+
+        Each block is (its content without cache markers, its tokens, whether it carries a breakpoint).
+        Anthropic (``automatic=False``) caches the prefix ending at each breakpoint, and a request reads the
+        longest cached prefix ending at a block boundary up to its last breakpoint; it writes from there to
+        that breakpoint. OpenAI (``automatic=True``) caches every message-boundary prefix by itself and
+        reports reads only. Simplified: no minimum length, no 128-token steps, no expiry.
+        """
+        digest = hashlib.sha256(model.encode())
+        prefixes: list[tuple[str, int, bool]] = []
+        total = 0
+        for content, tokens, marked in blocks:
+            digest.update(json.dumps(content, sort_keys=True, default=str).encode())
+            total += tokens
+            prefixes.append((digest.hexdigest(), total, marked))
+        last = len(prefixes) if automatic else max((i + 1 for i, p in enumerate(prefixes) if p[2]), default=0)
+        read = 0
+        for key, tokens, _ in prefixes[:last]:
+            if (provider, model, key) in self.prompt_cache:
+                read = tokens
+        written = 0
+        for key, tokens, marked in prefixes[:last]:
+            if automatic or marked:
+                self.prompt_cache.add((provider, model, key))
+                written = tokens
+        return read, 0 if automatic else max(written - read, 0)
 
     def now(self) -> float:
         return time.time()

@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from email.message import Message
 from typing import Any
 
-from ._fake_provider_core import Ctx, Route, State, json_response, jsonl, new_id, openai_error_type
+from ._fake_provider_core import (
+    Ctx,
+    Route,
+    State,
+    content_text,
+    count_tokens,
+    json_response,
+    jsonl,
+    new_id,
+    openai_error_type,
+)
 from ._fake_provider_http import HttpResponse
 from ._fake_provider_requests import validate_chat
 
@@ -92,7 +102,9 @@ class OpenAIBatch:
         return out
 
 
-def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(
+    state: State, provider: str, body: dict[str, Any], *, batch: bool = False
+) -> dict[str, Any]:
     gen = state.generate(body, body.get("max_completion_tokens", body.get("max_tokens")))
     finish = "length" if gen.truncated else "stop"
     choice: dict[str, Any] = {
@@ -101,11 +113,19 @@ def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[s
         "logprobs": None,
         "message": {"role": "assistant", "content": gen.text, "refusal": None, "annotations": []},
     }
+    blocks = [
+        (m, count_tokens(content_text(m.get("content"))), False)
+        for m in body.get("messages") or []
+        if isinstance(m, dict)
+    ]
+    cached = (
+        state.cache_lookup(provider, body["model"], blocks, automatic=True)[0] if provider == "openai" else 0
+    )
     usage: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
@@ -127,6 +147,7 @@ def chat_completion(state: State, provider: str, body: dict[str, Any]) -> dict[s
         out["provider"] = "FakeProvider"
         choice["native_finish_reason"] = finish
         usage["cost"] = 0.0
+    state.usage.append({"provider": provider, "model": body["model"], "batch": batch, "usage": usage})
     return out
 
 
@@ -318,7 +339,7 @@ def _finish(state: State, batch: OpenAIBatch) -> None:
             line["response"] = {"status_code": status, "request_id": rid, "body": {"error": err}}
             bad.append(line)
             continue
-        completion = chat_completion(state, "openai", body)
+        completion = chat_completion(state, "openai", body, batch=True)
         tokens_in += completion["usage"]["prompt_tokens"]
         tokens_out += completion["usage"]["completion_tokens"]
         line["response"] = {"status_code": 200, "request_id": rid, "body": completion}

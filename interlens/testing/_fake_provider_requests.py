@@ -207,6 +207,33 @@ def _anthropic_text(where: str, text: Any) -> str | None:
     return None
 
 
+_CACHE_TTLS: Final = ("5m", "1h")
+_MAX_BREAKPOINTS: Final = 4
+
+
+def _cache_control(where: str, block: dict[str, Any]) -> str | None:
+    """A block's ``cache_control``: ``{"type": "ephemeral"}``, optionally with a ``ttl`` of 5m or 1h."""
+    marker = block.get("cache_control")
+    if marker is None:
+        return None
+    if not isinstance(marker, dict) or marker.get("type") != "ephemeral":
+        return f"{where}.cache_control.type: Input should be 'ephemeral'"
+    extra = sorted(set(marker) - {"type", "ttl"})
+    if extra:
+        return f"{where}.cache_control.{extra[0]}: Extra inputs are not permitted"
+    if "ttl" in marker and marker["ttl"] not in _CACHE_TTLS:
+        return f"{where}.cache_control.ttl: Input should be '5m' or '1h'"
+    return None
+
+
+def _breakpoints(body: dict[str, Any]) -> int:
+    blocks = [b for b in body["system"]] if isinstance(body.get("system"), list) else []
+    for msg in body["messages"]:
+        if isinstance(msg.get("content"), list):
+            blocks.extend(msg["content"])
+    return sum(1 for b in blocks if isinstance(b, dict) and "cache_control" in b)
+
+
 def _anthropic_content(i: int, content: Any, *, final_assistant: bool) -> str | None:
     if isinstance(content, str):
         if not content and final_assistant:
@@ -231,6 +258,9 @@ def _anthropic_content(i: int, content: Any, *, final_assistant: bool) -> str | 
             problem = _anthropic_text(f"messages.{i}.content.{j}.text", block.get("text"))
             if problem is not None:
                 return problem
+        problem = _cache_control(f"messages.{i}.content.{j}", block)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -242,7 +272,9 @@ def _anthropic_system(system: Any) -> str | None:
     for j, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
             return f"system.{j}.type: Input should be 'text'"
-        problem = _anthropic_text(f"system.{j}.text", block.get("text"))
+        problem = _anthropic_text(f"system.{j}.text", block.get("text")) or _cache_control(
+            f"system.{j}", block
+        )
         if problem is not None:
             return problem
     return None
@@ -295,6 +327,9 @@ def validate_message(body: Any, *, version: str | None = "2026-10-21") -> str | 
         problem = _anthropic_system(body["system"])
         if problem is not None:
             return problem
+    marked = _breakpoints(body)
+    if marked > _MAX_BREAKPOINTS:
+        return f"A maximum of {_MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {marked}."
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -10,7 +10,9 @@ good raises :class:`ProviderCallError`; a failed batch row is a :class:`BatchRow
 
 Modules: ``_core`` (the contract's protocols, lanes, single and batched calls), ``_limits`` (adaptive limit,
 retry policy, retry-after), ``_batch`` (policy, rows, batches, the store protocol), ``_collect`` (rounds,
-submission recorded before polling, re-attach after a crash).
+submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a run's API
+budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
+:class:`SpendLimitReached` to the caller, whose job stays pending).
 """
 
 from ._batch import (
@@ -25,6 +27,7 @@ from ._batch import (
 from ._collect import Blocker
 from ._core import APISpec, Gateway, ProviderCallError, ProviderClient
 from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = [
     "APISpec",
@@ -41,6 +44,8 @@ __all__ = [
     "ProviderCallError",
     "ProviderClient",
     "RetryPolicy",
+    "SpendGuard",
+    "SpendLimitReached",
     "SubmittedBatch",
     "retry_after_seconds",
 ]

@@ -46,6 +46,7 @@ from ._batch import (
     retrying,
 )
 from ._limits import RetryPolicy
+from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = ["BatchBook", "BatchCollector", "Blocker"]
 
@@ -66,8 +67,16 @@ class Blocker(Protocol):
 class BatchBook:
     """Submits, records, polls and re-attaches batches for every collector of one gateway."""
 
-    def __init__(self, *, store: BatchStore | None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        store: BatchStore | None,
+        clock: Callable[[], float] = time.monotonic,
+        spend: SpendGuard | None = None,
+    ) -> None:
         self.store = store
+        self.spend = spend
+        self._tickets: dict[Batch, Any] = {}  # submitted batches' reservations with the spend guard
         self.clock = clock
         self.submitted = 0
         self.reattached = 0
@@ -190,11 +199,18 @@ class BatchBook:
         """Submit ``batch`` and record it; never raises (failures go to the batch's rows)."""
         rows = [(cid, row.request) for cid, row in batch.rows.items() if row is not None]
         try:
+            if self.spend is not None:  # paid when submitted: a batch that would cross the budget stays home
+                ticket = self.spend.admit([request for _, request in rows], batch=True)
+                if ticket is None:
+                    batch.fail(SpendLimitReached(self.spend.refusal()))
+                    return
+                self._tickets[batch] = ticket
             try:
                 submitted = await retrying(
                     client, policy, "batch submission", lambda: client.submit_batch(rows)
                 )
             except Exception as exc:  # retried as a whole already: its rows are not resubmitted one by one
+                self._settle(batch, None)
                 batch.fail(
                     BatchRowError(f"submitting an {client.provider} batch failed: {describe_error(exc)}")
                 )
@@ -288,6 +304,20 @@ class BatchBook:
                 log.warning("could not mark %s batch %s collected: %s", client.provider, batch.batch_id, exc)
         log.info("%s batch %s %s: %d results", client.provider, batch.batch_id, batch.state, len(results))
         batch.finish(results)
+        self._settle(batch, results)
+
+    def _settle(self, batch: Batch, results: Any) -> None:
+        """Charge the spend guard for the rows answered, and drop the batch's reservation."""
+        if self.spend is None:
+            return
+        if results is not None:
+            for custom_id, row in batch.rows.items():
+                outcome = batch.result_for(custom_id)
+                if row is not None and not isinstance(outcome, BaseException):
+                    self.spend.charge(row.request, outcome, batch=True)
+        ticket = self._tickets.pop(batch, None)
+        if ticket is not None:
+            self.spend.release(ticket)
 
 
 class BatchCollector:

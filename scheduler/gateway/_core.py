@@ -43,6 +43,7 @@ from ._batch import (
 )
 from ._collect import BatchBook, BatchCollector, Blocker
 from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = [
     "APISpec",
@@ -169,10 +170,12 @@ class Gateway:
         *,
         store: BatchStore | None = None,
         quiescent: Callable[[], bool] | None = None,
+        spend: SpendGuard | None = None,
     ) -> None:
         self._lanes: dict[Hashable, _Lane] = {}
         self._collectors: dict[Hashable, BatchCollector] = {}
-        self._book = BatchBook(store=store)
+        self._spend = spend
+        self._book = BatchBook(store=store, spend=spend)
         self._quiescent = quiescent
         self._waiting = 0
         self._closed = False
@@ -181,6 +184,11 @@ class Gateway:
     def waiting(self) -> int:
         """Callers blocked in the gateway right now (a job waiting on its API turn)."""
         return self._waiting
+
+    @property
+    def halted(self) -> bool:
+        """The spend guard refused a request or a batch: the run should start no new job."""
+        return self._spend is not None and self._spend.halted
 
     @property
     def batch_waiting(self) -> int:
@@ -297,10 +305,21 @@ class Gateway:
             lane.requests += 1
             token = await lane.limiter.acquire()
             outcome: Any = "error"
+            ticket = None
             try:
+                if self._spend is not None:  # asked once the limiter lets it through: right before it goes
+                    ticket = self._spend.admit([request], batch=False)
+                    if ticket is None:
+                        outcome = None
+                        lane.requests -= 1  # never sent
+                        raise SpendLimitReached(self._spend.refusal())
                 result = await lane.client.send(request)
                 outcome = "ok"
+                if self._spend is not None:
+                    self._spend.charge(request, result, batch=False)
                 return result
+            except SpendLimitReached:
+                raise
             except Exception as exc:
                 failure = lane.client.classify(exc)
                 if failure.rate_limited:
@@ -323,6 +342,8 @@ class Gateway:
                 raise
             finally:
                 lane.limiter.release(token, outcome)
+                if ticket is not None and self._spend is not None:
+                    self._spend.release(ticket)
             await anyio.sleep(delay)
 
     async def _batched(
@@ -351,6 +372,8 @@ class Gateway:
                     collector = self._collector(lane, spec)
                     result = await collector.request(request, owner=owner, turn=turn, blocker=blocker)
                 return result
+            except SpendLimitReached:
+                raise
             except Exception as exc:
                 failure = classify(client, exc)
                 if not policy.should_retry(attempt, failure):
