@@ -240,7 +240,7 @@ class RunReport:
     def __repr__(self) -> str:
         c = self._outcome.counts
         where = f" out_dir={str(self.out_dir)!r}" if self.out_dir is not None else ""
-        stopped = f" pending={c.get('pending', 0)} (API budget reached)" if self.stopped is not None else ""
+        stopped = f" pending={c.get('pending', 0)} (stopped early)" if self.stopped is not None else ""
         return (
             f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
             f"skipped={c.get('skipped', 0)}{stopped}{where}>"

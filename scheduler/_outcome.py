@@ -116,7 +116,8 @@ class RunOutcome:
     _source: OutcomeSource = field(repr=False)
     _skipped: Sequence[str] = field(repr=False, default=())
     api: Mapping[str, Any] = field(repr=False, default_factory=dict)
-    #: Why the run stopped before every job ran (the API spend guard's message), else None.
+    #: Why the run stopped before every job ran (the API spend guard's message, or a device in the run's
+    #: own process poisoned by a CUDA error), else None.
     stopped: str | None = None
 
     @property

@@ -15,6 +15,7 @@ invisible to the analyzer that reads it.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import sys
 from collections.abc import Callable, Sequence
@@ -46,10 +47,13 @@ async def open_workers(
     worker_init: Sequence[WorkerInit],
     start_timeout: float,
     call_gateway: CallGateway | None = None,
+    on_poisoned: Callable[[str, BaseException], None] | None = None,
 ) -> tuple[list[Worker], list[Worker]]:
     """Enter the device workers and the host worker into ``stack``; return (device workers, host workers).
 
     ``call_gateway`` serves every worker's ``ctx.call_gateway`` in this process (the run's API gateway).
+    ``on_poisoned(device, error)`` is told when a device worker IN THIS PROCESS hits a CUDA error that leaves
+    the process unusable (a worker process is replaced instead; nothing can replace this one).
     """
     settings: dict[str, Any] = {
         "mode": mode,
@@ -89,7 +93,8 @@ async def open_workers(
         stack.callback(set_worker_device, None)
         _run_hooks_here(worker_init)
         for device in devices:
-            worker = InProcessWorker(device, capacity=max_batch_size, **settings)
+            fatal = None if on_poisoned is None else functools.partial(on_poisoned, device)
+            worker = InProcessWorker(device, capacity=max_batch_size, on_fatal=fatal, **settings)
             device_workers.append(await stack.enter_async_context(worker))
     host = InProcessWorker(None, capacity=max_concurrency, **settings)
     return device_workers, [await stack.enter_async_context(host)]

@@ -201,6 +201,7 @@ class _Run:
     ) -> None:
         self._lineups = lineups
         self._spend = spend_guard
+        self._poisoned: str | None = None  # why the run stopped: a device in this process is poisoned
         self._left_pending = 0  # jobs whose API request the spend guard refused, back to pending
         self._worker_init = worker_init
         self._worker_start_timeout = worker_start_timeout
@@ -246,12 +247,28 @@ class _Run:
 
     @property
     def halted(self) -> bool:
-        """The spend guard refused a request: start no new job."""
-        return self._spend is not None and self._spend.halted
+        """The spend guard refused a request, or this process's device is poisoned: start no new job."""
+        return self._poisoned is not None or (self._spend is not None and self._spend.halted)
 
     @property
     def stopped(self) -> str | None:
+        if self._poisoned is not None:
+            return self._poisoned
         return None if self._spend is None or not self._spend.halted else self._spend.refusal()
+
+    def _poison(self, device: str, exc: BaseException) -> None:
+        """A device worker in this process hit a CUDA error that leaves the process unusable: every later
+        batch on it would fail, and nothing can replace this process. Stop starting jobs (those not started
+        stay pending) and say how to go on."""
+        if self._poisoned is None:
+            self._poisoned = (
+                f"device {device!r} hit a CUDA error that leaves this process unusable "
+                f"({type(exc).__name__}: {exc}); the run stopped starting jobs, and the ones not started "
+                "stay pending. Restart the Python process (in a notebook: the kernel) and rerun with the same "
+                "out_dir to resume, or run with several devices, where each worker is a process that is "
+                "replaced when this happens"
+            )
+            self._refill.notify()
 
     async def execute(self) -> None:
         try:
@@ -278,6 +295,7 @@ class _Run:
                     worker_init=self._worker_init,
                     start_timeout=self._worker_start_timeout,
                     call_gateway=self._call_gateway,
+                    on_poisoned=self._poison,
                 )
                 async with anyio.create_task_group() as tg:
                     self._tg = tg

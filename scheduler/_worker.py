@@ -225,8 +225,8 @@ class InProcessWorker:
 
     def _check_fatal(self, exc: BaseException) -> None:
         """A CUDA error other than out-of-memory corrupts the process's CUDA context: every later batch on
-        the device would fail. A worker process exits (``on_fatal``) and is replaced; in this process there
-        is nothing to replace, so the run is told how to recover."""
+        the device would fail. A worker process exits (``on_fatal``) and is replaced; in the run's own process
+        ``on_fatal`` stops the run (no new job starts) and says how to recover."""
         if self._device is None or not is_fatal_device_error(exc):  # the host worker holds no device
             return
         first = self._fatal is None

@@ -74,7 +74,7 @@ def test_a_budget_of_k_requests_stops_after_about_k_and_a_rerun_finishes_without
         "stopped early" in r.getMessage() and "larger api_budget" in r.getMessage() for r in caplog.records
     )
     assert report.usage().totals()["requests"] == sent
-    assert f"pending={12 - sent} (API budget reached)" in repr(report)
+    assert f"pending={12 - sent} (stopped early)" in repr(report)
 
     again = conv.rollout(out_dir=tmp_path, api_budget=APIBudget(tokens=k * cost))  # the ledger's spend counts
     assert len(chat_bodies(server)) == sent and again.stopped is not None

@@ -67,3 +67,34 @@ async def test_an_out_of_memory_fails_its_job_and_keeps_the_worker(tmp_path: Pat
 def _no_orphans() -> object:
     yield
     assert children() == set()
+
+
+async def test_a_poisoned_device_in_this_process_stops_the_run_and_leaves_the_rest_pending(
+    tmp_path: Path,
+) -> None:
+    """One device runs in the run's own process, which nothing can replace: the run starts no new job,
+    the ones not started stay pending in the ledger, and the outcome says how to go on."""
+    bad = FaultyEngineSpec("bad", error=ASSERT)
+    jobs = [WorkerJob(turns=2, engine=bad)] + [WorkerJob(turns=2) for _ in range(30)]
+    with anyio.fail_after(120):
+        out = await run_jobs(
+            [lineup("p", jobs)],
+            devices=["cpu"],
+            out_dir=tmp_path,
+            max_batch_size=2,
+            max_concurrency=2,
+            max_attempts=1,
+        )
+    assert out.stopped is not None
+    assert "device 'cpu' hit a CUDA error that leaves this process unusable" in out.stopped
+    assert "Restart the Python process" in out.stopped and "same out_dir to resume" in out.stopped
+    assert "p/0000" in out.failed
+    finished = len(out.done) + len(out.failed)
+    assert finished < len(jobs)  # the run stopped early: jobs not started were left
+    from interlens.store import LedgerReader
+
+    with LedgerReader(tmp_path) as reader:
+        counts = reader.counts()
+    # Nothing else failed or hangs as running: the rest is pending or not pulled yet, both left to a rerun.
+    assert counts["failed"] == len(out.failed) and counts["done"] == len(out.done)
+    assert counts.get("running", 0) == 0 and counts["pending"] >= 1
