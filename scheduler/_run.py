@@ -264,8 +264,8 @@ class _Run:
             self._poisoned = (
                 f"device {device!r} hit a CUDA error that leaves this process unusable "
                 f"({type(exc).__name__}: {exc}); the run stopped starting jobs, and the ones not started "
-                "stay pending. Restart the Python process (in a notebook: the kernel) and rerun with the same "
-                "out_dir to resume, or run with several devices, where each worker is a process that is "
+                "stay pending. Restart the Python process (in a notebook: the kernel) and rerun with the "
+                "same out_dir to resume, or run with several devices, where each worker is a process that is "
                 "replaced when this happens"
             )
             self._refill.notify()
