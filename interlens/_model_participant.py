@@ -219,22 +219,12 @@ class ModelParticipant(Participant):
         return capture, steering
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
-        import anyio
 
         options = options or GenerationOptions()
         request = self.request(view, options)
         if request.sampling.max_new_tokens <= 0:  # a spent budget: an empty turn, nothing generated
             return Message(self.name, "", {"n_tokens": 0, "finish_reason": "length", "model": self.model_id})
-        job = CURRENT_JOB.get()
-        if job is not None:
-            result = await job.generate(self, request)
-        else:
-            engine = await anyio.to_thread.run_sync(self.live_engine)
-            [result] = await anyio.to_thread.run_sync(lambda: engine.generate_batch([request]))
-        if isinstance(result, BaseException):
-            raise result
-        if options.capture is not None:
-            options.capture.add(self.name, result.captured)
+        result = await self._send(request, options)
         message = self.message(result)
         if request.steering:
             message.metadata["steering"] = [spec.summary() for spec in request.steering]
@@ -246,11 +236,18 @@ class ModelParticipant(Participant):
         """The log-probability of ``continuation`` as this speaker's next message after ``view``
         (teacher-forced: one forward pass, no sampling), under this participant's steering unless
         ``options.steering`` overrides it. Inside ``conv.capture()`` its activations are recorded."""
-        import anyio
 
         options = options or GenerationOptions()
         capture, steering = self._interp(options, generating=False)
         request = ChatScoreRequest(view=view, continuation=continuation, capture=capture, steering=steering)
+        result = await self._send(request, options)
+        return Logprobs(self.name, continuation, result.token_ids, result.tokens, result.logprobs)
+
+    async def _send(self, request: ChatRequest | ChatScoreRequest, options: GenerationOptions) -> Any:
+        """One request to this model: inside a rollout job through the job's batcher, live straight to the
+        engine (a batch of one, in a thread). A row's error is raised here; its capture is filed."""
+        import anyio
+
         job = CURRENT_JOB.get()
         if job is not None:
             result = await job.generate(self, request)
@@ -261,7 +258,7 @@ class ModelParticipant(Participant):
             raise result
         if options.capture is not None:
             options.capture.add(self.name, result.captured)
-        return Logprobs(self.name, continuation, result.token_ids, result.tokens, result.logprobs)
+        return result
 
     def message(self, result: Any) -> Message:
         return Message(
