@@ -15,7 +15,7 @@ from typing import Any
 from interlens._capture import Captured, CaptureSpec
 from interlens._exceptions import ConfigurationError, ConfigurationTypeError
 from interlens._sampling import SamplingSettings
-from interlens._steering import SteeringSpec
+from interlens._steering import SteeringSpec, steering_from
 
 __all__ = ["FINISH_REASONS", "GenerationRequest", "GenerationResult", "ScoreRequest", "ScoreResult"]
 
@@ -56,7 +56,7 @@ class GenerationRequest:
         object.__setattr__(self, "sampling", sampling)
         object.__setattr__(self, "reuse_key", reuse_key)
         object.__setattr__(self, "capture", _capture_arg(capture, "GenerationRequest"))
-        object.__setattr__(self, "steering", _steering_arg(steering, "GenerationRequest"))
+        object.__setattr__(self, "steering", steering_from(steering, where="GenerationRequest"))
         _check_ids(self.prompt_ids, "GenerationRequest", "prompt_ids", empty_ok=False)
         sampling.check("GenerationRequest")
         if self.reuse_key is not None:
@@ -134,7 +134,7 @@ class ScoreRequest:
         object.__setattr__(self, "prompt_ids", _ids_arg(prompt_ids, "prompt_ids"))
         object.__setattr__(self, "continuation_ids", _ids_arg(continuation_ids, "continuation_ids"))
         object.__setattr__(self, "capture", _capture_arg(capture, "ScoreRequest"))
-        object.__setattr__(self, "steering", _steering_arg(steering, "ScoreRequest"))
+        object.__setattr__(self, "steering", steering_from(steering, where="ScoreRequest"))
         _check_ids(self.prompt_ids, "ScoreRequest", "prompt_ids", empty_ok=False)
         _check_ids(self.continuation_ids, "ScoreRequest", "continuation_ids", empty_ok=True)
 
@@ -188,16 +188,3 @@ def _capture_arg(capture: Any, who: str) -> CaptureSpec | None:
         )
     except ConfigurationError as exc:
         raise type(exc)(f"{who}: {exc}") from None
-
-
-def _steering_arg(steering: Any, who: str) -> tuple[SteeringSpec, ...]:
-    if isinstance(steering, SteeringSpec):
-        return (steering,)
-    if isinstance(steering, Sequence) and not isinstance(steering, str | bytes):
-        specs = tuple(steering)
-        if all(isinstance(s, SteeringSpec) for s in specs):
-            return specs
-    raise ConfigurationTypeError(
-        f"{who}(steering={steering!r}): must be a sequence of SteeringSpec objects (() for none); build "
-        "one with SteeringSpec(direction, layers=[...])"
-    )

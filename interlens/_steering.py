@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -187,7 +188,8 @@ def steering_from(value: Any, *, where: str) -> tuple[SteeringSpec, ...]:
         if all(isinstance(s, SteeringSpec) for s in specs):
             return specs
     raise ConfigurationTypeError(
-        f"{where}: steering= takes a SteeringSpec, a list of them, or None, got {type(value).__name__}; "
+        f"{where}: steering={reprlib.repr(value)} is a {type(value).__name__}; steering= takes a "
+        "SteeringSpec, a list of them, or None; "
         "build one with SteeringSpec(direction, layers=[...]) or SteeringSpec.difference_of_means(...)"
     )
 

@@ -496,7 +496,7 @@ def test_structure_search_without_a_family_table() -> None:
     [
         ({"capture": "residual"}, "capture='residual'"),
         ({"capture": {"sites": ["residual"]}}, "must be a CaptureSpec or None"),
-        ({"steering": [1.0, 2.0]}, "sequence of SteeringSpec"),
+        ({"steering": [1.0, 2.0]}, "steering= takes a SteeringSpec, a list of them"),
         ({"steering": "add"}, "steering='add'"),
         ({"capture": CaptureSpec(sites=("resid",))}, "capture(sites=('resid',))"),
         ({"capture": CaptureSpec(layers=(-1,))}, "capture(layers=(-1,))"),
