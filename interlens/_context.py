@@ -60,7 +60,8 @@ def turn_seed(conv: _Seeded, participant: object, *, sample: int | None = None) 
     turns never share a random stream, and rerunning the same recipe with the same ``seed=`` draws the same
     random numbers for every turn. What that buys depends on the mode:
 
-    * ``batched=False`` (deterministic): each turn is generated alone, so a rollout is token-identical on
+    * ``batched=False`` (deterministic): each turn is generated alone (or co-stepped where the engine
+      passed its batch-invariance self-test: bitwise the same logits), so a rollout is token-identical on
       the same hardware and software, whatever else runs beside it.
     * batched (the default): the turn's random draws are the same, but its logits come from a batched
       forward pass whose other rows (and their padding) depend on timing, and a turn that happens to run

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from interlens._batch_invariance import batch_invariant as _self_test
 from interlens._decode import raise_if_cancelled
 from interlens._exceptions import ConfigurationError
 from interlens._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
@@ -79,12 +80,30 @@ class LocalEngine(InterpRows, KVReuse):
         self.placement: dict[str, Any] = {}
         # "static" for batches (see ``_prefill``); tests and the benchmark may compare "dynamic".
         self._batch_cache = "static"
+        self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
 
     def __repr__(self) -> str:
         name = getattr(self.model.config, "_name_or_path", type(self.model).__name__)
         return f"LocalEngine({name!r}, device={self.device!r})"
 
     # ------------------------------------------------------------------ public face
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether rows get bitwise the same logits alone and in a left-padded batch on this model, device
+        and dtype (``_batch_invariance``): when True, deterministic rows co-step. Measured once, on first use.
+        """
+        with self._lock:
+            return self._invariant()
+
+    def _invariant(self) -> bool:
+        """The cached self-test verdict, running it first if needed (call under the lock)."""
+        if self._batch_invariant is None:
+            import torch
+
+            with torch.inference_mode():
+                self._batch_invariant = _self_test(self)
+        return self._batch_invariant
 
     def generate_batch(
         self,
@@ -95,13 +114,15 @@ class LocalEngine(InterpRows, KVReuse):
     ) -> list[GenerationResult | Exception]:
         """Generate one result per request, in order, as one batched call (see the module docstring).
 
-        In ``ExecutionMode.DETERMINISTIC`` every request runs alone and from scratch (``reuse_key`` ignored:
-        a reused KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still
-        there depends on what else ran), so a seeded row is token-identical on the same hardware whatever
-        else ran with or before it. A row with ``capture`` or ``steering`` runs that way in every mode, with
-        its hooks installed only during its own forward passes (``_interp_rows``). When ``cancelled`` is
-        set, generation stops within one decode step and :class:`interlens.scheduler.BatchCancelled` is
-        raised.
+        In ``ExecutionMode.DETERMINISTIC`` every request runs from scratch (``reuse_key`` ignored: a reused
+        KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still there
+        depends on what else ran), so a seeded row is token-identical on the same hardware whatever else ran
+        with or before it. The rows co-step in one plain left-padded batch (no shared or grouped prefill)
+        when the engine passed its batch-invariance self-test (:attr:`batch_invariant`, run on the first
+        deterministic batch), and run alone otherwise. A row with ``capture`` or ``steering`` runs alone and
+        from scratch in every mode, with its hooks installed only during its own forward passes
+        (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode step and
+        :class:`interlens.scheduler.BatchCancelled` is raised.
         """
         import torch
 
@@ -118,12 +139,13 @@ class LocalEngine(InterpRows, KVReuse):
                 valid.append(i)
             else:
                 out[i] = problem
-        alone = mode is ExecutionMode.DETERMINISTIC
+        deterministic = mode is ExecutionMode.DETERMINISTIC
         plain = [i for i in valid if not requests[i].interp]
-        groups = [[i] for i in plain] if alone else ([plain] if plain else [])
-        groups += [[i] for i in valid if requests[i].interp]
-        reuse = self.kv_reuse_capacity > 0 and not alone
+        reuse = self.kv_reuse_capacity > 0 and not deterministic
         with self._lock, torch.inference_mode():
+            alone = deterministic and not self._invariant()
+            groups = [[i] for i in plain] if alone else ([plain] if plain else [])
+            groups += [[i] for i in valid if requests[i].interp]
             for group in groups:
                 batch = [requests[i] for i in group]
                 if batch[0].interp:
@@ -131,8 +153,10 @@ class LocalEngine(InterpRows, KVReuse):
                 elif reuse and len(batch) == 1 and batch[0].reuse_key is not None:
                     results = [self._generate_reusing(batch[0], cancelled)]
                 else:
-                    results = self._generate_rows(batch, cancelled)
+                    results = self._generate_rows(batch, cancelled, plain=deterministic)
                 for i, result in zip(group, results, strict=True):
+                    if isinstance(result, GenerationResult):
+                        result.batch_invariant = self._batch_invariant
                     out[i] = result
         return [r for r in out if r is not None]
 

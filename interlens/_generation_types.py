@@ -108,6 +108,8 @@ class GenerationResult:
     shared_prefill: bool  # the prompt was prefilled once for several identical rows
     reused_prefix_tokens: int  # prompt tokens whose KV came from this stream's previous turn (0 if none)
     captured: Captured | None = None  # the row's activations, when its request asked for a capture
+    # the engine's batch-invariance self-test verdict (None: not run, i.e. no deterministic batch yet)
+    batch_invariant: bool | None = None
 
 
 @dataclass(frozen=True, init=False)

@@ -270,6 +270,7 @@ class ModelParticipant(Participant):
                 "prompt_tokens": result.prompt_tokens,
                 "batched": result.batch_size > 1,
                 "batch_size": result.batch_size,
+                "batch_invariant": getattr(result, "batch_invariant", None),
                 "shared_prefill": result.shared_prefill,
                 "reused_prefix_tokens": result.reused_prefix_tokens,
                 "seconds": round(result.seconds, 6),

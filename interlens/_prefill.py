@@ -49,13 +49,14 @@ class BatchPrefill(ModelRunner):
     _batch_cache: str  # "static" | "dynamic"
 
     def _generate_rows(
-        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
     ) -> list[GenerationResult | Exception]:
-        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded.
+        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded, unless
+        ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test covers).
 
         A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
         """
-        done = self._prefill_and_decode(requests, cancelled)
+        done = self._prefill_and_decode(requests, cancelled, plain=plain)
         seconds = time.perf_counter() - done.started
         return [
             row.failure
@@ -65,7 +66,7 @@ class BatchPrefill(ModelRunner):
         ]
 
     def _prefill_and_decode(
-        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
     ) -> Decoded:
         import torch
 
@@ -76,7 +77,11 @@ class BatchPrefill(ModelRunner):
         unique: dict[tuple[int, ...], int] = {}
         row_to_unique = [unique.setdefault(r.prompt_ids, len(unique)) for r in requests]
         shared = (
-            self.shared_prefill and len(requests) > 1 and len(unique) < len(requests) and min(lengths) >= 2
+            self.shared_prefill
+            and not plain
+            and len(requests) > 1
+            and len(unique) < len(requests)
+            and min(lengths) >= 2
         )
         raise_if_cancelled(cancelled)
 
@@ -107,7 +112,7 @@ class BatchPrefill(ModelRunner):
             prompt_len = max(lengths)
             ids, mask = left_pad([r.prompt_ids for r in requests], prompt_len, self._pad_id)
             cache, static = self._new_batch_cache(prompt_len + max_new)
-            groups = prefill_groups(lengths) if static else []
+            groups = prefill_groups(lengths) if static and not plain else []
             if len(groups) > 1 and plain_static(cache):
                 logits = self._prefill_grouped(requests, groups, cache, prompt_len)
             else:

@@ -8,8 +8,11 @@ requests, as soon as one of these holds:
   can add to the queue soon, so waiting longer cannot make the batch bigger);
 - a queue holds a full batch (``max_batch_size``);
 - ``max_wait`` seconds have passed since the oldest queued request arrived (for jobs awaiting something the
-  scheduler cannot see, such as a file or an un-instrumented API call);
-- DETERMINISTIC mode: every request is its own batch, served at once.
+  scheduler cannot see, such as a file or an un-instrumented API call).
+
+DETERMINISTIC mode batches the same way and hands the mode to ``generate_batch``: whether its rows may share
+a forward pass is the engine's to know (a local engine co-steps them only where its batch-invariance
+self-test passed, and runs them alone otherwise), so the batcher never decides what a row's tokens are.
 
 How many rows a batch takes is also bounded by the engine's :class:`~._budget.TokenBudget` (rows × the
 longest row's prompt + max_new tokens, counted by the engine's optional ``request_tokens(payload)``): it
@@ -113,7 +116,7 @@ class Batcher:
     ) -> None:
         self._mode = mode
         self._grow_after = grow_after
-        self._max = 1 if mode is ExecutionMode.DETERMINISTIC else max_batch_size
+        self._max = max_batch_size
         self._max_wait = max_wait
         self._quiescent = quiescent
         self._changed = changed  # shared with the worker: job starts/ends and blocking also wake us
@@ -193,7 +196,7 @@ class Batcher:
                 self._release(req.owner)
 
     def _ready(self) -> bool:
-        if self._mode is ExecutionMode.DETERMINISTIC or self._quiescent():
+        if self._quiescent():
             return True
         # full: as many rows as a batch takes, or the budget stops the batch before the queue's end
         for q in self._queues.values():

@@ -52,9 +52,11 @@ class ExecutionMode(enum.Enum):
     In both modes every local turn samples from its own random stream, seeded from (participant seed, the
     job's rollout seed, the job id, the turn index), so the random draws of a turn never depend on other jobs.
 
-    DETERMINISTIC: every turn is generated alone and from scratch (no KV cache kept from an earlier turn),
-    so a conversation is token-identical on the same hardware and software whatever runs beside or before
-    it (the guarantee interp work needs).
+    DETERMINISTIC: every turn is generated from scratch (no KV cache kept from an earlier turn), alone or
+    co-stepped with other turns only where the engine knows its forward pass is batch-invariant (a local
+    engine's self-test), so a conversation is token-identical on the same hardware and software whatever
+    runs beside or before it (the guarantee interp work needs). The batcher coalesces these turns as in
+    BATCHED mode and passes the mode on.
 
     BATCHED (the default): concurrent turns for one model on one device co-step in one batched generate.
     The same seeds give the same random draws, but a turn's logits come from a forward pass over a batch

@@ -68,11 +68,13 @@ async def test_two_engines_share_the_device_one_batch_at_a_time() -> None:
     ]
 
 
-async def test_deterministic_mode_generates_every_turn_alone() -> None:
+async def test_deterministic_mode_coalesces_and_leaves_co_stepping_to_the_engine() -> None:
+    """The batcher batches deterministic turns as it does batched ones and passes the mode on: whether the
+    rows may share a forward pass is the engine's to know (LocalEngine's batch-invariance self-test)."""
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=2) for _ in range(8)]
     out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, mode=ExecutionMode.DETERMINISTIC)
-    assert spec.engine.sizes == [1] * 16
+    assert spec.engine.sizes == [8, 8]
     assert spec.engine.modes == {ExecutionMode.DETERMINISTIC}
     assert {j.seen[0]["mode"] for j in jobs} == {ExecutionMode.DETERMINISTIC}
     assert len(out.done) == 8

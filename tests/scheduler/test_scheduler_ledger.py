@@ -121,4 +121,6 @@ async def test_deterministic_mode_with_ledger(tmp_path: Path) -> None:
     out = await run_jobs(
         [lineup("a", jobs)], devices=["cpu"], out_dir=tmp_path, mode=ExecutionMode.DETERMINISTIC
     )
-    assert spec.engine.sizes == [1] * 6 and len(out.done) == 3
+    # coalesced like batched mode (the engine decides whether the rows co-step), with durable commits
+    assert spec.engine.sizes == [3, 3] and spec.engine.modes == {ExecutionMode.DETERMINISTIC}
+    assert len(out.done) == 3
