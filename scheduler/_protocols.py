@@ -62,9 +62,9 @@ class ExecutionMode(enum.Enum):
     The same seeds give the same random draws, but a turn's logits come from a forward pass over a batch
     whose composition (other rows, their padding, how many are left, or a kept KV cache when a turn runs
     alone) depends on timing. Tokens are reproducible only where that pass is batch-invariant, giving each
-    row bitwise the same logits whatever its batch mates (true of the tiny test models on CPU, generally not
-    of GPU kernels, which pick reduction orders by batch shape); elsewhere a rerun is reproducible in
-    distribution, not token for token.
+    row bitwise the same logits whatever its batch mates (not so with stock kernels, even on CPU: a matmul
+    rounds differently for another row count; GPU kernels pick reduction orders by batch shape); elsewhere a
+    rerun is reproducible in distribution, not token for token.
     """
 
     BATCHED = "batched"

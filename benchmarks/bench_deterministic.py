@@ -1,0 +1,96 @@
+"""Deterministic vs batched rollout throughput on the 4-turn debate, side by side (issue #14).
+
+    python benchmarks/bench_deterministic.py [--rollouts 16] [--turns 4] [--new-tokens 32] [--repeats 3]
+
+The same two-speaker debate (one local Qwen2, random weights, T = 0.9), rolled out ``--rollouts`` times
+``batched=True`` and ``batched=False``, interleaved (batched, deterministic, batched, ...) after one warm-up
+of each. Deterministic turns co-step only where the engine's batch-invariance self-test passed
+(``interlens._batch_invariance``); the script prints the verdict for this model, device and dtype, what the
+self-test costs, and the turns' batch sizes, so the ratio can be read for what it is. Prints generated
+tok/s, medians with (min-max) spread, and the ratio deterministic / batched (goal >= 0.8x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from interlens import AutoModelParticipant, Conversation
+from interlens.testing import tiny_model
+
+
+def debate(path: str, *, new_tokens: int, turns: int, dtype: str | None) -> Conversation:
+    def speaker(name: str, side: str) -> Any:
+        return AutoModelParticipant.from_pretrained(
+            path,
+            name=name,
+            temperature=0.9,
+            max_new_tokens=new_tokens,
+            dtype=dtype,
+            system_prompt=f"Argue for {side}.",
+        )
+
+    return Conversation(
+        participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
+    ).turns(turns)
+
+
+def run_once(conv: Conversation, n: int, *, batched: bool) -> tuple[float, int, set[int], set[Any]]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        start = time.perf_counter()
+        report = conv.rollout(n=n, devices=["cpu"], out_dir=out_dir, progress=False, batched=batched, seed=1)
+        seconds = time.perf_counter() - start
+        assert not report.failed, report.failed
+        metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
+        tokens = sum(r.tokens_generated for r in report.results.values())
+    return seconds, tokens, {m["batch_size"] for m in metas}, {m.get("batch_invariant") for m in metas}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--family", default="qwen2")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+    path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
+    conv = debate(path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype)
+
+    from interlens._model_cache import load_engine
+
+    engine = load_engine(path, dtype=args.dtype)
+    start = time.perf_counter()
+    verdict = engine.batch_invariant
+    print(f"self-test: batch_invariant={verdict} ({time.perf_counter() - start:.3f} s)")
+
+    runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
+    seen: dict[bool, tuple[set[int], set[Any]]] = {}
+    for batched in (True, False):
+        run_once(conv, args.rollouts, batched=batched)  # warm-up
+    for _ in range(args.repeats):
+        for batched in (True, False):
+            seconds, tokens, sizes, invariant = run_once(conv, args.rollouts, batched=batched)
+            runs[batched].append((seconds, tokens))
+            seen[batched] = (sizes, invariant)
+    rates = {b: [tok / s for s, tok in r] for b, r in runs.items()}
+    for batched, label in ((True, "batched=True "), (False, "batched=False")):
+        r = rates[batched]
+        sizes, invariant = seen[batched]
+        print(
+            f"  {label}: {statistics.median(r):7.1f} tok/s (min {min(r):.1f}, max {max(r):.1f}); "
+            f"batch sizes {sorted(sizes)}; batch_invariant {sorted(map(str, invariant))}"
+        )
+    ratio = statistics.median(rates[False]) / statistics.median(rates[True])
+    print(f"  deterministic / batched = {ratio:.2f}x   (goal >= 0.8x)")
+
+
+if __name__ == "__main__":
+    main()
