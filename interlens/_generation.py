@@ -119,10 +119,10 @@ class LocalEngine(InterpRows, KVReuse):
         depends on what else ran), so a seeded row is token-identical on the same hardware whatever else ran
         with or before it. The rows co-step in one plain left-padded batch (no shared or grouped prefill)
         when the engine passed its batch-invariance self-test (:attr:`batch_invariant`, run on the first
-        deterministic batch), and run alone otherwise. A row with ``capture`` or ``steering`` runs alone and
-        from scratch in every mode, with its hooks installed only during its own forward passes
-        (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode step and
-        :class:`interlens.scheduler.BatchCancelled` is raised.
+        deterministic batch with two such rows), and run alone otherwise. A row with ``capture`` or
+        ``steering`` runs alone and from scratch in every mode, with its hooks installed only during its own
+        forward passes (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode
+        step and :class:`interlens.scheduler.BatchCancelled` is raised.
         """
         import torch
 
@@ -143,7 +143,8 @@ class LocalEngine(InterpRows, KVReuse):
         plain = [i for i in valid if not requests[i].interp]
         reuse = self.kv_reuse_capacity > 0 and not deterministic
         with self._lock, torch.inference_mode():
-            alone = deterministic and not self._invariant()
+            # the self-test runs only when its verdict matters: two or more rows that could co-step
+            alone = deterministic and len(plain) > 1 and not self._invariant()
             groups = [[i] for i in plain] if alone else ([plain] if plain else [])
             groups += [[i] for i in valid if requests[i].interp]
             for group in groups:
