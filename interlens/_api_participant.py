@@ -205,6 +205,11 @@ class APIParticipant(Participant):
         self.model_id = model_id
         self.temperature = _number_or_none(name, "temperature", temperature, 0, 2, open_low=False)
         self.top_p = _number_or_none(name, "top_p", top_p, 0, 1, open_low=True)
+        problem = provider_named(provider).settings_problem(
+            {"temperature": self.temperature, "top_p": self.top_p}
+        )
+        if problem is not None:
+            raise ConfigurationError(f"APIParticipant({name!r}, provider={provider!r}): {problem}")
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.batch = batch

@@ -192,6 +192,32 @@ class AnthropicClient:
         await self._shards.aclose()
 
 
+def settings_problem(settings: dict[str, Any]) -> str | None:
+    """The API version the installed SDK sends decides which sampling fields exist: the 2.x SDKs send
+    ``2026-10-21``, which removed ``temperature``/``top_p``/``top_k`` (any value, even the default, is a 400);
+    the 1.x SDKs send ``2023-06-01``, which takes them (``temperature`` in [0, 1]). Read from the installed
+    package's metadata: the SDK itself is not imported to build a participant."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    given = [k for k in ("temperature", "top_p") if settings.get(k) is not None]
+    if not given:
+        return None
+    try:
+        major = int(version("anthropic").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return None  # no SDK here: the missing-SDK error comes when it is needed
+    if major >= 2:
+        return (
+            f"{' and '.join(f'{k}=' for k in given)} cannot be sent to Anthropic by the installed anthropic "
+            f"SDK {version('anthropic')}: its API version (2026-10-21) has no temperature/top_p, and every "
+            "request carrying one is refused (400). Drop the setting, or install anthropic<2 (API version "
+            "2023-06-01, temperature in [0, 1])"
+        )
+    if settings.get("temperature") is not None and settings["temperature"] > 1:
+        return f"temperature={settings['temperature']} is above Anthropic's range 0..1"
+    return None
+
+
 ANTHROPIC = Provider(
     name="anthropic",
     title="Anthropic",
@@ -203,4 +229,5 @@ ANTHROPIC = Provider(
     body=body,
     client=AnthropicClient,
     batch_price=0.5,  # "50% of standard API prices" (docs.anthropic.com, Message Batches API pricing)
+    settings_problem=settings_problem,
 )

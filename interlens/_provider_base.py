@@ -123,7 +123,9 @@ class Provider:
     provider has a batch API; ``title``: its name in messages. Keys and endpoints come from
     ``key_variable``/``url_variable`` (the names the official SDKs read), else ``default_url``.
     ``batch_price``: the batch API's price as a fraction of the live one, as the provider documents it
-    (1.0: no documented discount), applied by cost estimates to batch turns.
+    (1.0: no documented discount), applied by cost estimates to batch turns. ``settings_problem``: what is
+    wrong with a participant's sampling settings for this provider as the installed SDK talks to it (None:
+    nothing), so a setting every request would be refused for fails at construction, not on every turn.
     """
 
     name: str
@@ -136,6 +138,7 @@ class Provider:
     body: Callable[[APIRequest], dict[str, Any]]
     client: Callable[..., ProviderClient]
     batch_price: float = 1.0
+    settings_problem: Callable[[dict[str, Any]], str | None] = lambda settings: None
 
 
 _SHARD_SIZE = 8

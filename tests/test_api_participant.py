@@ -326,3 +326,15 @@ def test_openrouter_errors_inside_a_200_are_errors(monkeypatch: pytest.MonkeyPat
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_anthropic_sampling_settings_the_installed_sdk_cannot_send_are_refused_at_construction() -> None:
+    """The 2.x SDKs talk API version 2026-10-21, which has no temperature/top_p: every turn would be a 400."""
+    from importlib.metadata import version
+
+    assert int(version("anthropic").split(".")[0]) >= 2  # what CI installs (see .ci/constraints.txt)
+    for settings in ({"temperature": 0.7}, {"top_p": 0.9}, {"temperature": 0.0, "top_p": 0.5}):
+        with pytest.raises(ConfigurationError, match=r"API version \(2026-10-21\) has no temperature/top_p"):
+            APIParticipant(name="c", provider="anthropic", model_id="claude-x", **settings)
+    APIParticipant(name="c", provider="anthropic", model_id="claude-x")  # no sampling setting: fine
+    APIParticipant(name="g", provider="openai", model_id="gpt-x", temperature=0.7, top_p=0.9)
