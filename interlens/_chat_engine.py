@@ -26,6 +26,9 @@ from ._steering import SteeringSpec
 
 __all__ = ["ChatEngine", "ChatRequest", "ChatScoreRequest"]
 
+#: A request's prompt ids, and a scored request's continuation ids (None for a turn to generate).
+_Encoded = tuple[tuple[int, ...], tuple[int, ...] | None]
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -58,23 +61,31 @@ class ChatEngine:
         self.tokenizer = engine.tokenizer
         # Prompts rendered by ``request_tokens`` when a request was queued, by request identity: the batch
         # then skips the render (the tokenizing moves off the device thread).
-        self._rendered: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        self._rendered: dict[int, tuple[Any, _Encoded]] = {}
 
     def request_tokens(self, request: ChatRequest | ChatScoreRequest) -> int:
         """What ``request`` costs in a batch, in tokens (the scheduler's batch budget; called on queueing)."""
-        ids = self.prompt_ids(request.view)
+        ids, continuation = self._encode(request)
         if len(self._rendered) >= self._RENDERED_KEPT:
             self._rendered.pop(next(iter(self._rendered)))
-        self._rendered[id(request)] = (request, ids)
-        if isinstance(request, ChatScoreRequest):
-            return len(ids) + len(self.tokenizer(request.continuation, add_special_tokens=False)["input_ids"])
+        self._rendered[id(request)] = (request, (ids, continuation))
+        if continuation is not None:
+            return len(ids) + len(continuation)
+        assert isinstance(request, ChatRequest)
         return len(ids) + max(1, request.sampling.max_new_tokens)
 
-    def _ids(self, request: ChatRequest | ChatScoreRequest) -> tuple[int, ...]:
+    def _ids(self, request: ChatRequest | ChatScoreRequest) -> _Encoded:
+        """The prompt ids (and a score's continuation ids): as ``request_tokens`` encoded them, else now."""
         kept = self._rendered.pop(id(request), None)
         if kept is not None and kept[0] is request:
             return kept[1]
-        return self.prompt_ids(request.view)
+        return self._encode(request)
+
+    def _encode(self, request: ChatRequest | ChatScoreRequest) -> _Encoded:
+        ids = self.prompt_ids(request.view)
+        if isinstance(request, ChatScoreRequest):
+            return ids, tuple(self.tokenizer(request.continuation, add_special_tokens=False)["input_ids"])
+        return ids, None
 
     def prompt_ids(self, view: View) -> tuple[int, ...]:
         """The token ids the model sees for ``view``, generation prompt included."""
@@ -93,11 +104,10 @@ class ChatEngine:
         prepared: list[Any] = []
         for req in requests:
             try:
-                ids = self._ids(req)
+                ids, continuation = self._ids(req)
                 if isinstance(req, ChatScoreRequest):
-                    continuation = self.tokenizer(req.continuation, add_special_tokens=False)["input_ids"]
                     prepared.append(
-                        ScoreRequest(ids, continuation, capture=req.capture, steering=req.steering)
+                        ScoreRequest(ids, continuation or (), capture=req.capture, steering=req.steering)
                     )
                 else:
                     prepared.append(
