@@ -152,12 +152,10 @@ class ModelParticipant(Participant):
     def set(self, **settings: Any) -> ModelParticipant:
         """A copy with some settings changed and validated like the constructor's, e.g.
         ``debater.set(steering=spec)`` or ``debater.set(temperature=0)``; this participant is unchanged."""
-        unknown = sorted(set(settings) - set(_SETTINGS) - {"name"})
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
-            hint = f" (did you mean {close[0]}=?)" if close else ""
+        unknown = _unknown_setting(settings, allowed=(*_SETTINGS, "name"))
+        if unknown is not None:
             raise ConfigurationTypeError(
-                f"{self!r}.set(): no setting {unknown[0]!r}{hint}; its settings are: {', '.join(_SETTINGS)}"
+                f"{self!r}.set(): no setting {unknown}; its settings are: {', '.join(_SETTINGS)}"
             )
         current = {key: getattr(self, key) for key in _SETTINGS} | {"name": self.name}
         clone = type(self)(self.model_id, **(current | settings))
@@ -374,6 +372,16 @@ _SETTINGS = (
 )
 
 
+def _unknown_setting(settings: Mapping[str, Any], *, allowed: Sequence[str]) -> str | None:
+    """The first setting of ``settings`` not in ``allowed``, quoted, with the closest real one as a hint
+    (``'temprature' (did you mean temperature=?)``); None when all are known."""
+    unknown = sorted(set(settings) - set(allowed))
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
+    return repr(unknown[0]) + (f" (did you mean {close[0]}=?)" if close else "")
+
+
 class AutoModelParticipant:
     """Factory: ``AutoModelParticipant.from_pretrained(id_or_path, name=...)`` builds a ModelParticipant."""
 
@@ -393,12 +401,10 @@ class AutoModelParticipant:
         (a :class:`SteeringSpec` or a list of them, applied to every turn; needs ``batched=False`` in
         rollouts).
         """
-        unknown = sorted(set(settings) - set(_SETTINGS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
-            hint = f" (did you mean {close[0]}=?)" if close else ""
+        unknown = _unknown_setting(settings, allowed=_SETTINGS)
+        if unknown is not None:
             raise ConfigurationTypeError(
-                f"AutoModelParticipant.from_pretrained(name={name!r}) has no setting {unknown[0]!r}{hint}; "
+                f"AutoModelParticipant.from_pretrained(name={name!r}) has no setting {unknown}; "
                 f"its settings are: {', '.join(_SETTINGS)}"
             )
         if not isinstance(id_or_path, str | Path) or not str(id_or_path):
