@@ -312,19 +312,22 @@ class Conversation:
         sample = None
         if ephemeral:
             sample = self._samples_taken = self._samples_taken + 1
-        target = None
-        if self._capture is not None:
-            kind = "sample" if ephemeral else "turn"
-            target = CaptureTarget(self._capture, len(self.transcript), kind)
         where = f"{'sample' if ephemeral else 'step'}({participant.name!r}, steering=...)"
         return GenerationOptions(
             max_new_tokens=turn_cap(conditions, self),
             seed=turn_seed(self, participant, sample=sample),
             stream_id=self._stream_id,
             ephemeral=ephemeral,
-            capture=target,
+            capture=self._capture_target("sample" if ephemeral else "turn"),
             steering=None if steering is None else steering_from(steering, where=where),
         )
+
+    def _capture_target(self, kind: str) -> CaptureTarget | None:
+        """Inside a ``capture()`` block: where the next message's activations go (tagged with the index it
+        has, or would have, in the transcript); None outside one."""
+        if self._capture is None:
+            return None
+        return CaptureTarget(self._capture, len(self.transcript), kind)
 
     async def astep(self, speaker: str | None = None, *, steering: Any = None) -> Message:
         """Generate one turn (by ``speaker``, default the next in round-robin) and append it.

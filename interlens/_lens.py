@@ -43,11 +43,9 @@ async def score_text(conv: Conversation, speaker: str, text: str, *, steering: A
         raise InterpModeError(f"{where}: text must be a non-empty str, got {text!r}")
     participant = conv.participant(speaker)
     ascore = _scorer(participant, where)
-    target = None
-    if conv._capture is not None:
-        target = CaptureTarget(conv._capture, len(conv.transcript), "score")
     options = GenerationOptions(
-        capture=target, steering=None if steering is None else steering_from(steering, where=where)
+        capture=conv._capture_target("score"),
+        steering=None if steering is None else steering_from(steering, where=where),
     )
     result: Logprobs = await ascore(conv.view(participant), text, options)
     return result
