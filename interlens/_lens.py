@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._capture import ActivationCache, CaptureSpec, CaptureTarget
-from ._exceptions import InterpModeError
+from ._exceptions import ConfigurationError, InterpModeError
 from ._message import MODERATOR
 from ._participant import GenerationOptions, Participant
 from ._steering import steering_from
@@ -40,7 +40,9 @@ async def score_text(conv: Conversation, speaker: str, text: str, *, steering: A
     """``conv.logprobs``: score ``text`` as ``speaker``'s next message after its current view."""
     where = f"logprobs({speaker!r}, ...)"
     if not isinstance(text, str) or not text:
-        raise InterpModeError(f"{where}: text must be a non-empty str, got {text!r}")
+        raise ConfigurationError(
+            f"{where}: text must be a non-empty str (the continuation to score), got {text!r}"
+        )
     participant = conv.participant(speaker)
     ascore = _scorer(participant, where)
     options = GenerationOptions(

@@ -29,7 +29,7 @@ from ._records import (
     job_from_row,
 )
 from ._results import assemble, chunks
-from ._schema import LEDGER_FILENAME, SCHEMA_VERSION, check_existing, ro_uri
+from ._schema import LEDGER_FILENAME, check_existing, ro_uri
 
 __all__ = ["LedgerReader"]
 
@@ -328,7 +328,7 @@ class LedgerReader:
             self._conn.execute("COMMIT")
         return {
             "path": str(self.path),
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self._version,
             "jobs": sum(counts.values()),
             "counts": counts,
             "tokens_generated": int(tokens),

@@ -162,6 +162,9 @@ def test_logprobs_equal_the_sum_of_per_token_log_softmax_by_hand(qwen2_path: str
     assert scored.total == pytest.approx(sum(by_hand), abs=1e-3)
     assert "".join(scored.tokens) and len(scored) == len(cont)
     assert conv.logprobs("b", " Tabs.").total != pytest.approx(scored.total)
+    with pytest.raises(interlens.ConfigurationError, match="non-empty str") as excinfo:
+        conv.logprobs("b", "")
+    assert not isinstance(excinfo.value, InterpModeError)  # bad input, not a mode the call cannot run in
 
 
 # ---------------------------------------------------------------------- steering

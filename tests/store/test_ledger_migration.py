@@ -79,6 +79,7 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
     path = await _version_1_ledger(tmp_path)
     with LedgerReader(tmp_path) as reader:  # a reader takes the old file as it is
         assert reader.job_ids() == ["pair/row_0", "pair/row_1", "pair/row_2"]
+        assert reader.summary()["schema_version"] == 1  # the file's version, not this code's
     before = _everything(path)
     assert before["pair/row_2"][2]["conversation"]["transcript"] == [{"role": "a", "content": "done"}]
 
@@ -90,6 +91,8 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
         await ledger.end_run("completed")
 
     assert _everything(path) == before
+    with LedgerReader(tmp_path) as reader:
+        assert reader.summary()["schema_version"] == SCHEMA_VERSION
     conn = sqlite3.connect(path)
     try:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
