@@ -187,6 +187,12 @@ def _run_line(run: dict[str, Any]) -> Text:
             f": the ledger says running but its process (pid {run['pid']}) is gone (crashed or killed); "
             "rerun the same call to resume it"
         )
+    elif status == "stopped":
+        line.append("stopped early", style="bold yellow")
+        line.append(
+            f" after {duration(run['elapsed_s'])} (API budget spent or a device unusable); the jobs it "
+            "did not finish are pending: rerun the same call to continue"
+        )
     else:
         line.append(status, style="bold green" if status == "completed" else "bold red")
         line.append(f", took {duration(run['elapsed_s'])}")

@@ -148,7 +148,7 @@ async def run_jobs(
     status = "failed"
     try:
         await run.execute()
-        status = "completed"
+        status = "completed" if run.stopped is None else "stopped"  # stopped: ended early, the rest pending
     except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
         status = "interrupted"
         raise

@@ -267,7 +267,8 @@ class Ledger:
         await self._submit(check_lineups_op(lineups, describe, path=self.path, start_over=start_over))
 
     async def end_run(self, status: str) -> None:
-        """Record the end of the run: "completed", "interrupted" or "failed"."""
+        """Record the end of the run: "completed", "stopped" (ended early, jobs left pending), "interrupted"
+        or "failed"."""
         if status not in RUN_STATUSES:
             raise ValueError(f"end_run status must be one of {RUN_STATUSES}, got {status!r}")
         run_id = self._require_run("end_run")

@@ -26,7 +26,7 @@ JOB_STATES: Final = ("pending", "running", "done", "failed")
 
 #: What ``end_run`` accepts. "running" is what a run is while live; "crashed" is written by the next
 #: ``begin_run`` for a run whose process died without ending it.
-RUN_STATUSES: Final = ("completed", "interrupted", "failed")
+RUN_STATUSES: Final = ("completed", "stopped", "interrupted", "failed")
 
 #: Provider batch states after which there is nothing left to re-attach to (OpenAI and Anthropic names, plus
 #: "collected" for a batch whose results the scheduler has already written back, and "superseded" for one

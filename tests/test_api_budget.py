@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,16 @@ def test_a_budget_of_k_requests_stops_after_about_k_and_a_rerun_finishes_without
     )
     assert report.usage().totals()["requests"] == sent
     assert f"pending={12 - sent} (stopped early)" in repr(report)
+    with LedgerReader(tmp_path) as reader:
+        assert reader.runs()[-1]["status"] == "stopped"
+    shown = subprocess.run(
+        [sys.executable, "-m", "interlens", "status", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=120,
+    )
+    assert "stopped early" in shown.stdout and "rerun the same call to continue" in shown.stdout
 
     again = conv.rollout(out_dir=tmp_path, api_budget=APIBudget(tokens=k * cost))  # the ledger's spend counts
     assert len(chat_bodies(server)) == sent and again.stopped is not None
@@ -82,6 +95,8 @@ def test_a_budget_of_k_requests_stops_after_about_k_and_a_rerun_finishes_without
     finished = conv.rollout(out_dir=tmp_path, api_budget=APIBudget(tokens=100 * cost))
     bodies = chat_bodies(server)
     assert finished.stopped is None and finished.failed == [] and pending(tmp_path) == []
+    with LedgerReader(tmp_path) as reader:
+        assert [run["status"] for run in reader.runs()] == ["stopped", "stopped", "completed"]
     assert len(bodies) == 12 == len(set(bodies))  # every row's request sent once, over the three runs
     assert len(finished.results) == 12
 

@@ -95,6 +95,7 @@ async def test_a_poisoned_device_in_this_process_stops_the_run_and_leaves_the_re
 
     with LedgerReader(tmp_path) as reader:
         counts = reader.counts()
+        assert reader.runs()[-1]["status"] == "stopped"
     # Nothing else failed or hangs as running: the rest is pending or not pulled yet, both left to a rerun.
     assert counts["failed"] == len(out.failed) and counts["done"] == len(out.done)
     assert counts.get("running", 0) == 0 and counts["pending"] >= 1
