@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
 from ._validate import check_bool, check_int, check_number, type_name
@@ -44,6 +44,7 @@ class RunOptions(TypedDict, total=False):
     max_batch_wait: float
     worker_start_timeout: float
     api_budget: APIBudget | None
+    cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
 
 
 #: Each option and its default, in the order the error for an unknown option lists them.
@@ -61,7 +62,11 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "max_batch_wait": 0.05,
     "worker_start_timeout": 300.0,
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
+    "cluster": None,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local instance)
 }
+
+#: The values ``cluster=`` accepts.
+CLUSTERS = (None, "ray")
 
 #: Options people reach for that do not exist, and what to write instead.
 _INSTEAD: Mapping[str, str] = {
@@ -87,6 +92,7 @@ class Options:
     progress: bool | None
     scheduler: dict[str, Any] = field(default_factory=dict)  # passed to run_jobs as they are
     api_budget: APIBudget | None = None
+    cluster: str | None = None
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -136,6 +142,16 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         ),
         scheduler=scheduler,
         api_budget=_api_budget(where, given["api_budget"]),
+        cluster=_cluster(where, given["cluster"]),
+    )
+
+
+def _cluster(where: str, cluster: Any) -> str | None:
+    if cluster is None or (isinstance(cluster, str) and cluster in CLUSTERS):
+        return cluster
+    raise ConfigurationError(
+        f"{where}: cluster must be None (this machine) or 'ray' (a Ray cluster: RAY_ADDRESS, else a private "
+        f"local Ray instance; see docs/ray.md), got {cluster!r}"
     )
 
 
