@@ -21,8 +21,9 @@ keys and the gateway (``GatewayCall``), placement and retries. Actors run with `
 a poisoned actor exits may not arrive: its attempts are lost all the same.
 
 :class:`RaySession` connects: to an initialized Ray, else ``RAY_ADDRESS`` (with ``RAY_AUTH_MODE=token``
-unless set: Ray 2.60 clusters use token auth), else a private local instance started without the
-credential-looking variables of this environment (its processes, actors included, never see an API key);
+unless set, when Ray is not imported yet: Ray reads it at import, and a 2.60 cluster wants a token), else a
+private local instance started without the credential-looking variables of this environment (its processes,
+actors included, never see an API key);
 it shuts Ray down only if it initialized it. :func:`ray_plans` turns ``devices`` into actors: one per GPU of
 the cluster by default (``num_gpus=1``: ``cuda:0`` inside), or ``"cpu"``/``"cuda"`` entries, CPU actors with
 ``CUDA_VISIBLE_DEVICES=""``. ``ray`` is imported only here, only when asked for.
@@ -117,14 +118,14 @@ class RaySession:
         self.where = ""
 
     def __enter__(self) -> RaySession:
+        address = os.environ.get("RAY_ADDRESS", "").strip()
+        if address and "ray" not in sys.modules:  # Ray reads it once, at import
+            os.environ.setdefault("RAY_AUTH_MODE", "token")  # else a token-auth cluster refuses the driver
         ray = _ray()
         if ray.is_initialized():
             self.where = "the Ray this process had already initialized"
             return self
-        address = os.environ.get("RAY_ADDRESS", "").strip()
         quiet = {"logging_level": logging.WARNING}
-        # Ray 2.60's default; said aloud, a token-auth cluster at an address accepts us and Ray stops warning.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
         try:
             if address:
                 ray.init(address=address, **quiet)
@@ -137,7 +138,8 @@ class RaySession:
             where = f"the Ray cluster at RAY_ADDRESS={address!r}" if address else "a local Ray instance"
             raise WorkerStartError(
                 f"cluster='ray' could not connect to {where}: {type(exc).__name__}: {exc}. Is the cluster up "
-                "(`ray status`), and are Ray and Python the same versions here and there?"
+                "(`ray status`), are Ray and Python the same versions here and there, and, for a cluster "
+                "with token auth (Ray's default), is RAY_AUTH_MODE=token set before Ray is imported?"
             ) from exc
         self._ours = True
         return self
