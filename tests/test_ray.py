@@ -201,7 +201,9 @@ def test_a_run_resumes_after_its_ray_driver_is_killed(
 
 def test_cluster_and_its_devices_are_checked_before_anything_runs(qwen2_path: str) -> None:
     conv = debate(qwen2_path)
-    with pytest.raises(ConfigurationError, match=r"cluster must be None \(this machine\) or 'ray'.*'slurm'"):
+    with pytest.raises(
+        ConfigurationError, match=r"^rollout\(\): cluster must be None \(this machine\) or 'ray'"
+    ):
         conv.rollout(cluster="slurm")
     with pytest.raises(DeviceError, match=r"devices\[1\] is 'cuda:0'; with cluster='ray' each entry"):
         conv.rollout(cluster="ray", devices=["cpu", "cuda:0"])
