@@ -26,7 +26,9 @@ The blocked/unblocked notes travel as they do in-process: the parent's gateway t
 them to the job's device batcher in the worker. So a batcher counts a job waiting on a provider batch as
 blocked exactly while its row waits, in either placement.
 
-Both ends are our own code in processes we started, so unpickling what comes over the pair is trusted.
+A Ray actor (``_ray_worker``) carries the same messages, pickled the same way, over actor calls: both ends
+see a :class:`Channel`. Both ends are our own code in processes we started, so unpickling what comes over
+the pair (or the actor calls) is trusted.
 """
 
 from __future__ import annotations
