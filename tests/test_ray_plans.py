@@ -1,0 +1,43 @@
+"""Which Ray actors a run asks for (``ray_plans``), from ``devices`` and the cluster's resources: plain data,
+no Ray needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from interlens.scheduler import DeviceError, check_ray_devices
+from interlens.scheduler._ray_worker import ray_plans
+
+
+def test_by_default_one_gpu_actor_per_gpu_of_the_cluster_each_seeing_its_gpu_as_cuda_0() -> None:
+    plans = ray_plans(None, {"GPU": 16.0, "CPU": 128.0})
+    assert [p.worker.device for p in plans] == [f"ray/cuda:{i}" for i in range(16)]
+    assert {p.worker.inner for p in plans} == {"cuda:0"}
+    assert all(p.options == {"num_gpus": 1, "num_cpus": 1} for p in plans)
+
+
+def test_a_cluster_without_gpus_gets_one_cpu_actor_that_sees_no_gpu() -> None:
+    [plan] = ray_plans(None, {"CPU": 8.0})
+    assert (plan.worker.device, plan.worker.inner) == ("ray/cpu:0", "cpu")
+    assert plan.options == {"num_cpus": 1.0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
+
+
+def test_cpu_actors_share_the_cpus_left_beside_the_gpu_actors_so_every_actor_fits() -> None:
+    plans = ray_plans(["cuda", "cpu", "cpu", "cpu"], {"GPU": 1.0, "CPU": 3.0})
+    assert [p.worker.device for p in plans] == ["ray/cuda:0", "ray/cpu:1", "ray/cpu:2", "ray/cpu:3"]
+    assert [p.options["num_cpus"] for p in plans] == [1, 2 / 3, 2 / 3, 2 / 3]
+    assert sum(p.options["num_cpus"] for p in plans) <= 3
+
+
+def test_more_workers_than_the_cluster_can_hold_are_refused_with_the_counts() -> None:
+    with pytest.raises(DeviceError, match=r"asks for 3 GPU workers but the Ray cluster has 2 GPU\(s\)"):
+        ray_plans(["cuda"] * 3, {"GPU": 2.0, "CPU": 64.0})
+    with pytest.raises(DeviceError, match=r"has 1 CPU\(s\), none left for 1 CPU worker\(s\) beside 1 GPU"):
+        ray_plans(["cuda", "cpu"], {"GPU": 1.0, "CPU": 1.0})
+
+
+@pytest.mark.parametrize("devices", [["cuda:1"], ["cpu", ["cuda:0", "cuda:1"]], ["mps"], [], "cpu"])
+def test_ray_devices_are_cpu_or_cuda_entries_without_an_index(devices: object) -> None:
+    with pytest.raises(DeviceError, match="cluster='ray'"):
+        check_ray_devices(devices)  # type: ignore[arg-type]
+    assert check_ray_devices(["cuda", "cpu"]) == ["cuda", "cpu"] and check_ray_devices(None) is None
