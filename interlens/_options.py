@@ -10,7 +10,9 @@ one place for all four entry points.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,7 +149,15 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
 
 
 def _cluster(where: str, cluster: Any) -> str | None:
-    if cluster is None or (isinstance(cluster, str) and cluster in CLUSTERS):
+    if cluster is None:
+        return None
+    if isinstance(cluster, str) and cluster in CLUSTERS:
+        if not _installed(cluster):
+            raise ConfigurationError(
+                f"{where}: cluster={cluster!r} needs Ray, which is not installed here; install it with "
+                "`pip install 'interlens[ray]'` (the same Ray version as the cluster's), or leave "
+                "cluster=None to run on this machine"
+            )
         return cluster
     raise ConfigurationError(
         f"{where}: cluster must be None (this machine) or 'ray' (a Ray cluster: RAY_ADDRESS, else a private "
@@ -173,6 +183,13 @@ def check_n(caller: str, n: Any) -> int | None:
     if n is None:
         return None
     return check_int(n, what=f"{caller}(): n", low=0, fix="n is the number of rollouts, e.g. n=64")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (``import interlens`` stays cheap)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 import os
 import pickle
@@ -171,27 +172,35 @@ def launcher(plan: RayPlan, *, start_timeout: float) -> Launch:
     """The ``launch`` of a ``SubprocessWorker`` whose workers are Ray actors made from ``plan``."""
 
     async def launch(_: WorkerPlan) -> _ActorLink:
-        ray = _ray()
         actor = _actor_class().options(**plan.options).remote()
         try:
             with anyio.fail_after(start_timeout):  # an actor Ray cannot place waits forever
                 pid, node = await actor.open.remote()
-        except TimeoutError:
-            ray.kill(actor, no_restart=True)
+        except BaseException as exc:
+            _kill(actor)
+            if not isinstance(exc, Exception):  # cancelled: the run is stopping
+                raise
+            if not isinstance(exc, TimeoutError):
+                raise WorkerStartError(
+                    f"the Ray actor for {plan.worker.device!r} could not start: {type(exc).__name__}: {exc}"
+                ) from exc
             raise WorkerStartError(
                 f"the Ray actor for {plan.worker.device!r} was not started within {start_timeout:g} s "
                 f"(worker_start_timeout): the cluster may lack what it asks for ({plan.options}); "
                 "`ray status` shows what is free"
             ) from None
-        except Exception as exc:
-            ray.kill(actor, no_restart=True)
-            raise WorkerStartError(
-                f"the Ray actor for {plan.worker.device!r} could not start: {type(exc).__name__}: {exc}"
-            ) from exc
         name = f"the Ray actor for device {plan.worker.device!r} (pid {pid} on {node})"
         return _ActorLink(actor, pid, name)
 
     return launch
+
+
+def _kill(actor: Any) -> None:
+    """End the actor now (idempotent: a dead actor, or Ray already shut down, is left as it is)."""
+    try:
+        _ray().kill(actor, no_restart=True)
+    except Exception:
+        pass
 
 
 @functools.cache
@@ -235,7 +244,7 @@ class _ActorChannel:
 
     async def send_eof(self) -> None:
         """The parent is done with this worker: the actor is killed (its uplink then ends)."""
-        _ray().kill(self._actor, no_restart=True)
+        _kill(self._actor)
 
     async def aclose(self) -> None:
         ray = _ray()
@@ -243,7 +252,7 @@ class _ActorChannel:
             ray.cancel(self._uplink)
         except Exception:
             pass
-        ray.kill(self._actor, no_restart=True)
+        _kill(self._actor)
 
 
 class _ActorLink:
@@ -266,7 +275,7 @@ class _ActorLink:
         return self._name
 
     async def stop(self, *, grace: float) -> str:
-        _ray().kill(self._actor, no_restart=True)
+        _kill(self._actor)
         return f"Ray actor ended: {self._conn.ended or 'stopped'}"
 
 
@@ -355,12 +364,23 @@ def _here(preparation: Mapping[str, Any]) -> dict[str, Any]:
     On another node the parent's paths may not exist: its main script is imported only if it is here (else
     main-script hooks run by value), its working directory kept only if it exists, and ``sys.path`` keeps
     the parent's entries found here followed by this worker's own (Ray's ``runtime_env`` working_dir)."""
+    parent = [p for p in preparation.get("sys_path", []) if p == "" or os.path.exists(p)]
+    sys.path[:] = parent + [p for p in sys.path if p not in parent]  # before looking for the main module
     data = dict(preparation)
+    name = data.get("init_main_from_name")
+    if name is not None and not _importable(name):
+        del data["init_main_from_name"]
     main = data.get("init_main_from_path")
     if main is not None and not os.path.exists(main):
         del data["init_main_from_path"]
     if "dir" in data and not os.path.isdir(data["dir"]):
         del data["dir"]
-    parent = [p for p in data.get("sys_path", []) if p == "" or os.path.exists(p)]
-    data["sys_path"] = parent + [p for p in sys.path if p not in parent]
+    data["sys_path"] = list(sys.path)
     return data
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

@@ -1,10 +1,14 @@
-"""Which Ray actors a run asks for (``ray_plans``), from ``devices`` and the cluster's resources: plain data,
-no Ray needed."""
+"""Which Ray actors a run asks for (``ray_plans``), from ``devices`` and the cluster's resources, and the
+refusals before a run starts: plain data, no Ray needed."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
+from interlens import ConfigurationError, Conversation, ScriptedParticipant
 from interlens.scheduler import DeviceError, check_ray_devices
 from interlens.scheduler._ray_worker import ray_plans
 
@@ -41,3 +45,13 @@ def test_ray_devices_are_cpu_or_cuda_entries_without_an_index(devices: object) -
     with pytest.raises(DeviceError, match="cluster='ray'"):
         check_ray_devices(devices)  # type: ignore[arg-type]
     assert check_ray_devices(["cuda", "cpu"]) == ["cuda", "cpu"] and check_ray_devices(None) is None
+
+
+def test_cluster_ray_without_ray_installed_is_refused_in_the_call(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where it is not installed
+    conv = Conversation([ScriptedParticipant("s", ["hi"])])
+    with pytest.raises(ConfigurationError, match=r"^rollout\(\): cluster='ray' needs Ray.*interlens\[ray\]"):
+        conv.rollout(cluster="ray", out_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -29,9 +29,9 @@ def reply(view: object) -> str:
 
 
 def conversation(model: str, hold: str) -> Conversation:
-    """Three rows; row 2 holds while ``<hold>/hold`` exists."""
+    """Two rows; row 1 holds while ``<hold>/hold`` exists."""
     settings: dict[str, Any] = {"max_new_tokens": 6, "temperature": 0.9, "kv_reuse": False}
     a = AutoModelParticipant.from_pretrained(model, name="a", **settings)
     s = ScriptedParticipant("s", reply)
-    rows = [{"q": f"Debate {i}: tabs vs spaces.{_MARK + hold if i >= 2 else ''}"} for i in range(3)]
+    rows = [{"q": f"Debate {i}: tabs vs spaces.{_MARK + hold if i >= 1 else ''}"} for i in range(2)]
     return Conversation([a, s], shared_context=dataset_field("q")).turns(3).data(rows)
