@@ -29,6 +29,9 @@ from interlens import (
     DeviceError,
     RunReport,
     ScriptedParticipant,
+    _analyzers,
+    register_analyzer,
+    register_worker_init,
 )
 from interlens.store import LedgerReader
 from interlens.testing import FakeProviderServer
@@ -42,6 +45,20 @@ from interlens.scheduler._ray_worker import RaySession  # noqa: E402  (after the
 SCRIPTS = Path(__file__).parent / "scripts"
 KEY = "sk-test-ray-0123456789abcdef"  # in the environment when Ray starts, and the fake provider's key
 RUN = {"batched": False, "seed": 3, "progress": False}
+INIT_PIDS: list[int] = []  # filled by remember_actor, in whichever process runs it
+
+
+def remember_actor() -> None:
+    INIT_PIDS.append(os.getpid())
+
+
+def probe(conv: Conversation) -> dict[str, Any]:
+    """Registered by name; an actor runs it after its init hooks, with the actor's environment."""
+    keys = [name for name in os.environ if name.endswith("API_KEY")]
+    return {"pid": os.getpid(), "init": list(INIT_PIDS), "keys": keys}
+
+
+register_analyzer("ray_probe", probe)
 
 
 @pytest.fixture
@@ -101,12 +118,16 @@ def test_ray_gives_the_local_results_runs_closures_and_sends_api_turns_to_the_pa
     mixed = (
         Conversation([a, hosted], shared_context="Debate: tabs vs spaces.")
         .turns(2)
-        .analyzer(lambda conv: {"pid": os.getpid(), "keys": [k for k in os.environ if k.endswith("API_KEY")]})
+        .analyzer("ray_probe")
         .name("api")
     )
     assert KEY.encode() not in cloudpickle.dumps(mixed)  # what travels to an actor holds no key
 
-    report = interlens.run([closure, mixed], cluster="ray", devices=["cpu", "cpu"], **RUN)
+    register_worker_init(remember_actor)
+    try:
+        report = interlens.run([closure, mixed], cluster="ray", devices=["cpu", "cpu"], **RUN)
+    finally:
+        _analyzers._WORKER_INIT.remove(remember_actor)
 
     assert report.failed == []
     got = texts(report)
@@ -118,7 +139,9 @@ def test_ray_gives_the_local_results_runs_closures_and_sends_api_turns_to_the_pa
         if job_id.startswith("d/"):  # a CPU actor sees no GPU, whatever its node has
             assert res.analysis["label"] == "closure" and res.analysis["gpus"] == ""
     api = report.results["api"]
+    assert api.analysis["pid"] in pids and api.analysis["init"] == [api.analysis["pid"]]  # hook ran there
     assert api.analysis["keys"] == []  # the actor's environment holds no API key
+    assert INIT_PIDS == []  # the init hook ran in the actors only
     assert api.transcript is not None and api.transcript[2].author == "hosted"
     calls = [r for r in server.requests if r.path == "/v1/chat/completions"]
     assert len(calls) == 1 and calls[0].authenticated  # the parent's gateway sent it, with the key
