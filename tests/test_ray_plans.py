@@ -1,8 +1,10 @@
-"""Which Ray actors a run asks for (``ray_plans``), from ``devices`` and the cluster's resources, and the
-refusals before a run starts: plain data, no Ray needed."""
+"""``cluster="ray"`` without a Ray instance: which actors a run asks for (``ray_plans``, from ``devices`` and
+the cluster's resources), the refusals before a run starts, and the order of messages over the actor link
+(the actor class called as a plain object). The runs on a real local Ray are in test_ray.py."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -55,3 +57,24 @@ def test_cluster_ray_without_ray_installed_is_refused_in_the_call(
     with pytest.raises(ConfigurationError, match=r"^rollout\(\): cluster='ray' needs Ray.*interlens\[ray\]"):
         conv.rollout(cluster="ray", out_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+async def test_an_actor_delivers_the_parents_messages_in_sent_order_whatever_order_the_calls_start() -> None:
+    """Ray does not promise that an async actor starts calls in their sent order: ``down`` reorders."""
+    from interlens.scheduler._ray_worker import WorkerActor, _ActorEnd
+    from interlens.scheduler._wire import Cancel, Evict
+
+    actor = WorkerActor()
+    actor._end = end = _ActorEnd()
+    frames = [pickle.dumps(message) for message in (Cancel(0), Cancel(1), Evict(frozenset({"m"})), Cancel(3))]
+    await actor.down(2, [frames[3]])
+    await actor.down(1, [frames[1], frames[2]])
+    assert end.inbox.empty()  # nothing before call 0
+    await actor.down(0, [frames[0]])
+    got = [end.inbox.get_nowait() for _ in range(4)]
+    assert got == [Cancel(0), Cancel(1), Evict(frozenset({"m"})), Cancel(3)] and end.inbox.empty()
+
+    await end.send(Cancel(7), Cancel(8))  # the worker's messages go up in batches, in order
+    await end.send_eof()
+    batches = [batch async for batch in actor.uplink()]
+    assert [[pickle.loads(f) for f in batch] for batch in batches] == [[Cancel(7), Cancel(8)]]
