@@ -23,10 +23,10 @@ a poisoned actor exits may not arrive: its attempts are lost all the same.
 :class:`RaySession` connects: to an initialized Ray, else ``RAY_ADDRESS`` (with ``RAY_AUTH_MODE=token``
 unless set, when Ray is not imported yet: Ray reads it at import, and a 2.60 cluster wants a token), else a
 private local instance started without the credential-looking variables of this environment (its processes,
-actors included, never see an API key);
-it shuts Ray down only if it initialized it. :func:`ray_plans` turns ``devices`` into actors: one per GPU of
-the cluster by default (``num_gpus=1``: ``cuda:0`` inside), or ``"cpu"``/``"cuda"`` entries, CPU actors with
-``CUDA_VISIBLE_DEVICES=""``. ``ray`` is imported only here, only when asked for.
+actors included, never see an API key); it shuts Ray down only if it initialized it. :func:`ray_plans` turns
+``devices`` into actors: one per GPU of the cluster by default (``num_gpus=1``: ``cuda:0`` inside), or
+``"cpu"``/``"cuda"`` entries, CPU actors with ``CUDA_VISIBLE_DEVICES=""``. ``ray`` is imported only here,
+only when asked for.
 """
 
 from __future__ import annotations
