@@ -8,8 +8,9 @@ drives it with ``_subprocess.SubprocessWorker`` (handshake, calls, gate, burial 
 given :func:`launcher`'s ``launch``. The messages are ``_wire``'s, pickled exactly as on the pipe; a Ray
 call carries a list of them:
 
-    parent → actor   ``down(seq, frames)``   in order: the actor queues them by ``seq`` (Ray does not promise
-                                               that an async actor starts calls in the order they were sent)
+    parent → actor   ``down(seq, frames)``   the messages sent in one turn of the parent's loop (the answers
+                                               to a batch's turns), in order: the actor queues them by ``seq``
+                                               (Ray does not promise an async actor starts calls in order)
     actor → parent   ``uplink()``             one streaming generator per actor, each item the frames sent
                                                since the last one; the parent pulls (no actor lives in it)
 
@@ -217,14 +218,35 @@ class _ActorChannel:
         self._uplink = actor.uplink.options(num_returns="streaming").remote()
         self._received: deque[Message] = deque()
         self.ended: str | None = None  # why the uplink ended (the actor died, or was stopped)
+        self._batch: tuple[list[bytes], asyncio.Future[None]] | None = None  # frames for the next down call
 
     async def send(self, *messages: Message) -> None:
+        """Messages sent in one turn of the event loop (the answers to a batch's turns) share one call."""
         frames = [pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]  # may raise: none sent
-        ray = _ray()
+        if self._batch is None:
+            self._batch = ([], asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().call_soon(self._ship)
+        self._batch[0].extend(frames)
+        await asyncio.shield(self._batch[1])  # a cancelled sender leaves the call (and the others) be
+
+    def _ship(self) -> None:
+        assert self._batch is not None
+        (frames, done), self._batch = self._batch, None
+        ref = self._actor.down.remote(next(self._seq), frames)
+        asyncio.get_running_loop().create_task(self._shipped(ref, done))
+
+    @staticmethod
+    async def _shipped(ref: Any, done: asyncio.Future[None]) -> None:
         try:
-            await self._actor.down.remote(next(self._seq), frames)
-        except ray.exceptions.RayError as exc:
-            raise anyio.BrokenResourceError(f"the actor is gone: {type(exc).__name__}") from exc
+            await ref
+        except _ray().exceptions.RayError as exc:
+            done.set_exception(anyio.BrokenResourceError(f"the actor is gone: {type(exc).__name__}"))
+            done.exception()  # retrieved here: the senders may all have been cancelled meanwhile
+        except BaseException:
+            done.cancel()
+            raise
+        else:
+            done.set_result(None)
 
     async def recv(self) -> Message | None:
         ray = _ray()
