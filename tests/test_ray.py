@@ -29,6 +29,7 @@ from interlens import (
     DeviceError,
     RunReport,
     ScriptedParticipant,
+    WorkerStartError,
     _analyzers,
     register_analyzer,
     register_worker_init,
@@ -220,6 +221,14 @@ def test_a_run_resumes_after_its_ray_driver_is_killed(
         assert reader.counts()["done"] == 2
         attempts = {job_id: reader.job(job_id).attempts for job_id in reader.job_ids()}  # type: ignore[union-attr]
     assert attempts == {"row_00000": 1, "row_00001": 2}  # each done once
+
+
+def test_an_actor_that_does_not_start_in_time_ends_the_run_with_a_start_error(
+    ray_session: RaySession, qwen2_path: str
+) -> None:
+    with pytest.raises(WorkerStartError, match=r"Ray actor for .*'ray/cpu:0'.*worker_start_timeout"):
+        debate(qwen2_path).rollout(cluster="ray", devices=["cpu"], worker_start_timeout=0.001, progress=False)
+    assert ray.is_initialized()
 
 
 def test_cluster_and_its_devices_are_checked_before_anything_runs(qwen2_path: str) -> None:
