@@ -102,10 +102,9 @@ def ray_plans(devices: list[str] | None, resources: Mapping[str, float]) -> list
         name = f"ray/{kind}:{i}"
         if kind == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES to the one GPU it gives the actor
             plans.append(RayPlan(WorkerPlan(name, "cuda:0"), {"num_gpus": 1, "num_cpus": 1}))
-        else:  # num_gpus=0 would inherit the node's CUDA_VISIBLE_DEVICES
+        else:  # num_gpus=0 would inherit the node's CUDA_VISIBLE_DEVICES: the actor sets it (``open``)
             env = {"CUDA_VISIBLE_DEVICES": ""}
-            options = {"num_cpus": cpu_share, "runtime_env": {"env_vars": env}}
-            plans.append(RayPlan(WorkerPlan(name, "cpu", env), options))
+            plans.append(RayPlan(WorkerPlan(name, "cpu", env), {"num_cpus": cpu_share}))
     return plans
 
 
@@ -176,7 +175,7 @@ def launcher(plan: RayPlan, *, start_timeout: float) -> Launch:
         actor = _actor_class().options(**plan.options).remote()
         try:
             with anyio.fail_after(start_timeout):  # an actor Ray cannot place waits forever
-                pid, node = await actor.open.remote()
+                pid, node = await actor.open.remote(plan.worker.env)
         except BaseException as exc:
             _kill(actor)
             if not isinstance(exc, Exception):  # cancelled: the run is stopping
@@ -335,10 +334,15 @@ class WorkerActor:
         self._held: dict[int, list[bytes]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    async def open(self) -> tuple[int, str]:
-        """Start serving (the parent's ``Init`` comes next); return this process's pid and node address."""
+    async def open(self, env: Mapping[str, str]) -> tuple[int, str]:
+        """Set ``env``, start serving (the parent's ``Init`` comes next); return the pid and node address.
+
+        ``env`` is set here, before the worker imports anything, not as Ray's ``runtime_env``: an actor with
+        its own ``runtime_env`` cannot use the worker processes Ray keeps started, and starting one costs
+        about a second. CUDA reads ``CUDA_VISIBLE_DEVICES`` when it initializes, after this."""
         import ray
 
+        os.environ.update(env)
         self._end = _ActorEnd()
         self._task = asyncio.get_running_loop().create_task(self._serve(self._end))
         return os.getpid(), ray.util.get_node_ip_address()

@@ -25,7 +25,7 @@ def test_by_default_one_gpu_actor_per_gpu_of_the_cluster_each_seeing_its_gpu_as_
 def test_a_cluster_without_gpus_gets_one_cpu_actor_that_sees_no_gpu() -> None:
     [plan] = ray_plans(None, {"CPU": 8.0})
     assert (plan.worker.device, plan.worker.inner) == ("ray/cpu:0", "cpu")
-    assert plan.options == {"num_cpus": 1.0, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
+    assert plan.options == {"num_cpus": 1.0} and plan.worker.env == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_cpu_actors_share_the_cpus_left_beside_the_gpu_actors_so_every_actor_fits() -> None:
