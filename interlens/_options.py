@@ -10,12 +10,14 @@ one place for all four entry points.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
 from ._validate import check_bool, check_int, check_number, type_name
@@ -44,6 +46,7 @@ class RunOptions(TypedDict, total=False):
     max_batch_wait: float
     worker_start_timeout: float
     api_budget: APIBudget | None
+    cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
 
 
 #: Each option and its default, in the order the error for an unknown option lists them.
@@ -61,7 +64,11 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "max_batch_wait": 0.05,
     "worker_start_timeout": 300.0,
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
+    "cluster": None,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local instance)
 }
+
+#: The values ``cluster=`` accepts.
+CLUSTERS = (None, "ray")
 
 #: Options people reach for that do not exist, and what to write instead.
 _INSTEAD: Mapping[str, str] = {
@@ -87,6 +94,7 @@ class Options:
     progress: bool | None
     scheduler: dict[str, Any] = field(default_factory=dict)  # passed to run_jobs as they are
     api_budget: APIBudget | None = None
+    cluster: str | None = None
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -136,6 +144,24 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         ),
         scheduler=scheduler,
         api_budget=_api_budget(where, given["api_budget"]),
+        cluster=_cluster(where, given["cluster"]),
+    )
+
+
+def _cluster(where: str, cluster: Any) -> str | None:
+    if cluster is None:
+        return None
+    if isinstance(cluster, str) and cluster in CLUSTERS:
+        if not _installed(cluster):
+            raise ConfigurationError(
+                f"{where}: cluster={cluster!r} needs Ray, which is not installed here; install it with "
+                "`pip install 'interlens[ray]'` (the same Ray version as the cluster's), or leave "
+                "cluster=None to run on this machine"
+            )
+        return cluster
+    raise ConfigurationError(
+        f"{where}: cluster must be None (this machine) or 'ray' (a Ray cluster: RAY_ADDRESS, else a private "
+        f"local Ray instance; see docs/ray.md), got {cluster!r}"
     )
 
 
@@ -157,6 +183,13 @@ def check_n(caller: str, n: Any) -> int | None:
     if n is None:
         return None
     return check_int(n, what=f"{caller}(): n", low=0, fix="n is the number of rollouts, e.g. n=64")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (``import interlens`` stays cheap)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:

@@ -280,17 +280,23 @@ def _versions() -> dict[str, str]:
 
 async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: Options) -> RunReport:
     """Run the expanded lineups; every option was checked by ``parse_options`` in the user's call."""
-    from interlens.scheduler import available_devices, run_jobs, validate_devices
+    from interlens.scheduler import available_devices, check_ray_devices, run_jobs, validate_devices
 
     devices = options.devices
-    if devices is None:  # only local models need a device: don't import torch to run scripted or API jobs
-        local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
-        devices = available_devices() if local else ["cpu"]
-    try:
-        devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
-    except Exception as exc:
-        raise translate(exc) from None
-    if len(devices) > 1:  # local-model jobs run in worker processes
+    if options.cluster is not None:  # the cluster's devices: Ray reports them once it is joined
+        try:
+            devices = check_ray_devices(devices)
+        except Exception as exc:
+            raise translate(exc) from None
+    else:
+        if devices is None:  # only local models need a device: don't import torch for scripted or API jobs
+            local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
+            devices = available_devices() if local else ["cpu"]
+        try:
+            devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
+        except Exception as exc:
+            raise translate(exc) from None
+    if options.cluster is not None or len(devices or ()) > 1:  # local-model jobs run in other processes
         for conv, spec in lineups:
             if any(p.needs_device for p in conv.participants):
                 check_shippable(conv.analyzer_fn, lineup=spec.name)
@@ -313,6 +319,7 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
             versions=_versions(),
             worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
             spend_guard=spend,
+            cluster=options.cluster,
             **options.scheduler,
         )
     except Exception as exc:

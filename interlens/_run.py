@@ -84,7 +84,9 @@ def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) ->
     ``seed`` (0; per-job seeds are seed, seed+1, ...), ``resume`` (True; False moves an old ledger aside and
     starts fresh), ``batched`` (True) or ``mode`` (``ExecutionMode.BATCHED``; ``DETERMINISTIC`` is
     ``batched=False``), ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress``
-    (None: a bar when interactive), ``max_batch_wait`` (0.05 s), ``worker_start_timeout`` (300 s).
+    (None: a bar when interactive), ``max_batch_wait`` (0.05 s), ``worker_start_timeout`` (300 s),
+    ``api_budget`` (None), ``cluster`` (None: this machine; ``"ray"``: the device workers are Ray actors, one
+    per GPU of the cluster, or one per ``"cpu"``/``"cuda"`` entry of ``devices``; see docs/ray.md).
     Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
     how many failed and why the first did.
     """

@@ -1,7 +1,7 @@
 """The async rollout engine (installed as ``interlens.scheduler``). Never imports interlens' user modules."""
 
 from ._bridge import run_sync
-from ._devices import available_devices, validate_devices
+from ._devices import available_devices, check_ray_devices, validate_devices
 from ._errors import (
     BatchResultError,
     DeviceError,
@@ -75,6 +75,7 @@ __all__ = [
     "WorkerLostError",
     "WorkerStartError",
     "available_devices",
+    "check_ray_devices",
     "run_jobs",
     "run_sync",
     "validate_devices",

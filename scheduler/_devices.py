@@ -12,9 +12,10 @@ from typing import Any
 
 from ._errors import DeviceError
 
-__all__ = ["available_devices", "validate_devices"]
+__all__ = ["available_devices", "check_ray_devices", "validate_devices"]
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
+_RAY_KINDS = ("cpu", "cuda")
 
 
 def _torch() -> Any | None:
@@ -144,3 +145,28 @@ def _check_one(device: str, torch: Any | None) -> None:
         raise DeviceError(
             f"device {device!r} does not exist: {n} CUDA device(s) are visible (cuda:0..cuda:{n - 1}); {here}"
         )
+
+
+def check_ray_devices(devices: Sequence[Any] | None) -> list[str] | None:
+    """``devices`` for ``cluster="ray"``: None (every GPU of the cluster, else one CPU worker) or entries
+    ``"cpu"``/``"cuda"``, one actor each; Ray picks the GPUs, so an index or a group is refused."""
+    if devices is None:
+        return None
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise DeviceError(
+            f"devices must be None or a list such as ['cpu', 'cpu'] with cluster='ray', got {devices!r}"
+        )
+    out = []
+    for i, device in enumerate(devices):
+        name = str(device).strip() if type(device).__module__.split(".")[0] == "torch" else device
+        if name not in _RAY_KINDS:
+            raise DeviceError(
+                f"devices[{i}] is {device!r}; with cluster='ray' each entry is 'cpu' or 'cuda', one Ray "
+                "actor each (Ray chooses the GPU, so no index and no group): devices=['cuda'] * 4 for four "
+                "GPU workers, ['cpu', 'cpu'] for two CPU workers, or devices=None for one worker per GPU of "
+                "the cluster"
+            )
+        out.append(name)
+    if not out:
+        raise DeviceError("devices is empty; with cluster='ray' pass None or entries such as ['cpu', 'cpu']")
+    return out

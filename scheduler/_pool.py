@@ -5,7 +5,8 @@ single device keeps everything in this process (no pickling, no start-up cost); 
 worker process each (seeing only its own GPUs, with its share of the CPU cores: ``_placement``), started
 concurrently, so a run fails fast, before any job starts, when one of them
 cannot start. Init hooks run once per worker before its first job: in each worker process, or here once
-for an in-process run.
+for an in-process run. ``cluster="ray"``: the device workers are Ray actors (``_ray_worker``), however many,
+driven by the same ``SubprocessWorker``; the host worker stays here.
 
 A hook defined in the main script travels by NAME and is looked up in the worker's copy of the main module
 (each worker imports it, as spawn does), exactly as a registered analyzer is: sent by value (cloudpickle),
@@ -26,7 +27,7 @@ from typing import Any
 import anyio
 
 from ._errors import SchedulerConfigError, WorkerStartError
-from ._placement import plan_workers, set_worker_device
+from ._placement import WorkerPlan, plan_workers, set_worker_device
 from ._protocols import ExecutionMode
 from ._worker import CallGateway, InProcessWorker, Worker
 
@@ -39,7 +40,7 @@ WorkerInit = Callable[[], object]
 async def open_workers(
     stack: AsyncExitStack,
     *,
-    devices: Sequence[str],
+    devices: Sequence[str] | None,
     mode: ExecutionMode,
     max_batch_size: int,
     max_concurrency: int,
@@ -48,6 +49,7 @@ async def open_workers(
     start_timeout: float,
     call_gateway: CallGateway | None = None,
     on_poisoned: Callable[[str, BaseException], None] | None = None,
+    cluster: str | None = None,
 ) -> tuple[list[Worker], list[Worker]]:
     """Enter the device workers and the host worker into ``stack``; return (device workers, host workers).
 
@@ -62,16 +64,29 @@ async def open_workers(
         "call_gateway": call_gateway,
     }
     device_workers: list[Worker] = []
-    if len(devices) > 1:
-        from ._subprocess import SubprocessWorker
+    if cluster is not None or devices is None or len(devices) > 1:
+        from ._subprocess import Launch, SubprocessWorker
 
         hooks = _pickle_hooks(worker_init)
-        for plan in plan_workers(devices):
+        launches: list[tuple[WorkerPlan, Launch | None]]
+        if cluster == "ray":
+            from ._ray_worker import RaySession, launcher, ray_plans
+
+            session = stack.enter_context(RaySession())  # closed after the actors (the stack unwinds)
+            launches = [
+                (p.worker, launcher(p, start_timeout=start_timeout))
+                for p in ray_plans(None if devices is None else list(devices), session.resources())
+            ]
+        else:
+            assert devices is not None
+            launches = [(plan, None) for plan in plan_workers(devices)]
+        for plan, launch in launches:
             worker: Worker = SubprocessWorker(
                 plan,
                 capacity=max_batch_size,
                 hooks=hooks,
                 start_timeout=start_timeout,
+                launch=launch,
                 **settings,
             )
             device_workers.append(await stack.enter_async_context(worker))

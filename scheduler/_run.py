@@ -23,7 +23,7 @@ from anyio.abc import TaskGroup
 from interlens.store import RecordedJobs
 
 from ._checks import check_arguments, check_spec, needs_device
-from ._devices import validate_devices
+from ._devices import check_ray_devices, validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
 from ._eviction import EngineNeeds
 from ._memory import MemoryRecorder
@@ -82,7 +82,7 @@ class Recorder(Protocol):
 async def run_jobs(
     lineups: Sequence[LineupSpec],
     *,
-    devices: Sequence[str],
+    devices: Sequence[str] | None,
     out_dir: str | os.PathLike[str] | None,
     resume: bool = True,
     mode: ExecutionMode = ExecutionMode.BATCHED,
@@ -95,6 +95,7 @@ async def run_jobs(
     worker_init: Sequence[WorkerInit] = (),
     worker_start_timeout: float = 300.0,
     spend_guard: SpendGuard | None = None,
+    cluster: str | None = None,
 ) -> RunOutcome:
     """Run every job of ``lineups`` and return how each ended.
 
@@ -113,6 +114,8 @@ async def run_jobs(
     something the scheduler cannot see. ``spend_guard``: the run's API budget, asked by the gateway before
     each request or provider batch is sent; once it refuses one, no new job starts, a job whose request
     was refused goes back to pending (not failed), jobs in flight finish, and ``RunOutcome.stopped`` says why.
+    ``cluster``: None (this machine) or ``"ray"``: the device workers are Ray actors (``_ray_worker``), and
+    ``devices`` is None (one per GPU of the cluster, else one CPU worker) or ``"cpu"``/``"cuda"`` entries.
     Cancelling this coroutine stops within seconds and leaves the ledger consistent (the run is marked
     interrupted; running jobs are requeued by the next run).
     """
@@ -129,12 +132,21 @@ async def run_jobs(
     if not isinstance(worker_start_timeout, int | float) or not worker_start_timeout > 0:
         raise SchedulerConfigError(f"worker_start_timeout must be seconds > 0, got {worker_start_timeout!r}")
     refuse_while_bootstrapping()
-    devices = validate_devices(devices)
+    checked: list[str] | None
+    if cluster is None:
+        if devices is None:
+            raise SchedulerConfigError("devices must be a list of devices (None only with cluster='ray')")
+        checked = validate_devices(devices)
+    elif cluster == "ray":
+        checked = check_ray_devices(devices)
+    else:
+        raise SchedulerConfigError(f"cluster must be None (this machine) or 'ray', got {cluster!r}")
     recorder = await _open_recorder(lineups, out_dir=out_dir, resume=resume, versions=versions or {})
     run = _Run(
         lineups,
         recorder=recorder,
-        devices=devices,
+        devices=checked,
+        cluster=cluster,
         mode=mode,
         max_batch_size=max_batch_size,
         max_concurrency=max_concurrency,
@@ -188,7 +200,7 @@ class _Run:
         lineups: Sequence[LineupSpec],
         *,
         recorder: Recorder,
-        devices: list[str],
+        devices: list[str] | None,
         mode: ExecutionMode,
         max_batch_size: int,
         max_concurrency: int,
@@ -198,8 +210,10 @@ class _Run:
         worker_init: Sequence[WorkerInit] = (),
         worker_start_timeout: float = 300.0,
         spend_guard: SpendGuard | None = None,
+        cluster: str | None = None,
     ) -> None:
         self._lineups = lineups
+        self._cluster = cluster
         self._spend = spend_guard
         self._poisoned: str | None = None  # why the run stopped: a device in this process is poisoned
         self._left_pending = 0  # jobs whose API request the spend guard refused, back to pending
@@ -221,7 +235,7 @@ class _Run:
         self._buffer: deque[JobSpec] = deque()  # recorded as pending, not started yet
         # No more than the pools hold at once, so the specs held ahead of their start stay O(concurrency); as
         # many as that, so the runners of a full pool rarely find the buffer empty.
-        self._chunk = min(_ADD_CHUNK, max_concurrency + len(devices) * max_batch_size)
+        self._chunk = min(_ADD_CHUNK, max_concurrency + len(devices or "1") * max_batch_size)
         self._exhausted = False
         self._pools: tuple[list[Worker], list[Worker]] = ([], [])  # (device workers, host workers)
         self._skipped: dict[str, None] = {}  # ordered set
@@ -296,6 +310,7 @@ class _Run:
                     start_timeout=self._worker_start_timeout,
                     call_gateway=self._call_gateway,
                     on_poisoned=self._poison,
+                    cluster=self._cluster,
                 )
                 async with anyio.create_task_group() as tg:
                     self._tg = tg

@@ -12,6 +12,10 @@ that poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on t
 every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
 the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
 error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
+
+How a worker is started is one seam (``launch``: a plan in, a :class:`Link` out): a spawned process over a
+socket pair here, or a Ray actor (``_ray_worker``) carrying the same messages over actor calls. Everything
+else, the handshake, the calls, the gate and the burial of a dead worker, is this module's for both.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from itertools import count
 from multiprocessing import spawn
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import anyio
 from anyio.abc import Process, TaskGroup
@@ -42,6 +46,7 @@ from ._wire import (
     Answers,
     Call,
     Cancel,
+    Channel,
     Connection,
     Evict,
     Fatal,
@@ -57,15 +62,41 @@ from ._wire import (
 )
 from ._worker import CallGateway, RecordTurn
 
-__all__ = ["SubprocessWorker"]
+__all__ = ["Launch", "Link", "SubprocessWorker", "spawn_process"]
 
 _BOOT = "from interlens.scheduler._worker_process import main; main()"
 _REAP_S = 5.0  # how long a worker that was told to go (or lost its pipe) gets before SIGKILL
 _SEND_FAILED = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 
+class Link(Protocol):
+    """A started worker as its slot sees it: the channel to it, its name in messages, how to stop it."""
+
+    @property
+    def conn(self) -> Channel: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def name(self) -> str:
+        """How messages name it: "the worker process for device 'cpu' (pid 7)"."""
+        ...
+
+    async def stop(self, *, grace: float) -> str:
+        """Let it end within ``grace`` seconds (told to go, or gone), else kill it; say how it ended."""
+        ...
+
+
+#: Starts one worker of a plan: :func:`spawn_process` here, a Ray actor in ``_ray_worker``.
+Launch = Callable[[WorkerPlan], Awaitable[Link]]
+
+
 class SubprocessWorker:
-    """A placement slot on one device whose jobs run in a worker process, replaced when it dies."""
+    """A placement slot on one device whose jobs run in a worker process, replaced when it dies.
+
+    ``launch``: how a worker is started (default: a spawned process; ``_ray_worker``: a Ray actor).
+    """
 
     def __init__(
         self,
@@ -78,6 +109,7 @@ class SubprocessWorker:
         hooks: bytes,
         start_timeout: float,
         call_gateway: CallGateway | None = None,
+        launch: Launch | None = None,
     ) -> None:
         if isinstance(plan, str):
             plan = plan_workers([plan])[0]
@@ -95,6 +127,7 @@ class SubprocessWorker:
             threads=plan.threads,
         )
         self._call_gateway = call_gateway
+        self._launch: Launch = spawn_process if launch is None else launch
         self._start_timeout = start_timeout
         self._live = 0
         self._ids = count()
@@ -145,7 +178,7 @@ class SubprocessWorker:
                 with anyio.move_on_after(_REAP_S + 1):
                     await child.gone.wait()
                 if not child.gone.is_set():
-                    await _reap(child.process, grace=0)
+                    await child.link.stop(grace=0)
         self._tg.cancel_scope.cancel()  # the reader and call tasks: every one of them catches its own errors
         await self._tg.__aexit__(None, None, None)  # not ``exc``: anyio would wrap it in an ExceptionGroup
         return None
@@ -236,56 +269,40 @@ class SubprocessWorker:
 
     async def _spawn(self) -> _Child:
         assert self._tg is not None
-        ours, theirs = socket.socketpair()
+        link = await self._launch(self._plan)
+        self.pids.append(link.pid)
+        what, conn = link.name, link.conn
         try:
-            fd = theirs.fileno()
-            process = await anyio.open_process(
-                [sys.executable, "-c", _BOOT, str(fd)],
-                stdin=subprocess.DEVNULL,
-                stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
-                stderr=None,
-                pass_fds=(fd,),
-                env=self._plan.process_env(os.environ),  # its own GPU(s) only; its share of the cores
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.pids.append(process.pid)
-        what = f"the worker process for device {self._device!r} (pid {process.pid})"
-        try:
-            conn = await Connection.from_socket(ours)
             await conn.send(self._init(preparation=_preparation()))
             with anyio.fail_after(self._start_timeout):
                 message = await conn.recv()
         except TimeoutError:
-            await _reap(process, grace=0)
+            await link.stop(grace=0)
             raise WorkerStartError(
                 f"{what} did not report ready within {self._start_timeout:g} s (worker_start_timeout); its "
                 "output above may say why (a slow import or init hook?)"
             ) from None
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await _reap(process, grace=0)
+                await link.stop(grace=0)
             raise
         match message:
             case Ready():
                 pass
             case StartFailed(err):
-                await _reap(process, grace=_REAP_S)
+                await link.stop(grace=_REAP_S)
                 raise WorkerStartError(
                     f"{what} could not start: {err.type}: {err.message}\n\n"
                     f"Traceback in the worker:\n{err.traceback}"
                 )
             case None:
-                status = _describe(await _reap(process, grace=_REAP_S))
+                status = await link.stop(grace=_REAP_S)
                 raise WorkerStartError(f"{what} exited during start-up ({status}); its output above says why")
             case _:
-                await _reap(process, grace=0)
+                await link.stop(grace=0)
                 raise WorkerStartError(f"{what} sent {type(message).__name__} before it was ready")
-        child = _Child(process, conn, Answers(conn, self._tg))
-        self._tg.start_soon(self._read, child, name=f"interlens worker {process.pid} reader")
+        child = _Child(link, Answers(conn, self._tg))
+        self._tg.start_soon(self._read, child, name=f"interlens worker {link.pid} reader")
         return child
 
     async def _read(self, child: _Child) -> None:
@@ -357,11 +374,10 @@ class SubprocessWorker:
         for scope in child.scopes:  # its jobs' API calls: nobody is left to answer
             scope.cancel()
         await child.conn.aclose()  # EOF for a worker still alive (we were cancelled): it exits at once
-        status = _describe(await _reap(child.process, grace=_REAP_S if why is None else 0))
+        status = await child.link.stop(grace=_REAP_S if why is None else 0)
         lost = ErrorInfo(
             WorkerLostError.__name__,
-            f"the worker process for device {self._device!r} (pid {child.process.pid}) died while running "
-            f"this job ({why or child.fatal or status})",
+            f"{child.link.name} died while running this job ({why or child.fatal or status})",
             "",
         )
         for pending in child.attempts.values():
@@ -381,11 +397,11 @@ class _Attempt:
 
 
 class _Child:
-    """One live worker process and its pipe."""
+    """One live worker (a process, an actor) and its channel."""
 
-    def __init__(self, process: Process, conn: Connection, answers: Answers) -> None:
-        self.process = process
-        self.conn = conn
+    def __init__(self, link: Link, answers: Answers) -> None:
+        self.link = link
+        self.conn = link.conn
         self.answers = answers  # replies to its calls, after the Blocked/Unblocked notes of its API calls
         self.attempts: dict[int, _Attempt] = {}
         self.scopes: set[anyio.CancelScope] = set()  # its jobs' API calls being served in the parent
@@ -429,6 +445,53 @@ class _Gate:
             else:
                 self._shared -= 1
             self._changed.notify()
+
+
+class _ProcessLink:
+    """A spawned worker process and its end of the socket pair."""
+
+    def __init__(self, process: Process, conn: Connection, device: str) -> None:
+        self.process = process
+        self._conn = conn
+        self.name = f"the worker process for device {device!r} (pid {process.pid})"
+
+    @property
+    def conn(self) -> Connection:
+        return self._conn
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def stop(self, *, grace: float) -> str:
+        return _describe(await _reap(self.process, grace=grace))
+
+
+async def spawn_process(plan: WorkerPlan) -> _ProcessLink:
+    """Start ``python -c <boot> FD`` for ``plan``: a fresh interpreter on the other end of a socket pair."""
+    ours, theirs = socket.socketpair()
+    try:
+        fd = theirs.fileno()
+        process = await anyio.open_process(
+            [sys.executable, "-c", _BOOT, str(fd)],
+            stdin=subprocess.DEVNULL,
+            stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
+            stderr=None,
+            pass_fds=(fd,),
+            env=plan.process_env(os.environ),  # its own GPU(s) only; its share of the cores
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    try:
+        conn = await Connection.from_socket(ours)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _reap(process, grace=0)
+        raise
+    return _ProcessLink(process, conn, plan.device)
 
 
 def _preparation() -> dict[str, Any]:

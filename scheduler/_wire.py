@@ -26,7 +26,9 @@ The blocked/unblocked notes travel as they do in-process: the parent's gateway t
 them to the job's device batcher in the worker. So a batcher counts a job waiting on a provider batch as
 blocked exactly while its row waits, in either placement.
 
-Both ends are our own code in processes we started, so unpickling what comes over the pair is trusted.
+A Ray actor (``_ray_worker``) carries the same messages, pickled the same way, over actor calls: both ends
+see a :class:`Channel`. Both ends are our own code in processes we started, so unpickling what comes over
+the pair (or the actor calls) is trusted.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
@@ -56,6 +58,7 @@ __all__ = [
     "Call",
     "Calls",
     "Cancel",
+    "Channel",
     "Connection",
     "Evict",
     "Fatal",
@@ -216,6 +219,19 @@ Message = (
 _MESSAGES = (Init, Run, Cancel, Evict, Reply, Blocked, Unblocked, Ready, StartFailed, Fatal, Result, Call)
 
 
+class Channel(Protocol):
+    """What both ends need of a link: :class:`Connection` (a socket pair) or a Ray actor's (``_ray_worker``).
+
+    ``send`` raises ``anyio.BrokenResourceError`` (or OSError) once the other end is gone, or the pickling
+    error of a message that does not pickle (then nothing is sent); ``recv`` returns None once it is gone.
+    """
+
+    async def send(self, *messages: Message) -> None: ...
+    async def recv(self) -> Message | None: ...
+    async def send_eof(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
 class Connection:
     """One end of the pair. ``recv`` returns None once the other end is gone (closed, or its process died)."""
 
@@ -273,7 +289,7 @@ class _Pending:
 class Calls:
     """The worker's outgoing calls, awaiting their :class:`Reply` (answered in any order)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Channel) -> None:
         self._conn = conn
         self._ids = count()
         self._pending: dict[int, _Pending] = {}
@@ -326,7 +342,7 @@ class Answers:
     before the first of their jobs resumes (and could make its batcher leave without the others).
     """
 
-    def __init__(self, conn: Connection, task_group: TaskGroup) -> None:
+    def __init__(self, conn: Channel, task_group: TaskGroup) -> None:
         self._conn = conn
         self._tg = task_group
         self._queue: list[Blocked | Unblocked] = []

@@ -36,6 +36,7 @@ from ._wire import (
     Blocked,
     Calls,
     Cancel,
+    Channel,
     Connection,
     Evict,
     Fatal,
@@ -52,7 +53,7 @@ from ._wire import (
 from ._worker import InProcessWorker
 from .gateway import Blocker
 
-__all__ = ["bootstrapping", "main"]
+__all__ = ["bootstrapping", "main", "serve"]
 
 _bootstrapping = False
 _WATCHDOG_S = 0.5
@@ -95,7 +96,14 @@ def _watch_parent(parent: int) -> None:
 
 
 async def _serve(sock: socket.socket) -> int:
-    conn = await Connection.from_socket(sock)
+    return await serve(await Connection.from_socket(sock))
+
+
+async def serve(conn: Channel) -> int:
+    """Serve the parent at the other end of ``conn``: an :class:`Init` first, then jobs until it goes.
+
+    The whole worker end, whatever carries the messages: the socket pair here, a Ray actor's queues there
+    (``_ray_worker``), so an actor hosts exactly what a worker process hosts."""
     init = await conn.recv()
     if not isinstance(init, Init):
         return 1
@@ -131,7 +139,7 @@ def _prepare(init: Init) -> None:
 
 
 class _Server:
-    def __init__(self, conn: Connection, init: Init) -> None:
+    def __init__(self, conn: Channel, init: Init) -> None:
         self._conn = conn
         self._calls = Calls(conn)
         self._init = init

@@ -49,6 +49,11 @@ class SecretGuard:
     def __bool__(self) -> bool:
         return bool(self._secrets)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The credential-looking variables' names (e.g. to keep them out of a process's environment)."""
+        return tuple(name for name, _ in self._secrets)
+
     def check(self, payload: str, *, what: str) -> None:
         """Raise StoreError naming the variable (never the value) if ``payload`` contains a secret."""
         for name, value in self._secrets:

@@ -38,7 +38,7 @@ def test_import_interlens_is_cheap():
     code = (
         "import sys, interlens; "
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'openai', 'anthropic', 'httpx2', "
-        "'jinja2') if m in sys.modules]; print(','.join(heavy))"
+        "'jinja2', 'ray') if m in sys.modules]; print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import interlens imported {out.stdout.strip()}"
