@@ -7,8 +7,8 @@ A two-speaker debate on the bench-size random-weight Qwen2 (the model of ``bench
 tokens a turn at T = 0.9, rolled out ``--rollouts`` times, three ways, interleaved with a rotating start after
 one warm-up of each:
 
-1. ``reuse``: ``conv.rollout`` with the default ``kv_reuse=True`` (each speaker's kept KV cache, longest common
-   prefix reused, suffixes prefilled in the co-stepped batch);
+1. ``reuse``: ``conv.rollout`` with the default ``kv_reuse=True`` (each speaker's kept KV cache, longest
+   common prefix reused, suffixes prefilled in the co-stepped batch);
 2. ``no reuse``: the same rollout with ``kv_reuse=False`` (every round re-prefills every row's history);
 3. ``generate``: raw HF ``model.generate`` on the same rounds (the prompts the rollout rendered, re-rendered
    and re-tokenized each round, one left-padded batch per round, every row re-prefilled): the re-prefilling
@@ -158,7 +158,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = tiny_model("qwen2", size="bench")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {args.repeats} (min-max)")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads; medians of {args.repeats} (min-max)")
     for turns in args.turns:
         measure(path, args, turns)
 
