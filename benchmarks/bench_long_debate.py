@@ -1,7 +1,7 @@
 """Long debates: cross-turn KV reuse in co-stepped batches vs re-prefilling every round (issue #14).
 
     python benchmarks/bench_long_debate.py [--rollouts 16] [--turns 8 12] [--new-tokens 32] [--repeats 3]
-                                           [--threads N] [--dtype bfloat16]
+                                           [--threads N] [--dtype bfloat16] [--mixed]
 
 A two-speaker debate on the bench-size random-weight Qwen2 (the model of ``bench_deterministic.py``), 32
 tokens a turn at T = 0.9, rolled out ``--rollouts`` times, three ways, interleaved with a rotating start after
@@ -18,7 +18,8 @@ one warm-up of each:
 Prints generated tok/s per variant (median, min-max), the per-repeat ratios reuse / generate (goal >= 1.3x on
 8 turns) and reuse / no reuse, the share of prompt tokens reused, and the command line. The original threaded
 runner of issue 14's 12-turn goal is not on this machine; the 12-turn run is reported against the same two
-re-prefilling references.
+re-prefilling references. ``--mixed`` also times one engine turn whose rows half lost their kept caches, the
+rows without one prefilled apart vs joining the layout vs no reuse.
 """
 
 from __future__ import annotations
@@ -142,6 +143,56 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
     print(f"  prompt tokens reused (reuse runs): {spread([100 * s for s in shares], '.1f')} %")
 
 
+def mixed_batch(path: str, args: argparse.Namespace) -> None:
+    """One turn of 16 rows where half the streams lost their kept caches (evicted, or new jobs that start
+    with a long prompt): those rows prefilled apart and laid in next to the reusing rows ("split", the
+    default), joining the reusing rows' layout with a hole ("join"), or no reuse at all ("full")."""
+    from interlens._generation import GenerationRequest
+    from interlens._model_cache import load_engine
+
+    engine = load_engine(path, dtype=args.dtype)
+    words = engine.tokenizer(
+        " ".join(f"point{i % 50}" for i in range(600)), add_special_tokens=False
+    ).input_ids
+    prompts = [tuple(words[i : i + 300 + 8 * i]) for i in range(16)]
+    keys = [f"mixed{i}" for i in range(16)]
+
+    def turn(batch: list[tuple[int, ...]]) -> list[Any]:
+        requests = [
+            GenerationRequest(
+                prompt_ids=p, max_new_tokens=args.new_tokens, temperature=0.9, seed=i, reuse_key=k
+            )
+            for i, (p, k) in enumerate(zip(batch, keys, strict=True))
+        ]
+        return engine.generate_batch(requests)
+
+    def once(mode: str) -> float:
+        engine.clear_reuse()
+        first = turn(prompts)
+        later = [(*p, *r.token_ids, *words[:40]) for p, r in zip(prompts, first, strict=True)]
+        for key in keys[8:] if mode != "full" else keys:
+            engine.release(key)
+        engine._split_fresh_rows = mode != "join"
+        start = time.perf_counter()
+        results = turn(later)
+        seconds = time.perf_counter() - start
+        engine._split_fresh_rows = True
+        assert sum(r.kv_reused_tokens > 0 for r in results) == (8 if mode != "full" else 0)
+        return seconds
+
+    modes = ["split", "join", "full"]
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in modes:
+        once(mode)  # warm-up
+    for repeat in range(args.repeats):
+        for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
+            times[mode].append(once(mode))
+    engine.clear_reuse()
+    print(f"mixed batch: 16 rows (prompts 300-420 + {args.new_tokens} + 40 tokens), 8 with kept caches:")
+    for mode in modes:
+        print(f"  {mode:>5}: {spread(times[mode], '.3f')} s for the turn")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=16)
@@ -150,6 +201,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--mixed", action="store_true", help="also time a turn whose rows half lost their caches"
+    )
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
@@ -162,6 +216,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {threads} threads; medians of {args.repeats} (min-max)")
     for turns in args.turns:
         measure(path, args, turns)
+    if args.mixed:
+        mixed_batch(path, args)
 
 
 if __name__ == "__main__":

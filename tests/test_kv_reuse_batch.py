@@ -70,10 +70,17 @@ def _next_prompts(engine: LocalEngine, prompts, results) -> list[tuple[int, ...]
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
+@pytest.mark.parametrize(
+    ("family", "split"), [("qwen2", True), ("qwen2", False), ("llama", True), ("gemma2", True)]
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_co_stepped_batch_reusing_kept_caches_equals_a_full_re_prefill(family: str, temperature: float):
+def test_a_co_stepped_batch_reusing_kept_caches_equals_a_full_re_prefill(
+    family: str, split: bool, temperature: float
+):
+    """``split``: the row without a stream (longer than the others' suffixes) is prefilled apart and laid in
+    (the default), or joins the layout with a hole where a kept prefix would be."""
     reusing, full = _engine(family), _engine(family, kv_reuse_capacity=0)
+    reusing._split_fresh_rows = split
     keys = ["s0", "s1", "s2", None, "s4"]  # a row with no stream co-steps with them
     prompts = [_prompt(reusing, _TOPICS[i % 4] + " " * i) for i in range(5)]
     first = _ok(reusing.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
