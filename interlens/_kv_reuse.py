@@ -36,11 +36,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from interlens._decode import Row, raise_if_cancelled, stop_window
+from interlens._decode import Row, left_pad, raise_if_cancelled, stop_window
 from interlens._generation_types import GenerationRequest, GenerationResult
-from interlens._prefill import BatchPrefill
+from interlens._prefill import BatchPrefill, plain_static
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KVReuse", "Kept", "common_prefix", "default_kv_budget"]
 
@@ -67,6 +70,9 @@ class KVReuse(BatchPrefill):
     _kept_bytes: int
     _budget_bytes: int | None
     _plain_kv: bool | None
+    #: Rows without a kept prefix, longer than the suffixes, prefilled apart (True) or joining the layout
+    #: with a hole (False): the benchmark (``bench_long_debate.py --mixed``) compares the two.
+    _split_fresh_rows = True
 
     # ------------------------------------------------------------------ the table
 
@@ -157,35 +163,98 @@ class KVReuse(BatchPrefill):
         cancelled: threading.Event | None,
         collector: _Collector,
     ) -> list[Row]:
-        """Lay kept prefixes and new suffixes into one batch cache, prefill the suffixes, decode together."""
+        """Lay kept prefixes and new suffixes into one batch cache, prefill the suffixes, decode together.
+
+        A row without a kept prefix that is no longer than the suffixes joins them (a hole where a kept
+        prefix would be). A longer one would widen every row's suffix to its length, costing more prefill
+        than the kept prefixes save, so with a static cache such rows are prefilled apart, left-padded at
+        their own width as a plain batch would, and their KV copied into the batch cache next to the others.
+        """
         import torch
 
         device = self.device
         batch = len(requests)
         prompts = [r.prompt_ids for r in requests]
-        held = max(reused)  # U: the kept region's width
+        kept = [i for i in range(batch) if reused[i]]
+        fresh = [i for i in range(batch) if not reused[i]]
         suffixes = [p[n:] for p, n in zip(prompts, reused, strict=True)]
-        width = max(len(s) for s in suffixes)  # S: the suffix region's width
+        width = max(len(suffixes[i]) for i in kept)  # S: the suffix region's width
+        fresh_width = max((len(prompts[i]) for i in fresh), default=0)
+        split = self._split_fresh_rows and fresh_width > width and self._batch_cache == "static"
+        if split:
+            end = max(max(reused) + width, fresh_width)
+        else:
+            width = max(width, fresh_width)
+            end = max(reused) + width
+        held = end - width  # U: the kept region's width (at least the longest kept prefix)
         max_new = max(r.max_new_tokens for r in requests)
-        cache, static = self._new_batch_cache(held + width + max_new)
-        kept_rows = [i for i in range(batch) if reused[i]]
+        cache, static = self._new_batch_cache(end + max_new)
+        if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
+            self._batch_cache = "dynamic"
+            return self._decode_laid_out(requests, entries, reused, cancelled, collector)
+        together = kept if split else list(range(batch))
+        mask = [[0] * (end - len(p)) + [1] * len(p) for p in prompts]  # fresh rows, split: left-padded
+        for i in together:
+            n, s = reused[i], suffixes[i]
+            mask[i] = [0] * (held - n) + [1] * n + [0] * (width - len(s)) + [1] * len(s)
+            collector.prompt_slots[i] = list(range(held - n, held)) + list(range(end - len(s), end))
+        for i in fresh if split else []:
+            collector.prompt_slots[i] = list(range(end - len(prompts[i]), end))
+        if split:
+            from transformers import StaticCache
+
+            part: Any = StaticCache(config=self.model.config, max_cache_len=end)
+            kept_logits = self._prefill_kept(kept, part, entries, reused, suffixes, mask, held, width)
+            raise_if_cancelled(cancelled)
+            ids, fresh_mask = left_pad([prompts[i] for i in fresh], fresh_width, self._pad_id)
+            small: Any = StaticCache(config=self.model.config, max_cache_len=fresh_width)
+            fresh_logits = self._forward(ids, fresh_mask, small, device)
+            logits = kept_logits.new_empty((batch, kept_logits.shape[-1]))
+            logits[torch.tensor(kept, device=device)] = kept_logits
+            logits[torch.tensor(fresh, device=device)] = fresh_logits
+            _lay_into(cache, [(kept, part, 0), (fresh, small, end - fresh_width)], batch, end)
+            del part, small, kept_logits, fresh_logits
+        else:
+            logits = self._prefill_kept(together, cache, entries, reused, suffixes, mask, held, width)
+        mask_t = torch.tensor(mask, dtype=torch.long, device=device)
+        full = torch.cat([mask_t, torch.ones(batch, max_new, dtype=torch.long, device=device)], dim=1)
+        attn = None if bool(full.all()) else full
+        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        collector.index = {id(row): i for i, row in enumerate(rows)}
+        next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        self._decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
+        return rows
+
+    def _prefill_kept(
+        self,
+        rows: list[int],
+        cache: Any,
+        entries: list[Kept | None],
+        reused: list[int],
+        suffixes: Sequence[Sequence[int]],
+        mask: list[list[int]],
+        held: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Write ``rows``' kept prefixes into ``cache`` (slots ``[U - n, U)``), then prefill their suffixes
+        (slots ``[U + S - len, U + S)``); returns the last position's logits, one row per row."""
+        import torch
+
+        device = self.device
+        donor = next(i for i in rows if reused[i])
         for index, layer in enumerate(cache.layers):
-            ref_k, ref_v = entries[kept_rows[0]].kv[index]  # type: ignore[union-attr]
-            keys = ref_k.new_zeros((batch, ref_k.shape[0], held, ref_k.shape[2]))
-            values = ref_v.new_zeros((batch, ref_v.shape[0], held, ref_v.shape[2]))
-            for i in kept_rows:
-                k, v = entries[i].kv[index]  # type: ignore[union-attr]
-                keys[i, :, held - reused[i] :] = k[:, : reused[i]]
-                values[i, :, held - reused[i] :] = v[:, : reused[i]]
+            ref_k, ref_v = entries[donor].kv[index]  # type: ignore[union-attr]
+            keys = ref_k.new_zeros((len(rows), ref_k.shape[0], held, ref_k.shape[2]))
+            values = ref_v.new_zeros((len(rows), ref_v.shape[0], held, ref_v.shape[2]))
+            for at, i in enumerate(rows):
+                if reused[i]:
+                    k, v = entries[i].kv[index]  # type: ignore[union-attr]
+                    keys[at, :, held - reused[i] :] = k[:, : reused[i]]
+                    values[at, :, held - reused[i] :] = v[:, : reused[i]]
             layer.update(keys, values)  # static: written at slots [0, U); dynamic: the first U slots
             del keys, values
-        raise_if_cancelled(cancelled)
-        ids = [[self._pad_id] * (width - len(s)) + list(s) for s in suffixes]
-        mask = [
-            [0] * (held - n) + [1] * n + [0] * (width - len(s)) + [1] * len(s)
-            for n, s in zip(reused, suffixes, strict=True)
-        ]
-        mask_t = torch.tensor(mask, dtype=torch.long, device=device)
+        ids = [[self._pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
+        mask_t = torch.tensor([mask[i] for i in rows], dtype=torch.long, device=device)
         positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, held:]
         out = self.model(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -195,26 +264,7 @@ class KVReuse(BatchPrefill):
             use_cache=True,
             logits_to_keep=1,
         )
-        full = torch.cat([mask_t, torch.ones(batch, max_new, dtype=torch.long, device=device)], dim=1)
-        attn = None if bool(full.all()) else full
-        for i in range(batch):  # where each row's prompt lies in the batch cache
-            kept = list(range(held - reused[i], held))
-            collector.prompt_slots[i] = kept + list(range(held + width - len(suffixes[i]), held + width))
-        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
-        collector.index = {id(row): i for i, row in enumerate(rows)}
-        next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-        self._decode(
-            rows,
-            out.logits[:, -1, :],
-            cache,
-            next_pos,
-            attn,
-            held + width,
-            cancelled,
-            static=static,
-            on_leave=collector,
-        )
-        return rows
+        return out.logits[:, -1, :]
 
     def _generate_single_dynamic(
         self, request: GenerationRequest, cancelled: threading.Event | None
@@ -302,6 +352,26 @@ class _Collector:
             ]
             nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
             self._keep(key, Kept(prompt + row.tokens[:-1], kv, nbytes))
+
+
+def _lay_into(cache: Any, parts: list[tuple[list[int], Any, int]], batch: int, end: int) -> None:
+    """Copy each part's KV (rows ``index`` of the batch, from slot ``offset``) into a plain static batch
+    cache, which then holds ``end`` slots."""
+    import torch
+
+    for at, layer in enumerate(cache.layers):
+        for index, small, offset in parts:
+            src = small.layers[at]
+            if not layer.is_initialized:
+                layer.lazy_initialization(
+                    src.keys.new_empty((batch, src.keys.shape[1], 1, src.keys.shape[3])),
+                    src.values.new_empty((batch, src.values.shape[1], 1, src.values.shape[3])),
+                )
+            rows = torch.tensor(index, dtype=torch.long, device=src.keys.device)
+            width = src.keys.shape[2]
+            layer.keys[rows, :, offset : offset + width] = src.keys
+            layer.values[rows, :, offset : offset + width] = src.values
+        layer.cumulative_length.fill_(end)
 
 
 def _usable(entry: Kept | None, prompt: Sequence[int]) -> int:
