@@ -12,10 +12,12 @@ Co-stepped batches (the normal batched rollout) reuse too, rows with different k
 transformers keeps one length per cache, so the batch is laid out per row as
 ``[hole | kept prefix] [hole | new suffix] [generated ...]``: kept prefixes left-padded to the longest, ``U``,
 suffixes left-padded after them, holes masked in the 2-D attention mask, positions from the mask's cumsum
-(omitting them is silently wrong). A row without a usable kept cache joins the same batch with a ``U``-long
-hole and its whole prompt as the suffix (one decode loop for everyone; in a debate the rows of one speaker
-have kept caches together, so this is the rare case). A batch where nothing is reused takes the plain path
-(``_prefill``: static cache, shared and grouped prefill) and only copies each row's KV out as it leaves.
+(omitting them is silently wrong). A row without a usable kept cache (a new job, an evicted stream) joins
+the same decode loop: if its prompt fits in the suffix region it is a suffix after a ``U``-long hole;
+if longer, it is prefilled apart at its own width and its KV copied in next to the others, since widening
+every row's suffix to it would cost more prefill than the kept prefixes save (measured:
+``bench_long_debate.py --mixed``). A batch where nothing is reused takes the plain path (``_prefill``: static
+cache, shared and grouped prefill) and only copies each row's KV out as it leaves.
 
 Kept KV is copied out of the batch cache per row (its real slots only, gathered), so a stream's memory is its
 own tokens. The table is an LRU bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes (by
