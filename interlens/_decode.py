@@ -29,7 +29,7 @@ from interlens._sampling import Sampler, eos_ids, pad_id
 from interlens.scheduler import BatchCancelled
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -125,9 +125,15 @@ class ModelRunner:
         cancelled: threading.Event | None,
         *,
         static: bool,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
     ) -> None:
         """Sample until every row is finished, dropping finished rows from the batch (in bunches: see
         ``_COMPACT_SHARE``).
+
+        ``on_leave(indices, rows, cache, gen_start)`` is told about rows as they leave the batch (dropped
+        when finished, or at the end): their indices in the batch as it is then, the rows, the cache and the
+        KV slot where the first generated token was written, so the caller can copy a row's KV out before
+        it is gone (``_kv_reuse`` keeps it for the stream's next turn).
 
         ``positions`` holds each active row's position of the NEXT token to feed; ``attn`` is the full-length
         2-D mask (None when no row is padded); ``kv_len`` the KV length already in the cache. Each row's last
@@ -136,6 +142,7 @@ class ModelRunner:
         import torch
 
         eos = self._eos_ids
+        gen_start = kv_len
         active = list(rows)
         sampler = Sampler([r.request for r in active], self.device)
         dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
@@ -162,10 +169,15 @@ class ModelRunner:
                 if row.finish is not None:
                     dead += 1
             if dead == len(active):
+                if on_leave is not None:
+                    on_leave(list(range(len(active))), active, cache, gen_start)
                 return
             raise_if_cancelled(cancelled)
             if dead and dead * _COMPACT_SHARE >= len(active):
                 keep = [j for j, row in enumerate(active) if not row.done]
+                if on_leave is not None:
+                    gone = [j for j, row in enumerate(active) if row.done]
+                    on_leave(gone, [active[j] for j in gone], cache, gen_start)
                 keep_t = torch.tensor(keep, dtype=torch.long, device=chosen.device)
                 cache.reorder_cache(keep_t)  # index_select on the batch dim, for static and dynamic layers
                 chosen = chosen.index_select(0, keep_t)
@@ -217,7 +229,7 @@ class ModelRunner:
             seconds=seconds,
             batch_size=batch_size,
             shared_prefill=shared,
-            reused_prefix_tokens=reused,
+            kv_reused_tokens=reused,
         )
 
 

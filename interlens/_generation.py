@@ -11,9 +11,9 @@ split by seam:
   strings);
 * ``_prefill``: one left-padded batch from scratch (static cache, shared prefill of identical prompts,
   length-grouped prefill);
-* ``_kv_reuse``: a single row on its reuse stream keeps its KV cache for that stream's next turn, which then
-  only prefills what is new (a conversation's prompt grows turn by turn by a suffix); not in deterministic
-  mode;
+* ``_kv_reuse``: a row on a reuse stream keeps its KV cache for that stream's next turn, which then
+  prefills only what is past the longest common prefix, co-stepped with the batch's other rows (kept caches
+  bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes); not in deterministic mode;
 * ``_interp_rows`` (with ``_hooks``): a row with ``capture``/``steering`` runs alone with forward hooks on
   its decoder layers, and :meth:`LocalEngine.score` gives teacher-forced log-probabilities.
 
@@ -65,16 +65,25 @@ class LocalEngine(InterpRows, KVReuse):
         tokenizer: Any,
         *,
         device: str,
-        kv_reuse_capacity: int = 4,
+        kv_reuse_capacity: int = 1024,
+        kv_reuse_budget: int | None = None,
         shared_prefill: bool = True,
     ) -> None:
-        if kv_reuse_capacity < 0:
-            raise ConfigurationError(f"LocalEngine(kv_reuse_capacity={kv_reuse_capacity}): must be >= 0.")
+        """``kv_reuse_capacity``: most streams whose KV cache is kept between turns (0: no reuse);
+        ``kv_reuse_budget``: most bytes those kept caches may hold on this device (None: a quarter of the
+        free memory, measured on first use; 0: no reuse). Over either, the least recently used go."""
+        _check_limit("kv_reuse_capacity", kv_reuse_capacity, "a number of streams such as 1024")
+        if kv_reuse_budget is not None:
+            _check_limit("kv_reuse_budget", kv_reuse_budget, "bytes such as 2 << 30, or None for the default")
         super().__init__(model, tokenizer, device=device)
         self.kv_reuse_capacity = kv_reuse_capacity
+        self.kv_reuse_budget = kv_reuse_budget
         self.shared_prefill = shared_prefill
         self._lock = threading.Lock()
         self._reuse = OrderedDict()
+        self._kept_bytes = 0
+        self._budget_bytes = None
+        self._plain_kv = None
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
         #: ``interlens._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
         self.placement: dict[str, Any] = {}
@@ -141,7 +150,7 @@ class LocalEngine(InterpRows, KVReuse):
                 out[i] = problem
         deterministic = mode is ExecutionMode.DETERMINISTIC
         plain = [i for i in valid if not requests[i].interp]
-        reuse = self.kv_reuse_capacity > 0 and not deterministic
+        reuse = self.kv_reuse_capacity > 0 and self.kv_reuse_budget != 0 and not deterministic
         with self._lock, torch.inference_mode():
             # the self-test runs only when its verdict matters: two or more rows that could co-step
             alone = deterministic and len(plain) > 1 and not self._invariant()
@@ -151,8 +160,8 @@ class LocalEngine(InterpRows, KVReuse):
                 batch = [requests[i] for i in group]
                 if batch[0].interp:
                     results = [self._generate_interp(batch[0], cancelled)]
-                elif reuse and len(batch) == 1 and batch[0].reuse_key is not None:
-                    results = [self._generate_reusing(batch[0], cancelled)]
+                elif reuse and any(r.reuse_key is not None for r in batch):
+                    results = self._generate_reuse_rows(batch, cancelled)
                 else:
                     results = self._generate_rows(batch, cancelled, plain=deterministic)
                 for i, result in zip(group, results, strict=True):
@@ -211,19 +220,21 @@ class LocalEngine(InterpRows, KVReuse):
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
         with self._lock:
-            self._reuse.pop(reuse_key, None)
+            self._drop_kept(reuse_key)
 
     def clear_reuse(self) -> None:
         """Free every kept KV cache."""
         with self._lock:
-            self._reuse.clear()
+            self._drop_kept()
 
     def release_memory(self) -> None:
-        """Before an out-of-memory retry: collect garbage cycles, return CUDA's cached blocks."""
+        """Before an out-of-memory retry: drop the kept KV caches (their streams prefill in full next
+        time), collect garbage cycles, return CUDA's cached blocks."""
         import gc
 
         import torch
 
+        self.clear_reuse()
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             with torch.cuda.device(self.device):
@@ -253,6 +264,13 @@ class LocalEngine(InterpRows, KVReuse):
                 f"{self._vocab_size}); tokenize the prompt and continuation with this model's own tokenizer."
             )
         return self._check_interp(request.capture, request.steering)
+
+
+def _check_limit(name: str, value: object, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"LocalEngine({name}={value!r}): must be an int >= 0; pass {example} (0 turns KV reuse off)."
+        )
 
 
 def token_budget_estimate(config: Any, *, free_bytes: int, dtype_bytes: int, headroom: float = 0.7) -> int:

@@ -106,7 +106,7 @@ class GenerationResult:
     seconds: float  # wall time of the batched call this row was part of
     batch_size: int  # rows in that batched call
     shared_prefill: bool  # the prompt was prefilled once for several identical rows
-    reused_prefix_tokens: int  # prompt tokens whose KV came from this stream's previous turn (0 if none)
+    kv_reused_tokens: int  # prompt tokens whose KV came from this stream's previous turn (0 if none)
     captured: Captured | None = None  # the row's activations, when its request asked for a capture
     # the engine's batch-invariance self-test verdict (None: not run, i.e. no deterministic batch yet)
     batch_invariant: bool | None = None

@@ -26,6 +26,8 @@ from interlens._decode import ModelRunner, Row, left_pad, raise_if_cancelled, st
 from interlens._generation_types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 __all__ = ["BatchPrefill", "Decoded", "plain_static", "prefill_groups"]
@@ -66,7 +68,12 @@ class BatchPrefill(ModelRunner):
         ]
 
     def _prefill_and_decode(
-        self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
+        self,
+        requests: list[GenerationRequest],
+        cancelled: threading.Event | None,
+        *,
+        plain: bool = False,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
     ) -> Decoded:
         import torch
 
@@ -127,7 +134,9 @@ class BatchPrefill(ModelRunner):
             shared_rows = [False] * len(requests)
 
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
-        self._decode(rows, logits, cache, positions, attn, kv_len, cancelled, static=static)
+        self._decode(
+            rows, logits, cache, positions, attn, kv_len, cancelled, static=static, on_leave=on_leave
+        )
         return Decoded(rows, shared_rows, started, cache, static)
 
     def _new_batch_cache(self, max_len: int) -> tuple[Any, bool]:

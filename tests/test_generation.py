@@ -91,7 +91,7 @@ def test_single_row_matches_hf_generate(engine: LocalEngine) -> None:
         expected = expected[: next(i for i, t in enumerate(expected) if t in eos) + 1]
     assert result.token_ids == expected
     _check_counts(result, request)
-    assert result.batch_size == 1 and not result.shared_prefill and result.reused_prefix_tokens == 0
+    assert result.batch_size == 1 and not result.shared_prefill and result.kv_reused_tokens == 0
     assert result.text == engine.tokenizer.decode(expected, skip_special_tokens=True)
 
 
@@ -299,7 +299,7 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     first = _alone(
         engine, GenerationRequest(prompt_ids=first_prompt, max_new_tokens=8, temperature=0, reuse_key=key)
     )
-    assert first.reused_prefix_tokens == 0
+    assert first.kv_reused_tokens == 0
 
     # The next turn re-renders the conversation: the old prompt, the reply as text, a new user message.
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3 + 3?"}]
@@ -312,7 +312,7 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
         engine, GenerationRequest(prompt_ids=second_prompt, max_new_tokens=10, temperature=0, reuse_key=key)
     )
     fresh = _alone(engine, GenerationRequest(prompt_ids=second_prompt, max_new_tokens=10, temperature=0))
-    assert second.reused_prefix_tokens == min(common, len(second_prompt) - 1) >= len(first_prompt) - 1 > 0
+    assert second.kv_reused_tokens == min(common, len(second_prompt) - 1) >= len(first_prompt) - 1 > 0
     assert second.token_ids == fresh.token_ids
 
     # A prompt that strictly extends everything kept: all of it is reused.
@@ -320,7 +320,7 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     third = _alone(
         engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0, reuse_key=key)
     )
-    assert third.reused_prefix_tokens == len(second_prompt) + second.n_tokens - 1
+    assert third.kv_reused_tokens == len(second_prompt) + second.n_tokens - 1
     assert (
         third.token_ids
         == _alone(
@@ -334,7 +334,7 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     unrelated = _alone(
         engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key)
     )
-    assert unrelated.reused_prefix_tokens == 0
+    assert unrelated.kv_reused_tokens == 0
     assert key in engine._reuse
     engine.release(key)
     assert key not in engine._reuse
@@ -355,12 +355,12 @@ def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
         engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0, reuse_key="s")
     )
     fresh = _alone(engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0))
-    assert rolled.reused_prefix_tokens == 0 and rolled.token_ids == fresh.token_ids
+    assert rolled.kv_reused_tokens == 0 and rolled.token_ids == fresh.token_ids
     extended = (*shorter, *rolled.token_ids, 5)
     grown = _alone(
         engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0, reuse_key="s")
     )
-    assert grown.reused_prefix_tokens == len(shorter) + rolled.n_tokens - 1
+    assert grown.kv_reused_tokens == len(shorter) + rolled.n_tokens - 1
     assert (
         grown.token_ids
         == _alone(engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0)).token_ids

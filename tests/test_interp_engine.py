@@ -276,10 +276,10 @@ def test_a_hooked_row_neither_reads_nor_updates_its_reuse_stream(engine: LocalEn
     kept = engine._reuse["s"]
     longer = (*prompt, *first.token_ids, *prompt[-3:])
     hooked_row = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s", capture=CaptureSpec()))
-    assert hooked_row.reused_prefix_tokens == 0
+    assert hooked_row.kv_reused_tokens == 0
     assert engine._reuse["s"] is kept  # the stream's cache is the one from the first turn
     again = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s"))
-    assert again.reused_prefix_tokens > 0
+    assert again.kv_reused_tokens > 0
     engine.clear_reuse()
 
 

@@ -1,0 +1,224 @@
+"""Long debates: cross-turn KV reuse in co-stepped batches vs re-prefilling every round (issue #14).
+
+    python benchmarks/bench_long_debate.py [--rollouts 16] [--turns 8 12] [--new-tokens 32] [--repeats 3]
+                                           [--threads N] [--dtype bfloat16] [--mixed]
+
+A two-speaker debate on the bench-size random-weight Qwen2 (the model of ``bench_deterministic.py``), 32
+tokens a turn at T = 0.9, rolled out ``--rollouts`` times, three ways, interleaved with a rotating start after
+one warm-up of each:
+
+1. ``reuse``: ``conv.rollout`` with the default ``kv_reuse=True`` (each speaker's kept KV cache, longest
+   common prefix reused, suffixes prefilled in the co-stepped batch);
+2. ``no reuse``: the same rollout with ``kv_reuse=False`` (every round re-prefills every row's history);
+3. ``generate``: raw HF ``model.generate`` on the same rounds (the prompts the rollout rendered, re-rendered
+   and re-tokenized each round, one left-padded batch per round, every row re-prefilled): the re-prefilling
+   limit a user would write by hand. Same sampling: T = 0.9, top_p = 1, ``top_k=0`` (HF's default top_k=50
+   would sample from less), the same max new tokens, the same end-of-turn ids.
+
+Prints generated tok/s per variant (median, min-max), the per-repeat ratios reuse / generate (goal >= 1.3x on
+8 turns) and reuse / no reuse, the share of prompt tokens reused, and the command line. The original threaded
+runner of issue 14's 12-turn goal is not on this machine; the 12-turn run is reported against the same two
+re-prefilling references. ``--mixed`` also times one engine turn whose rows half lost their kept caches, the
+rows without one prefilled apart vs joining the layout vs no reuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from interlens import AutoModelParticipant, Conversation
+from interlens.testing import tiny_model
+
+
+def debate(path: str, *, turns: int, new_tokens: int, dtype: str, kv_reuse: bool) -> Conversation:
+    def speaker(name: str, side: str) -> Any:
+        return AutoModelParticipant.from_pretrained(
+            path,
+            name=name,
+            temperature=0.9,
+            max_new_tokens=new_tokens,
+            dtype=dtype,
+            kv_reuse=kv_reuse,
+            system_prompt=f"Argue for {side}.",
+        )
+
+    return Conversation(
+        participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
+    ).turns(turns)
+
+
+def rollout(conv: Conversation, n: int) -> tuple[float, int, list[Any], float]:
+    """Seconds, generated tokens, transcripts, and the share of prompt tokens that came from kept caches."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        start = time.perf_counter()
+        report = conv.rollout(n=n, devices=["cpu"], out_dir=out_dir, progress=False, seed=1)
+        seconds = time.perf_counter() - start
+        assert not report.failed, report.failed
+        results = list(report.results.values())
+        metas = [m.metadata for r in results for m in r.transcript[1:]]
+        reused = sum(m["kv_reused_tokens"] for m in metas) / sum(m["prompt_tokens"] for m in metas)
+        return seconds, sum(r.tokens_generated for r in results), [r.transcript for r in results], reused
+
+
+def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) -> tuple[float, int]:
+    """HF ``generate`` round by round on the prompts of a finished rollout (rendered and tokenized in the
+    timed region, as a hand-written loop would each round)."""
+    import torch
+
+    from interlens._chat_template import render_view
+
+    engine = conv.participants[0].live_engine().engine
+    model, tok = engine.model, engine.tokenizer
+    tok.padding_side = "left"
+    eos = sorted(engine._eos_ids)
+    total = 0
+    start = time.perf_counter()
+    for turn in range(len(transcripts[0]) - 1):
+        speaker = conv.participants[turn % 2]
+        prompts = []
+        for transcript in transcripts:
+            state = conv._copy()
+            state.transcript = transcript[: 1 + turn]
+            prompts.append(render_view(tok, state.view(speaker)))
+        batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=0.9,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=new_tokens,
+                eos_token_id=eos,
+                pad_token_id=engine._pad_id,
+            )
+        for row in out[:, batch["input_ids"].shape[1] :].tolist():
+            ends = [i for i, token in enumerate(row) if token in eos]
+            total += ends[0] + 1 if ends else len(row)
+    return time.perf_counter() - start, total
+
+
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def measure(path: str, args: argparse.Namespace, turns: int) -> None:
+    reuse = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=True)
+    plain = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=False)
+    _, _, transcripts, _ = rollout(plain, args.rollouts)  # warm-up, and the rounds generate replays
+    rollout(reuse, args.rollouts)
+    raw_generate(plain, transcripts, args.new_tokens)
+
+    def run(name: str) -> tuple[float, int]:
+        if name == "generate":
+            return raw_generate(plain, transcripts, args.new_tokens)
+        seconds, tokens, _, share = rollout(reuse if name == "reuse" else plain, args.rollouts)
+        if name == "reuse":
+            shares.append(share)
+        return seconds, tokens
+
+    names = ["reuse", "no reuse", "generate"]
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    shares: list[float] = []
+    for repeat in range(args.repeats):
+        order = names[repeat % 3 :] + names[: repeat % 3]
+        for name in order:
+            seconds, tokens = run(name)
+            rates[name].append(tokens / seconds)
+    print(f"{turns}-turn debate, {args.rollouts} rollouts x <= {args.new_tokens} new tokens, {args.dtype}:")
+    for name in names:
+        print(f"  {name:>9}: {spread(rates[name])} tok/s")
+    vs_generate = [r / g for r, g in zip(rates["reuse"], rates["generate"], strict=True)]
+    vs_plain = [r / p for r, p in zip(rates["reuse"], rates["no reuse"], strict=True)]
+    plain_vs_generate = [p / g for p, g in zip(rates["no reuse"], rates["generate"], strict=True)]
+    print(f"  reuse / generate  = {spread(vs_generate, '.2f')}x")
+    print(f"  reuse / no reuse  = {spread(vs_plain, '.2f')}x")
+    print(f"  no reuse / generate = {spread(plain_vs_generate, '.2f')}x")
+    print(f"  prompt tokens reused (reuse runs): {spread([100 * s for s in shares], '.1f')} %")
+
+
+def mixed_batch(path: str, args: argparse.Namespace) -> None:
+    """One turn of 16 rows where half the streams lost their kept caches (evicted, or new jobs that start
+    with a long prompt): those rows prefilled apart and laid in next to the reusing rows ("split", the
+    default), joining the reusing rows' layout with a hole ("join"), or no reuse at all ("full")."""
+    from interlens._generation import GenerationRequest
+    from interlens._model_cache import load_engine
+
+    engine = load_engine(path, dtype=args.dtype)
+    words = engine.tokenizer(
+        " ".join(f"point{i % 50}" for i in range(600)), add_special_tokens=False
+    ).input_ids
+    prompts = [tuple(words[i : i + 300 + 8 * i]) for i in range(16)]
+    keys = [f"mixed{i}" for i in range(16)]
+
+    def turn(batch: list[tuple[int, ...]]) -> list[Any]:
+        requests = [
+            GenerationRequest(
+                prompt_ids=p, max_new_tokens=args.new_tokens, temperature=0.9, seed=i, reuse_key=k
+            )
+            for i, (p, k) in enumerate(zip(batch, keys, strict=True))
+        ]
+        return engine.generate_batch(requests)
+
+    def once(mode: str) -> float:
+        engine.clear_reuse()
+        first = turn(prompts)
+        later = [(*p, *r.token_ids, *words[:40]) for p, r in zip(prompts, first, strict=True)]
+        for key in keys[8:] if mode != "full" else keys:
+            engine.release(key)
+        engine._split_fresh_rows = mode != "join"
+        start = time.perf_counter()
+        results = turn(later)
+        seconds = time.perf_counter() - start
+        engine._split_fresh_rows = True
+        assert sum(r.kv_reused_tokens > 0 for r in results) == (8 if mode != "full" else 0)
+        return seconds
+
+    modes = ["split", "join", "full"]
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in modes:
+        once(mode)  # warm-up
+    for repeat in range(args.repeats):
+        for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
+            times[mode].append(once(mode))
+    engine.clear_reuse()
+    print(f"mixed batch: 16 rows (prompts 300-420 + {args.new_tokens} + 40 tokens), 8 with kept caches:")
+    for mode in modes:
+        print(f"  {mode:>5}: {spread(times[mode], '.3f')} s for the turn")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=16)
+    parser.add_argument("--turns", type=int, nargs="+", default=[8, 12])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--mixed", action="store_true", help="also time a turn whose rows half lost their caches"
+    )
+    args = parser.parse_args()
+    print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = tiny_model("qwen2", size="bench")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads; medians of {args.repeats} (min-max)")
+    for turns in args.turns:
+        measure(path, args, turns)
+    if args.mixed:
+        mixed_batch(path, args)
+
+
+if __name__ == "__main__":
+    main()
