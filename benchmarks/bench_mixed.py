@@ -15,7 +15,9 @@ Two rollouts of the same shape, interleaved after one warm-up of each:
 The hosted turns of one round run concurrently, so the mixed run can at best take local-only + one latency
 per hosted round. Goal: mixed ≤ local-only + 0.2 s (API turns never hold local batches back). Also printed:
 the local turns' batch sizes in each run (a local batch that left before every conversation had caught up
-would show as smaller batches). Medians of ``--repeats`` with (min–max).
+would show as smaller batches), and the gap from each hosted round's last reply to the next local batch's
+start (from the turns' recorded ``at`` and ``seconds``: a batch held back by the batcher would show here).
+Medians of ``--repeats`` with (min–max).
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ def conversations(path: str, args: argparse.Namespace) -> tuple[Any, Any]:
     return mixed, alone
 
 
-def timed(conv: Any, n: int) -> tuple[float, list[int], int]:
-    """Wall seconds, the local turns' batch sizes, tokens generated locally (run in a fresh thread: the
-    main thread's torch ops are slower on a loaded VM, see bench_rollout.py)."""
+def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float]]:
+    """Wall seconds, the local turns' batch sizes, tokens generated locally, and for each local turn after a
+    hosted round the gap from that round's LAST reply to the local batch's start (run in a fresh thread:
+    the main thread's torch ops are slower on a loaded VM, see bench_rollout.py)."""
     out: list[Any] = []
 
     def target() -> None:
@@ -78,9 +81,17 @@ def timed(conv: Any, n: int) -> tuple[float, list[int], int]:
             report = conv.rollout(n=n, devices=["cpu"], out_dir=out_dir, progress=False, seed=1)
             seconds = time.perf_counter() - start
             assert not report.failed, [report.results[j].error for j in report.failed[:3]]
-            local = [m for r in report.results.values() for m in r.transcript[1:] if m.author == "local"]
-            sizes = sorted({m.metadata["batch_size"] for m in local})
-            out.append((seconds, sizes, sum(m.n_tokens for m in local)))
+            transcripts = [list(r.transcript[1:]) for r in report.results.values()]
+        local = [m for t in transcripts for m in t if m.author == "local"]
+        gaps = []
+        for k in range(2, len(transcripts[0]), 2):  # a local turn after a hosted one
+            if any("at" not in t[k - 1].metadata for t in transcripts):
+                break  # scripted replies carry no time
+            last_reply = max(t[k - 1].metadata["at"] for t in transcripts)
+            batch_start = min(t[k].metadata["at"] - t[k].metadata["seconds"] for t in transcripts)
+            gaps.append(batch_start - last_reply)
+        sizes = sorted({m.metadata["batch_size"] for m in local})
+        out.append((seconds, sizes, sum(m.n_tokens for m in local), gaps))
 
     thread = threading.Thread(target=target)
     thread.start()
@@ -126,19 +137,26 @@ def main() -> None:
         f"turn, {hosted_rounds} hosted rounds at {args.latency * 1000:.0f} ms, "
         f"{torch.get_num_threads()} torch threads"
     )
-    runs: dict[str, list[tuple[float, list[int], int]]] = {"local-only": [], "mixed": []}
+    runs: dict[str, list[tuple[float, list[int], int, list[float]]]] = {"local-only": [], "mixed": []}
     timed(alone, args.rollouts)  # warm-ups
     timed(mixed, args.rollouts)
     for _ in range(args.repeats):
         runs["local-only"].append(timed(alone, args.rollouts))
         runs["mixed"].append(timed(mixed, args.rollouts))
     for name, rs in runs.items():
-        sizes = sorted({s for _, batch, _ in rs for s in batch})
+        sizes = sorted({s for _, batch, _, _ in rs for s in batch})
         walls = spread([r[0] for r in rs])
         print(f"  {name:10s} wall {walls} s; local tokens {rs[-1][2]}; local batch sizes {sizes}")
     extra = [m[0] - a[0] for a, m in zip(runs["local-only"], runs["mixed"], strict=True)]
     floor = hosted_rounds * args.latency
     print(f"  mixed - local-only = {spread(extra)} s per run (floor {floor:.2f} s; goal <= 0.20 s)")
+    gaps = [g * 1000 for r in runs["mixed"] for g in r[3]]
+    if gaps:
+        print(
+            "  mixed: a hosted round's last reply -> the next local batch's start: median "
+            f"{statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ms ({len(gaps)} rounds; a batch held "
+            "back would show as a long gap)"
+        )
     ours.send("meters")
     meters = ours.recv()
     print(f"  fake server: {meters['requests']} requests, {meters['errors']} handler errors")
