@@ -19,10 +19,11 @@ out ``--rollouts`` times, and two baselines doing the SAME work:
   ``top_k=0`` (HF's default top_k=50 off), the batch's max_new_tokens, the model's end-of-turn ids; with
   the default dynamic cache and with ``cache_implementation="static"``.
 
-The bench model cannot emit its end-of-turn token, so every path generates exactly the same number of
-tokens. Every measured call runs in a fresh thread, as a rollout's generation does (its in-process worker's
-thread): on this shared 2-core VM under load, torch ops called from the MAIN thread ran 2-4x slower than the
-same ops in another thread (a 512x512 matmul loop: 1.6-3.4 s vs 0.8 s), which would flatter the rollout.
+Rates are generated tokens per second; the random-weight model rarely samples its end-of-turn token, so
+the paths generate within ~1 % of the same number of tokens. Every measured call runs in a fresh thread,
+as a rollout's generation does (its in-process worker's thread): on this shared 2-core VM under load,
+torch ops called from the MAIN thread ran 2-4x slower than the same ops in another thread (a 512x512 matmul
+loop: 1.6-3.4 s vs 0.8 s), which would slow the baselines and flatter the rollout.
 Runs are interleaved (rollout, engine, hf dynamic, hf static, rollout, ...) after one warm-up of each;
 medians of ``--repeats`` with (min–max), and the per-repeat ratios' medians.
 
@@ -107,6 +108,9 @@ class Recorder:
         del self.engine.generate_batch  # the class's method again
 
 
+SHARED: set[int] = set()  # the debate turns' metadata["shared_prefix_tokens"], for the printout
+
+
 def rollout(conv: Conversation, n: int, engine: Any) -> tuple[float, int, list[tuple[list[Any], Any]]]:
     engine.clear_reuse()
     with tempfile.TemporaryDirectory() as out_dir, Recorder(engine) as recorder:
@@ -115,6 +119,9 @@ def rollout(conv: Conversation, n: int, engine: Any) -> tuple[float, int, list[t
         seconds = time.perf_counter() - start
         assert not report.failed, report.failed  # (the report reads the ledger: inside the with)
         tokens = sum(r.tokens_generated for r in report.results.values())
+        SHARED.update(
+            m.metadata["shared_prefix_tokens"] for r in report.results.values() for m in r.transcript[1:]
+        )
     assert recorder.batches, "the rollout did not use the recorded engine"
     return seconds, tokens, recorder.batches
 
@@ -189,7 +196,7 @@ def part_debate(args: argparse.Namespace, path: str, engine: Any) -> None:
             tokens[name] = n
     print(
         f"debate: {args.rollouts} rollouts x {args.turns} turns x {args.new_tokens} new tokens; "
-        f"{len(batches)} engine batches, sizes {sorted(sizes)}"
+        f"{len(batches)} engine batches, sizes {sorted(sizes)}; turns' shared_prefix_tokens {sorted(SHARED)}"
     )
     for name, r in rates.items():
         print(f"  {name:11s} {tokens[name]:6d} tok  {spread(r)} tok/s")
