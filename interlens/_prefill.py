@@ -209,16 +209,7 @@ class BatchPrefill(ModelRunner):
                 small.reorder_cache(torch.zeros(len(rows), dtype=torch.long, device=device))
             suffix_ids, suffix_mask = left_pad([q[p:] for q in prompts], width - p, self._pad_id)
             part_mask = torch.tensor([[1] * p + m for m in suffix_mask], dtype=torch.long)
-            positions = (part_mask.cumsum(-1)[:, p:] - 1).clamp(min=0)
-            out = self.model(
-                input_ids=torch.tensor(suffix_ids, dtype=torch.long, device=device),
-                attention_mask=None if bool(part_mask.all()) else part_mask.to(device),
-                position_ids=positions.to(device),
-                cache=small,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            part = out.logits[:, -1, :]
+            part = self._forward_part(suffix_ids, part_mask, small, p)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             if logits is None:
                 logits = part.new_empty((batch, part.shape[-1]))
@@ -233,11 +224,29 @@ class BatchPrefill(ModelRunner):
                 layer.keys[index, :, prompt_len - width : prompt_len] = src.keys
                 layer.values[index, :, prompt_len - width : prompt_len] = src.values
             # Copied: drop this part's cache before the next part's is allocated (one alive at a time).
-            del small, out, part, src
+            del small, part, src
         assert logits is not None
         for layer in cache.layers:
             layer.cumulative_length.fill_(prompt_len)
         return logits, mask
+
+    def _forward_part(
+        self, ids: list[list[int]], mask: torch.Tensor, cache: Any, offset: int
+    ) -> torch.Tensor:
+        """Prefill a block of suffixes after ``offset`` cached prefix tokens; ``mask`` spans prefix + block
+        (the holes of shorter suffixes masked). Returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        positions = (mask.cumsum(-1)[:, offset:] - 1).clamp(min=0)
+        out = self.model(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            attention_mask=None if bool(mask.all()) else mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:
