@@ -47,6 +47,11 @@ class Decoded:
     cache: Any  # the batch's KV cache after decoding (each row's last sampled token not fed)
     static: bool
 
+    @property
+    def shared_rows(self) -> list[bool]:
+        """Per row: whether any of its prompt was prefilled once for several rows."""
+        return [n > 0 for n in self.shared_tokens]
+
 
 class BatchPrefill(ModelRunner):
     """The from-scratch batch path of ``LocalEngine`` (see the module docstring)."""
@@ -57,22 +62,21 @@ class BatchPrefill(ModelRunner):
     def _generate_rows(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
     ) -> list[GenerationResult | Exception]:
-        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded, unless
-        ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test covers).
+        """One left-padded batch; identical prompts, and long prefixes several rows share, are prefilled
+        once, unless ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test
+        covers).
 
         A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
         """
         done = self._prefill_and_decode(requests, cancelled, plain=plain)
         seconds = time.perf_counter() - done.started
         out: list[GenerationResult | Exception] = []
-        for row, shared in zip(done.rows, done.shared_tokens, strict=True):
+        for row, shared, tokens in zip(done.rows, done.shared_rows, done.shared_tokens, strict=True):
             if row.failure is not None:
                 out.append(row.failure)
                 continue
-            result = self._result(
-                row, seconds=seconds, batch_size=len(done.rows), shared=shared > 0, reused=0
-            )
-            result.shared_prefix_tokens = shared
+            result = self._result(row, seconds=seconds, batch_size=len(done.rows), shared=shared, reused=0)
+            result.shared_prefix_tokens = tokens
             out.append(result)
         return out
 
