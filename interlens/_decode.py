@@ -212,8 +212,10 @@ class ModelRunner:
         return any(s in tail for s in row.request.stop)
 
     def _result(
-        self, row: Row, *, seconds: float, batch_size: int, shared: bool, reused: int
+        self, row: Row, *, seconds: float, batch_size: int, shared: int, reused: int
     ) -> GenerationResult:
+        """The row's result. ``shared``: its leading prompt tokens prefilled once for several rows;
+        ``reused``: its prompt tokens whose KV came from its stream's kept cache."""
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         if row.finish == "stop":
             cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
@@ -228,7 +230,8 @@ class ModelRunner:
             prompt_tokens=len(row.request.prompt_ids),
             seconds=seconds,
             batch_size=batch_size,
-            shared_prefill=shared,
+            shared_prefill=shared > 0,
+            shared_prefix_tokens=shared,
             kv_reused_tokens=reused,
         )
 

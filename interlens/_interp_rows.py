@@ -91,7 +91,7 @@ class InterpRows(BatchPrefill):
                 at = torch.tensor([position], dtype=torch.long, device=self.device)
                 self._step(last, at, None, done.cache, position + 1, done.static)
         seconds = time.perf_counter() - done.started
-        result = self._result(row, seconds=seconds, batch_size=1, shared=False, reused=0)
+        result = self._result(row, seconds=seconds, batch_size=1, shared=0, reused=0)
         if recorder is not None:
             result.captured = recorder.captured(prompt_len=prompt_len, answer_ids=row.tokens)
         return result

@@ -143,11 +143,11 @@ class KVReuse(BatchPrefill):
         collector = _Collector(self._keep)
         if not any(reused):
             done = self._prefill_and_decode(requests, cancelled, on_leave=collector)
-            rows, shared = done.rows, done.shared_rows
+            rows, shared = done.rows, done.shared_tokens
             del done
         else:
             rows = self._decode_laid_out(requests, entries, reused, cancelled, collector)
-            shared = [False] * len(rows)
+            shared = [0] * len(rows)
         del entries
         seconds = time.perf_counter() - started
         return [
@@ -312,7 +312,7 @@ class KVReuse(BatchPrefill):
             nbytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
             self._keep(key, Kept(prompt + row.tokens[:-1], cache, nbytes))
         seconds = time.perf_counter() - started
-        return self._result(row, seconds=seconds, batch_size=1, shared=False, reused=reused)
+        return self._result(row, seconds=seconds, batch_size=1, shared=0, reused=reused)
 
 
 class _Collector:

@@ -24,7 +24,8 @@ class Message:
     """One turn: who said it, what they said, and how it was produced.
 
     ``metadata`` carries generation facts such as ``n_tokens`` (tokens generated for this turn, the unit of
-    :class:`~interlens.TokenBudget`), ``finish_reason``, ``batched`` and ``shared_prefill``.
+    :class:`~interlens.TokenBudget`), ``finish_reason``, ``batched``, ``shared_prefill`` and
+    ``shared_prefix_tokens`` (the keys are listed in docs/rollouts.md).
     """
 
     author: str

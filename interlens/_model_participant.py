@@ -270,6 +270,7 @@ class ModelParticipant(Participant):
                 "batch_size": result.batch_size,
                 "batch_invariant": getattr(result, "batch_invariant", None),
                 "shared_prefill": result.shared_prefill,
+                "shared_prefix_tokens": result.shared_prefix_tokens,
                 "kv_reused_tokens": result.kv_reused_tokens,
                 "seconds": round(result.seconds, 6),
                 "model": self.model_id,

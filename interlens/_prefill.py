@@ -5,6 +5,8 @@ of a short turn's cost, so this module is about prefilling a batch of heterogene
 
 * one left-padded batch (positions from the attention mask), prefilled once;
 * identical prompts (n samples of one scenario) are prefilled ONCE and their KV cache expanded to the rows;
+* rows that share a long token prefix (a data rollout: system block + shared context before the per-row
+  field) prefill that prefix ONCE, then only their own suffixes (see ``_prefill_parts`` for the layout);
 * prompts of very different lengths are prefilled in length-sorted groups (less padding) and laid into one
   left-padded cache for a single decode loop.
 
@@ -30,7 +32,11 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["BatchPrefill", "Decoded", "plain_static", "prefill_groups"]
+__all__ = ["BatchPrefill", "Decoded", "plain_static", "prefill_groups", "prefix_groups"]
+
+#: A common prefix is prefilled once only when it is at least this many tokens and at least two rows share
+#: it: below that, a second forward call (the prefix alone, then the suffixes) costs more than it saves.
+MIN_SHARED_PREFIX = 32
 
 
 @dataclass
@@ -38,7 +44,7 @@ class Decoded:
     """A finished batch: its rows and how they were prefilled (what ``_result`` records)."""
 
     rows: list[Row]
-    shared_rows: list[bool]
+    shared_tokens: list[int]  # per row: leading prompt tokens prefilled once for several rows (0: none)
     started: float  # perf_counter when the batch began
     cache: Any  # the batch's KV cache after decoding (each row's last sampled token not fed)
     static: bool
@@ -53,8 +59,9 @@ class BatchPrefill(ModelRunner):
     def _generate_rows(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
     ) -> list[GenerationResult | Exception]:
-        """One left-padded batch; identical prompts are prefilled once and their KV cache expanded, unless
-        ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test covers).
+        """One left-padded batch; identical prompts, and long prefixes several rows share, are prefilled
+        once, unless ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test
+        covers).
 
         A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
         """
@@ -63,8 +70,8 @@ class BatchPrefill(ModelRunner):
         return [
             row.failure
             if row.failure is not None
-            else self._result(row, seconds=seconds, batch_size=len(done.rows), shared=s, reused=0)
-            for row, s in zip(done.rows, done.shared_rows, strict=True)
+            else self._result(row, seconds=seconds, batch_size=len(done.rows), shared=shared, reused=0)
+            for row, shared in zip(done.rows, done.shared_tokens, strict=True)
         ]
 
     def _prefill_and_decode(
@@ -83,27 +90,43 @@ class BatchPrefill(ModelRunner):
         max_new = max(r.max_new_tokens for r in requests)
         unique: dict[tuple[int, ...], int] = {}
         row_to_unique = [unique.setdefault(r.prompt_ids, len(unique)) for r in requests]
-        shared = (
-            self.shared_prefill
-            and not plain
-            and len(requests) > 1
-            and len(unique) < len(requests)
-            and min(lengths) >= 2
-        )
+        sharing = self.shared_prefill and not plain and len(requests) > 1
+        shared = sharing and len(unique) < len(requests) and min(lengths) >= 2
         raise_if_cancelled(cancelled)
+        prompt_len = max(lengths)
+        cache, static = self._new_batch_cache(prompt_len + max_new)
+        prefixes = prefix_groups([r.prompt_ids for r in requests]) if sharing and static else []
+        if prefixes and not plain_static(cache):
+            prefixes = []  # sliding-window layers count slots, and the shared layout has masked holes
 
-        if shared:
+        if prefixes:
+            # Rows sharing a long prefix: the prefix once, then the suffixes; the other rows in length groups.
+            grouped = {r for _, members in prefixes for r in members}
+            rest = [r for r in range(len(requests)) if r not in grouped]
+            parts = list(prefixes)
+            if rest:
+                for group in prefill_groups([lengths[r] for r in rest]):
+                    parts.append((0, [rest[i] for i in group]))
+            logits, mask = self._prefill_parts(requests, parts, cache, prompt_len)
+            full_mask = torch.cat([mask, torch.ones(len(requests), max_new, dtype=torch.long)], dim=1)
+            positions = torch.tensor(lengths, dtype=torch.long, device=device)
+            attn = None if bool(full_mask.all()) else full_mask.to(device)
+            kv_len = prompt_len
+            shared_tokens = [0] * len(requests)
+            for p, members in prefixes:
+                for r in members:
+                    shared_tokens[r] = p
+        elif shared:
             # Prefill every distinct prompt minus its last token ONCE, copy the KV rows out to the batch rows,
             # then feed each row its last prompt token: the first decode step yields the first logits.
             # (Caching the whole prompt and feeding it again would duplicate the KV: pitfall 1 in the notes.)
             prompts = list(unique)
-            prefix_len = max(len(p) for p in prompts) - 1
-            ids, mask = left_pad([p[:-1] for p in prompts], prefix_len, self._pad_id)
-            cache, static = self._new_batch_cache(prefix_len + 1 + max_new)
-            self._forward(ids, mask, cache, device)
+            prefix_len = prompt_len - 1
+            ids, pad_mask = left_pad([p[:-1] for p in prompts], prefix_len, self._pad_id)
+            self._forward(ids, pad_mask, cache, device)
             index = torch.tensor(row_to_unique, dtype=torch.long, device=device)
             cache.reorder_cache(index)  # index_select on the batch dim: U rows -> B rows
-            row_mask = torch.tensor(mask, dtype=torch.long)[torch.tensor(row_to_unique)]
+            row_mask = torch.tensor(pad_mask, dtype=torch.long)[torch.tensor(row_to_unique)]
             full_mask = torch.cat([row_mask, torch.ones(len(requests), 1 + max_new, dtype=torch.long)], dim=1)
             last = torch.tensor([[r.prompt_ids[-1]] for r in requests], dtype=torch.long, device=device)
             positions = torch.tensor(lengths, dtype=torch.long, device=device) - 1
@@ -114,30 +137,31 @@ class BatchPrefill(ModelRunner):
             counts: dict[int, int] = {}
             for u in row_to_unique:
                 counts[u] = counts.get(u, 0) + 1
-            shared_rows = [counts[u] > 1 for u in row_to_unique]
+            shared_tokens = [lengths[i] - 1 if counts[u] > 1 else 0 for i, u in enumerate(row_to_unique)]
         else:
-            prompt_len = max(lengths)
-            ids, mask = left_pad([r.prompt_ids for r in requests], prompt_len, self._pad_id)
-            cache, static = self._new_batch_cache(prompt_len + max_new)
+            ids, pad_mask = left_pad([r.prompt_ids for r in requests], prompt_len, self._pad_id)
             groups = prefill_groups(lengths) if static and not plain else []
             if len(groups) > 1 and plain_static(cache):
-                logits = self._prefill_grouped(requests, groups, cache, prompt_len)
+                logits, _ = self._prefill_parts(requests, [(0, g) for g in groups], cache, prompt_len)
             else:
-                logits = self._forward(ids, mask, cache, device)
+                logits = self._forward(ids, pad_mask, cache, device)
             full_mask = torch.cat(
-                [torch.tensor(mask, dtype=torch.long), torch.ones(len(requests), max_new, dtype=torch.long)],
+                [
+                    torch.tensor(pad_mask, dtype=torch.long),
+                    torch.ones(len(requests), max_new, dtype=torch.long),
+                ],
                 dim=1,
             )
             positions = torch.tensor(lengths, dtype=torch.long, device=device)
             attn = None if min(lengths) == prompt_len else full_mask.to(device)
             kv_len = prompt_len
-            shared_rows = [False] * len(requests)
+            shared_tokens = [0] * len(requests)
 
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
         self._decode(
             rows, logits, cache, positions, attn, kv_len, cancelled, static=static, on_leave=on_leave
         )
-        return Decoded(rows, shared_rows, started, cache, static)
+        return Decoded(rows, shared_tokens, started, cache, static)
 
     def _new_batch_cache(self, max_len: int) -> tuple[Any, bool]:
         """A cache for one batch, and whether it is static (preallocated to ``max_len``)."""
@@ -150,18 +174,29 @@ class BatchPrefill(ModelRunner):
                 self._batch_cache = "dynamic"  # an architecture without static cache layers
         return DynamicCache(config=self.model.config), False
 
-    def _prefill_grouped(
-        self, requests: list[GenerationRequest], groups: list[list[int]], cache: Any, prompt_len: int
-    ) -> torch.Tensor:
-        """Prefill rows of similar length together, then lay their KV into the batch's left-padded cache.
+    def _prefill_parts(
+        self,
+        requests: list[GenerationRequest],
+        parts: list[tuple[int, list[int]]],
+        cache: Any,
+        prompt_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill the batch part by part into small caches, laying each into the batch cache; returns the
+        last prompt position's logits (rows, vocab) and the batch's 2-D prompt mask (rows, ``prompt_len``).
 
-        One left-padded prefill computes every row at the longest prompt's width; with mixed lengths that
-        can be half padding, and on CPU the prefill is most of a turn's cost. Prefilling length-sorted groups
-        at their own widths and copying each group's KV to the right end of the batch cache gives the same
-        layout (pads stay masked) for a fraction of the compute. Only for caches of plain static layers.
+        A part is ``(p, rows)``. With ``p == 0`` its rows are a length group: one left-padded block at the
+        group's own width (one left-padded prefill of mixed lengths can be half padding, and on CPU the
+        prefill is most of a turn's cost). With ``p > 0`` the rows share their first ``p`` tokens: those are
+        prefilled ONCE (a batch of one), expanded to the rows, and then only each row's suffix is prefilled
+        (positions ``p`` onward). The suffixes have different lengths and the prefix must stay where it is,
+        so a part's layout is ``[prefix][masked hole][suffix]``, the suffix right-aligned; the causal mask is
+        by slot and positions are explicit, so a hole is just masked padding. Each part's cache goes to the
+        right end of the batch cache (``[pad][part]``), so every row's last prompt token sits at the same slot
+        and the shared decode loop runs unchanged. Only for caches of plain static layers (a sliding window
+        would count the hole's slots).
 
-        Each group's small cache is copied into the batch cache as soon as it is filled and dropped before
-        the next group runs: the batch cache plus ONE small cache is the peak, not the batch cache plus all.
+        Each part's small cache is copied into the batch cache as soon as it is filled and dropped before the
+        next part runs: the batch cache plus ONE small cache is the peak, not the batch cache plus all.
         """
         import torch
         from transformers import StaticCache
@@ -169,15 +204,22 @@ class BatchPrefill(ModelRunner):
         device = self.device
         batch = len(requests)
         logits: torch.Tensor | None = None
-        for rows in groups:
-            width = max(len(requests[r].prompt_ids) for r in rows)
-            ids, mask = left_pad([requests[r].prompt_ids for r in rows], width, self._pad_id)
+        mask = torch.zeros(batch, prompt_len, dtype=torch.long)
+        for p, rows in parts:
+            prompts = [requests[r].prompt_ids for r in rows]
+            width = max(len(q) for q in prompts)
             small: Any = StaticCache(config=self.model.config, max_cache_len=width)
-            part = self._forward(ids, mask, small, device)
+            if p:
+                self._forward([list(prompts[0][:p])], [[1] * p], small, device)
+                small.reorder_cache(torch.zeros(len(rows), dtype=torch.long, device=device))
+            suffix_ids, suffix_mask = left_pad([q[p:] for q in prompts], width - p, self._pad_id)
+            part_mask = torch.tensor([[1] * p + m for m in suffix_mask], dtype=torch.long)
+            part = self._forward_part(suffix_ids, part_mask, small, p)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             if logits is None:
                 logits = part.new_empty((batch, part.shape[-1]))
             logits[index] = part
+            mask[torch.tensor(rows), prompt_len - width :] = part_mask
             for layer, src in zip(cache.layers, small.layers, strict=True):
                 if not layer.is_initialized:
                     layer.lazy_initialization(
@@ -186,12 +228,30 @@ class BatchPrefill(ModelRunner):
                     )
                 layer.keys[index, :, prompt_len - width : prompt_len] = src.keys
                 layer.values[index, :, prompt_len - width : prompt_len] = src.values
-            # Copied: drop this group's cache before the next group's is allocated (one alive at a time).
+            # Copied: drop this part's cache before the next part's is allocated (one alive at a time).
             del small, part, src
         assert logits is not None
         for layer in cache.layers:
             layer.cumulative_length.fill_(prompt_len)
-        return logits
+        return logits, mask
+
+    def _forward_part(
+        self, ids: list[list[int]], mask: torch.Tensor, cache: Any, offset: int
+    ) -> torch.Tensor:
+        """Prefill a block of suffixes after ``offset`` cached prefix tokens; ``mask`` spans prefix + block
+        (the holes of shorter suffixes masked). Returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        positions = (mask.cumsum(-1)[:, offset:] - 1).clamp(min=0)
+        out = self.model(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            attention_mask=None if bool(mask.all()) else mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:
@@ -213,3 +273,45 @@ def plain_static(cache: Any) -> bool:
     from transformers.cache_utils import StaticLayer
 
     return all(type(layer) is StaticLayer for layer in cache.layers)
+
+
+def prefix_groups(
+    prompts: list[tuple[int, ...]], *, min_tokens: int = MIN_SHARED_PREFIX
+) -> list[tuple[int, list[int]]]:
+    """Rows worth prefilling a common prefix for: ``(prefix length, rows)`` per group, rows not in any group
+    left out. A group has ≥ 2 rows and a prefix of ≥ ``min_tokens`` tokens, shorter than each of its prompts
+    (every row keeps a suffix of at least one token, whose logits start its decoding).
+
+    Prompts are sorted, so rows sharing a prefix are neighbours and a group's common prefix is its first
+    and last prompts' one. A group grows greedily while that does not lower the tokens it saves, (rows − 1)
+    × prefix; a row that shares more than twice the group's prefix with its next neighbour starts a group of
+    its own with it (the two save more than the extra prefix forward costs).
+    """
+
+    def common(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+        n = 0
+        while n < limit and a[n] == b[n]:
+            n += 1
+        return n
+
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    groups: list[tuple[int, list[int]]] = []
+    i = 0
+    while i < len(order):
+        first = prompts[order[i]]
+        members, p = [order[i]], len(first) - 1
+        for k in range(i + 1, len(order)):
+            other = prompts[order[k]]
+            q = common(first, other, min(p, len(other) - 1))
+            if q < min_tokens or len(members) * q < (len(members) - 1) * p:
+                break
+            if len(members) > 1 and k + 1 < len(order):
+                after = prompts[order[k + 1]]
+                if common(other, after, min(len(other), len(after)) - 1) > 2 * q:
+                    break
+            members.append(order[k])
+            p = q
+        if len(members) >= 2 and p >= min_tokens:
+            groups.append((p, sorted(members)))
+        i += len(members)
+    return groups

@@ -31,9 +31,17 @@ class WatchedEngine(LocalEngine):
         self.alive_at_forward: list[int] = []
 
     def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+        self._note(cache)
+        return super()._forward(ids, mask, cache, device)
+
+    def _forward_part(self, ids: list[list[int]], mask: Any, cache: Any, offset: int) -> torch.Tensor:
+        if offset == 0:  # a length group's one forward (a shared prefix's suffixes reuse its prefix's cache)
+            self._note(cache)
+        return super()._forward_part(ids, mask, cache, offset)
+
+    def _note(self, cache: Any) -> None:
         self.alive_at_forward.append(sum(ref() is not None for ref in self.caches))
         self.caches.append(weakref.ref(cache))
-        return super()._forward(ids, mask, cache, device)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +59,8 @@ def _prompt(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 def test_grouped_prefill_drops_each_group_cache_before_the_next(qwen2_model: tuple[Any, Any]) -> None:
     model, tokenizer = qwen2_model
-    engine = WatchedEngine(model, tokenizer, device="cpu")
+    # length groups only: these prompts share Qwen's default system prompt, a shared prefix of its own
+    engine = WatchedEngine(model, tokenizer, device="cpu", shared_prefill=False)
     texts = [" ".join(["spaces"] * n) for n in (1, 40, 3, 25, 8, 60, 2, 15, 33, 5, 50, 4)]
     requests = [
         GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=6, temperature=0) for t in texts
@@ -62,6 +71,33 @@ def test_grouped_prefill_drops_each_group_cache_before_the_next(qwen2_model: tup
     assert engine.alive_at_forward == [0] * len(groups)  # each group's cache gone before the next forward
     alone = [engine.generate_batch([r])[0] for r in requests]
     assert all(isinstance(r, GenerationResult) for r in batched + alone)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+
+
+def test_shared_prefix_parts_drop_each_cache_before_the_next(qwen2_model: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen2_model
+    engine = WatchedEngine(model, tokenizer, device="cpu")
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    first, second = ids("alpha " * 80)[:40], ids("beta gamma " * 80)[:50]
+    prompts = [
+        first + ids(" one"),
+        first + ids(" two words here"),
+        second + ids(" three"),
+        second + ids(" four and more"),
+        second + ids(" five"),
+        ids("unrelated"),
+        ids("another unrelated prompt"),
+    ]
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=6, temperature=0) for p in prompts]
+    batched = engine.generate_batch(requests)
+    assert all(isinstance(r, GenerationResult) for r in batched)
+    assert [r.shared_prefix_tokens for r in batched] == [40, 40, 50, 50, 50, 0, 0]  # type: ignore[union-attr]
+    # two prefixes (each in its part's cache) and one length group: each cache gone before the next part
+    assert engine.alive_at_forward == [0, 0, 0]
+    alone = [engine.generate_batch([r])[0] for r in requests]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]  # type: ignore[union-attr]
 
 

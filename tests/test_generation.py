@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from interlens._exceptions import ConfigurationError, DeviceError, ModelLoadError
 from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
 from interlens._model_cache import clear_engine_cache, load_engine
+from interlens._prefill import MIN_SHARED_PREFIX
 from interlens.scheduler import BatchCancelled, ExecutionMode
 from interlens.testing import TINY_FAMILIES, tiny_model
 
@@ -262,7 +263,14 @@ def test_shared_prefill_gives_the_plain_path_tokens(engine: LocalEngine) -> None
         GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=8, temperature=0.7, seed=4),
     ]
     shared = _ok(engine.generate_batch(requests))
-    assert [r.shared_prefill for r in shared] == [True, True, False, True, False]
+    # the identical prompts share all but their last token; the two others share their common prefix (a
+    # default system prompt) when it is long enough to be worth prefilling once
+    others = _common_prefix(requests[2].prompt_ids, requests[4].prompt_ids)
+    others = min(others, len(requests[2].prompt_ids) - 1, len(requests[4].prompt_ids) - 1)
+    others = others if others >= MIN_SHARED_PREFIX else 0
+    expected = [len(same) - 1, len(same) - 1, others, len(same) - 1, others]
+    assert [r.shared_prefix_tokens for r in shared] == expected
+    assert [r.shared_prefill for r in shared] == [n > 0 for n in expected]
     engine.shared_prefill = False
     try:
         plain = _ok(engine.generate_batch(requests))

@@ -65,9 +65,9 @@ def test_injected_oom_in_one_row_of_sixteen_fails_only_that_row(qwen2_path):
         ids = kwargs.get("input_ids")
         if ids is None or ids.shape[1] < len(marker):
             return None
-        seen_batches.append(ids.shape[0])
         windows = ids.unfold(1, len(marker), 1)
         if (windows == torch.tensor(marker)).all(-1).any():
+            seen_batches.append(ids.shape[0])  # batches holding the poisoned row (not a shared prefix's)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
         return None
 
@@ -83,7 +83,7 @@ def test_injected_oom_in_one_row_of_sixteen_fails_only_that_row(qwen2_path):
     err = report.results["row_00005"].error
     assert err.type == "OutOfMemoryError" and "injected" in err.message
     assert all(report.results[f"row_{i:05d}"].error is None for i in range(16) if i != 5)
-    assert seen_batches[0] == 16 and 1 in seen_batches  # split in halves down to the single bad row
+    assert seen_batches[0] == 16 and seen_batches[-1] == 1  # split in halves down to the single bad row
 
 
 def test_mixed_lineups_share_one_pool(qwen2_path, llama_path):
