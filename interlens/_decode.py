@@ -50,6 +50,9 @@ class Row:
     finish: str | None = None
     stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
     failure: GenerationError | None = None  # set instead of ``finish`` when the row's logits went bad
+    # Where the row's prompt KV lies in the batch cache when its layout has holes (a shared prefix, a kept
+    # cache laid out); None: the ``len(prompt)`` slots right before the first generated token's.
+    prompt_slots: list[int] | None = None
 
     @property
     def done(self) -> bool:

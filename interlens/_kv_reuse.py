@@ -195,13 +195,14 @@ class KVReuse(BatchPrefill):
             self._batch_cache = "dynamic"
             return self._decode_laid_out(requests, entries, reused, cancelled, collector)
         together = kept if split else list(range(batch))
+        slots: dict[int, list[int]] = {}  # where each row's prompt KV lies in the batch cache
         mask = [[0] * (end - len(p)) + [1] * len(p) for p in prompts]  # fresh rows, split: left-padded
         for i in together:
             n, s = reused[i], suffixes[i]
             mask[i] = [0] * (held - n) + [1] * n + [0] * (width - len(s)) + [1] * len(s)
-            collector.prompt_slots[i] = list(range(held - n, held)) + list(range(end - len(s), end))
+            slots[i] = list(range(held - n, held)) + list(range(end - len(s), end))
         for i in fresh if split else []:
-            collector.prompt_slots[i] = list(range(end - len(prompts[i]), end))
+            slots[i] = list(range(end - len(prompts[i]), end))
         if split:
             from transformers import StaticCache
 
@@ -221,8 +222,9 @@ class KVReuse(BatchPrefill):
         mask_t = torch.tensor(mask, dtype=torch.long, device=device)
         full = torch.cat([mask_t, torch.ones(batch, max_new, dtype=torch.long, device=device)], dim=1)
         attn = None if bool(full.all()) else full
-        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
-        collector.index = {id(row): i for i, row in enumerate(rows)}
+        rows = [
+            Row(r, stop_window=stop_window(r.stop), prompt_slots=slots.get(i)) for i, r in enumerate(requests)
+        ]
         next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         self._decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
         return rows
@@ -318,7 +320,7 @@ class KVReuse(BatchPrefill):
 class _Collector:
     """The decode loop's ``on_leave``: copies each leaving row's real KV slots out for its stream.
 
-    A row's prompt lies at ``prompt_slots[i]`` (laid-out batches) or, on the plain path, at the
+    A row's prompt lies at its ``Row.prompt_slots`` (a laid-out batch, a shared prefix) or else at the
     ``len(prompt)`` slots before the first generated one; its generated tokens but the last follow from
     ``gen_start``. Finished rows that stayed in the batch were fed ignored tokens after their end: those
     slots are never copied.
@@ -326,8 +328,6 @@ class _Collector:
 
     def __init__(self, keep: Any) -> None:
         self._keep = keep
-        self.prompt_slots: dict[int, list[int]] = {}
-        self.index: dict[int, int] = {}  # id(row) -> its index in the original batch (laid-out path)
 
     def __call__(self, indices: list[int], rows: list[Row], cache: Any, gen_start: int) -> None:
         import torch
@@ -341,10 +341,9 @@ class _Collector:
             if not all(type(layer) in (StaticLayer, DynamicLayer) for layer in layers):
                 return
             prompt = list(row.request.prompt_ids)
-            original = self.index.get(id(row))
             slots = (
-                self.prompt_slots[original]
-                if original is not None
+                row.prompt_slots
+                if row.prompt_slots is not None
                 else list(range(gen_start - len(prompt), gen_start))
             ) + list(range(gen_start, gen_start + len(row.tokens) - 1))
             where = torch.tensor(slots, dtype=torch.long, device=layers[0].keys.device)

@@ -158,6 +158,9 @@ class BatchPrefill(ModelRunner):
             shared_tokens = [0] * len(requests)
 
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        if prefixes:  # holes between a shared prefix and a row's suffix: say where the prompt lies
+            for row, row_mask in zip(rows, mask, strict=True):
+                row.prompt_slots = row_mask.nonzero().flatten().tolist()
         self._decode(
             rows, logits, cache, positions, attn, kv_len, cancelled, static=static, on_leave=on_leave
         )

@@ -241,3 +241,25 @@ def test_a_batched_rollout_reuses_kv_on_later_turns_and_stays_exact(qwen2_path, 
         mine, reference = _ok(reusing.generate_batch(batch)), _ok(full.generate_batch(batch))
         assert [r.token_ids for r in mine] == [r.token_ids for r in reference]
         assert all((r.kv_reused_tokens > 0) == (number >= 2) for r in mine)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_caches_kept_from_a_shared_prefix_batch_are_each_rows_own_prompt(temperature: float):
+    """Turn 1 of a recipe's rollouts: rows share a long prefix, which the batch prefills once and lays out as
+    ``[pad][prefix][hole][suffix]``. What each stream keeps must be its prompt's KV, not the hole's: its next
+    turn, reusing it, gives the full re-prefill's tokens."""
+    reusing, full = _engine("qwen2"), _engine("qwen2", kv_reuse_capacity=0)
+    context = "Rules of the debate: be brief, cite one fact, answer the other side's last point. " * 3
+    keys = ["s0", "s1", "s2", "s3"]
+    prompts = [_prompt(reusing, context + _TOPICS[i]) for i in range(4)]
+    first = _ok(reusing.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
+    assert all(r.shared_prefix_tokens >= 32 for r in first)  # the shared-prefix layout, holes and all
+    assert len({len(p) for p in prompts}) > 1  # different suffix lengths: the holes differ per row
+    full_first = _ok(full.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
+    assert [r.token_ids for r in first] == [r.token_ids for r in full_first]
+
+    second_prompts = _next_prompts(reusing, prompts, first)
+    second = _ok(reusing.generate_batch(_requests(second_prompts, temperature=temperature, keys=keys)))
+    reference = _ok(full.generate_batch(_requests(second_prompts, temperature=temperature, keys=keys)))
+    assert all(r.kv_reused_tokens > len(p) // 2 for r, p in zip(second, prompts, strict=True))
+    assert [r.token_ids for r in second] == [r.token_ids for r in reference]
