@@ -173,15 +173,23 @@ def _memory(job_counts: list[int], concurrencies: list[int], repeats: int, gc_mo
             f"{_mib(m['ledger_bytes']):>11} {m['ledger_bytes'] / jobs / 1024:>6.1f} KiB "
             f"{turns / m['wall']:>8,.0f} {m['cpu'] / turns * 1e6:>6.0f} µs {m['gc'] / m['cpu']:>8.0%}"
         )
-    for (small, big), name, pick in (
-        (job_counts[:: len(job_counts) - 1], "job", lambda k: k[0]),
-        (concurrencies[:: len(concurrencies) - 1], "live job (concurrency)", lambda k: k[1]),
-    ):
-        lo = [m for k, m in med.items() if pick(k) == small and k[2] == gc_modes[0]]
-        hi = [m for k, m in med.items() if pick(k) == big and k[2] == gc_modes[0]]
-        if big != small and len(lo) == len(hi) == 1:
-            slope = (hi[0]["peak"] - lo[0]["peak"]) / (big - small)
-            print(f"  peak RSS grows {slope:,.0f} bytes per {name} between {small:,} and {big:,}")
+    jobs0, concurrency0 = job_counts[0], concurrencies[0]
+    for mode in gc_modes:
+        for small, big, name, pairs in (
+            (jobs0, job_counts[-1], "job", ((j, concurrency0) for j in (jobs0, job_counts[-1]))),
+            (
+                concurrency0,
+                concurrencies[-1],
+                "live job",
+                ((jobs0, c) for c in (concurrency0, concurrencies[-1])),
+            ),
+        ):
+            lo, hi = (med[(*pair, mode)]["peak"] for pair in pairs)
+            if big != small:
+                slope = (hi - lo) / (big - small)
+                print(
+                    f"  gc {mode}: peak RSS grows {slope:,.0f} bytes per {name} between {small:,} and {big:,}"
+                )
 
 
 # --- wire ---------------------------------------------------------------------------------------------------
