@@ -3,7 +3,7 @@ Prints figures; asserts nothing.
 
     .venv/bin/python benchmarks/bench_scale.py --part memory [--jobs 5000 25000 100000] [--repeats 3]
     .venv/bin/python benchmarks/bench_scale.py --part memory --jobs 20000 --concurrency 256 1024 4096 \
-        --gc on off
+        --gc on high off
     .venv/bin/python benchmarks/bench_scale.py --part wire [--rollouts 32] [--new-tokens 48] [--repeats 3]
     .venv/bin/python benchmarks/bench_scale.py --part pipe [--calls 20000] [--repeats 3]
     python benchmarks/bench_scale.py --part ray [--calls 20000] [--repeats 3]   # any Python with ray
@@ -14,8 +14,9 @@ string (about 300 tokens of English), so no job costs a model. It prints the RSS
 RSS of the rollout (``ru_maxrss``), the RSS after reading every result's transcript back through the lazy
 report, the ledger's size on disk, the parent's wall and CPU time per turn (in-process jobs: the turn loop
 and the ledger, nothing else) and the cyclic garbage collector's share of that CPU (``--gc off`` turns it
-off during the rollout, for comparison). The growth between the smallest and the largest job count is the
-cost of a finished job; between the smallest and the largest ``--concurrency``, the cost of a live job.
+off during the rollout, ``--gc high`` raises its thresholds, for comparison). The growth between the
+smallest and the largest job count is the cost of a finished job; between the smallest and the largest
+``--concurrency``, the cost of a live job.
 
 ``wire``: the bytes that cross the worker pipe, counted in the parent (both directions are visible there)
 by wrapping ``Connection.send``/``recv`` in this script, for a real rollout on two CPU worker processes
@@ -86,9 +87,10 @@ def _mib(n: float) -> str:
 # --- memory -------------------------------------------------------------------------------------------------
 
 
-def _memory_child(jobs: int, concurrency: int, collect: bool) -> None:
-    """One rollout in this fresh process; prints one JSON line. ``collect`` False: the cyclic garbage
-    collector is off during the rollout (to see its share of the parent's CPU)."""
+def _memory_child(jobs: int, concurrency: int, collect: str) -> None:
+    """One rollout in this fresh process; prints one JSON line. ``collect``: the cyclic garbage collector
+    during the rollout: "on" (Python's defaults), "high" (``gc.set_threshold(50_000, 20, 100)``, fewer and
+    rarer collections) or "off" (to see its share of the parent's CPU)."""
     import gc
 
     collector = {"seconds": 0.0, "full": 0, "since": 0.0}
@@ -112,12 +114,16 @@ def _memory_child(jobs: int, concurrency: int, collect: bool) -> None:
         base, base_peak = _rss(), _peak()
         out = Path(root) / "run"
         gc.callbacks.append(timed)
-        if not collect:
+        thresholds = gc.get_threshold()
+        if collect == "off":
             gc.disable()
+        elif collect == "high":
+            gc.set_threshold(50_000, 20, 100)
         cpu, start = time.process_time(), time.perf_counter()
         report = conv.rollout(n=jobs, out_dir=out, progress=False, max_concurrency=concurrency)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         gc.enable()
+        gc.set_threshold(*thresholds)
         gc.callbacks.remove(timed)
         peak, after = _peak(), _rss()
         assert report.counts["done"] == jobs, report.counts
@@ -162,13 +168,13 @@ def _memory(job_counts: list[int], concurrencies: list[int], repeats: int, gc_mo
                     rows[(jobs, concurrency, mode)].append(json.loads(done.stdout.strip().splitlines()[-1]))
     med = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in rows.items()}
     print(
-        f"  {'jobs':>8} {'concur.':>7} {'gc':>3} {'RSS base':>10} {'peak':>10} {'growth':>10} {'after':>10} "
+        f"  {'jobs':>8} {'concur.':>7} {'gc':>4} {'RSS base':>10} {'peak':>10} {'growth':>10} {'after':>10} "
         f"{'after read':>10} {'ledger':>11} {'per job':>9} {'turns/s':>8} {'CPU/turn':>9} {'GC share':>8}"
     )
     for (jobs, concurrency, mode), m in sorted(med.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         turns = jobs * 4
         print(
-            f"  {jobs:>8,} {concurrency:>7,} {mode:>3} {_mib(m['base']):>10} {_mib(m['peak']):>10} "
+            f"  {jobs:>8,} {concurrency:>7,} {mode:>4} {_mib(m['base']):>10} {_mib(m['peak']):>10} "
             f"{_mib(m['peak'] - m['base']):>10} {_mib(m['after']):>10} {_mib(m['after_read']):>10} "
             f"{_mib(m['ledger_bytes']):>11} {m['ledger_bytes'] / jobs / 1024:>6.1f} KiB "
             f"{turns / m['wall']:>8,.0f} {m['cpu'] / turns * 1e6:>6.0f} µs {m['gc'] / m['cpu']:>8.0%}"
@@ -510,7 +516,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--gc", nargs="+", choices=["on", "off"], default=["on"], help="the cyclic GC during the rollout"
+        "--gc",
+        nargs="+",
+        choices=["on", "high", "off"],
+        default=["on"],
+        help="the cyclic GC during the rollout: defaults, high thresholds, off",
     )
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -519,7 +529,7 @@ def main() -> None:
     parser.add_argument("--child-echo", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_memory is not None:
-        _memory_child(args.child_memory, args.concurrency[0], collect=args.gc[0] == "on")
+        _memory_child(args.child_memory, args.concurrency[0], collect=args.gc[0])
     elif args.child_echo is not None:
         _echo_child(args.child_echo)
     elif args.part == "memory":
