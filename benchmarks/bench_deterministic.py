@@ -20,24 +20,10 @@ import tempfile
 import time
 from typing import Any
 
-from interlens import AutoModelParticipant, Conversation
+from _common import debate
+
+from interlens import Conversation
 from interlens.testing import tiny_model
-
-
-def debate(path: str, *, new_tokens: int, turns: int, dtype: str | None) -> Conversation:
-    def speaker(name: str, side: str) -> Any:
-        return AutoModelParticipant.from_pretrained(
-            path,
-            name=name,
-            temperature=0.9,
-            max_new_tokens=new_tokens,
-            dtype=dtype,
-            system_prompt=f"Argue for {side}.",
-        )
-
-    return Conversation(
-        participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
-    ).turns(turns)
 
 
 def run_once(conv: Conversation, n: int, *, batched: bool) -> tuple[float, int, set[int], set[Any]]:

@@ -26,31 +26,15 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
-from interlens import AutoModelParticipant, Conversation
+from _common import debate, spread
+
+from interlens import Conversation
 from interlens.testing import tiny_model
-
-
-def debate(path: str, *, turns: int, new_tokens: int, dtype: str, kv_reuse: bool) -> Conversation:
-    def speaker(name: str, side: str) -> Any:
-        return AutoModelParticipant.from_pretrained(
-            path,
-            name=name,
-            temperature=0.9,
-            max_new_tokens=new_tokens,
-            dtype=dtype,
-            kv_reuse=kv_reuse,
-            system_prompt=f"Argue for {side}.",
-        )
-
-    return Conversation(
-        participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
-    ).turns(turns)
 
 
 def rollout(conv: Conversation, n: int) -> tuple[float, int, list[Any], float]:
@@ -104,10 +88,6 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
     return time.perf_counter() - start, total
 
 
-def spread(values: list[float], fmt: str = ".0f") -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def measure(path: str, args: argparse.Namespace, turns: int) -> None:
     reuse = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=True)
     plain = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=False)
@@ -133,7 +113,7 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
             rates[name].append(tokens / seconds)
     print(f"{turns}-turn debate, {args.rollouts} rollouts x <= {args.new_tokens} new tokens, {args.dtype}:")
     for name in names:
-        print(f"  {name:>9}: {spread(rates[name])} tok/s")
+        print(f"  {name:>9}: {spread(rates[name], '.0f')} tok/s")
     vs_generate = [r / g for r, g in zip(rates["reuse"], rates["generate"], strict=True)]
     vs_plain = [r / p for r, p in zip(rates["reuse"], rates["no reuse"], strict=True)]
     plain_vs_generate = [p / g for p, g in zip(rates["no reuse"], rates["generate"], strict=True)]

@@ -34,6 +34,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from _common import spread
+
 KEY = "sk-bench-not-a-real-key"
 
 
@@ -101,10 +103,6 @@ def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float]]:
     return out[0]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=16)
@@ -145,11 +143,11 @@ def main() -> None:
         runs["mixed"].append(timed(mixed, args.rollouts))
     for name, rs in runs.items():
         sizes = sorted({s for _, batch, _, _ in rs for s in batch})
-        walls = spread([r[0] for r in rs])
+        walls = spread([r[0] for r in rs], ".2f")
         print(f"  {name:10s} wall {walls} s; local tokens {rs[-1][2]}; local batch sizes {sizes}")
     extra = [m[0] - a[0] for a, m in zip(runs["local-only"], runs["mixed"], strict=True)]
     floor = hosted_rounds * args.latency
-    print(f"  mixed - local-only = {spread(extra)} s per run (floor {floor:.2f} s; goal <= 0.20 s)")
+    print(f"  mixed - local-only = {spread(extra, '.2f')} s per run (floor {floor:.2f} s; goal <= 0.20 s)")
     gaps = [g * 1000 for r in runs["mixed"] for g in r[3]]
     if gaps:
         print(

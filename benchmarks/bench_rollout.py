@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from _common import debate, spread
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
 from interlens.testing import tiny_model
@@ -66,26 +67,6 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     if failed:
         raise failed[0]
     return out[0]
-
-
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
-
-
-def debate(path: str, *, new_tokens: int, turns: int, dtype: str) -> Conversation:
-    def speaker(name: str, side: str) -> Any:
-        return AutoModelParticipant.from_pretrained(
-            path,
-            name=name,
-            temperature=0.9,
-            max_new_tokens=new_tokens,
-            dtype=dtype,
-            system_prompt=f"Argue for {side}.",
-        )
-
-    return Conversation(
-        participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
-    ).turns(turns)
 
 
 class Recorder:
@@ -202,7 +183,7 @@ def part_debate(args: argparse.Namespace, path: str, engine: Any) -> None:
         print(f"  {name:11s} {tokens[name]:6d} tok  {spread(r)} tok/s")
     for name, goal in (("engine", " (goal >= 0.95)"), ("hf dynamic", ""), ("hf static", "")):
         ratios = [a / b for a, b in zip(rates["rollout"], rates[name], strict=True)]
-        print(f"  rollout / {name:10s} = {spread(ratios, '{:.2f}')}x{goal}")
+        print(f"  rollout / {name:10s} = {spread(ratios, '.2f')}x{goal}")
 
 
 def timed_rollout(conv: Conversation, n: int | None) -> tuple[float, Any]:
@@ -232,9 +213,9 @@ def on_off(label: str, conv: Conversation, n: int | None, engine: Any, repeats: 
     ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
     print(label)
     for flag, name in ((True, "on: "), (False, "off:")):
-        times_s, tokens = spread(times[flag], "{:.2f}"), sorted(shared[flag])
+        times_s, tokens = spread(times[flag], ".2f"), sorted(shared[flag])
         print(f"  shared prefill {name} {times_s} s; shared_prefix_tokens {tokens}")
-    print(f"  off / on = {spread(ratios, '{:.2f}')}x")
+    print(f"  off / on = {spread(ratios, '.2f')}x")
 
 
 def part_shared(args: argparse.Namespace, path: str, engine: Any) -> None:
