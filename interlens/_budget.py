@@ -16,8 +16,10 @@ Once one request or batch is refused the run starts no new job; a job whose requ
 to pending (not failed, its committed turns kept) and the run ends with a warning saying what was spent and
 how to continue. The spend counts what the ledger already recorded (every turn's ``metadata["usage"]``,
 earlier runs of the same ``out_dir`` included), so a rerun with the same budget sends nothing and one with a
-larger budget resumes exactly there. Not counted: API calls that are not turns (an analyzer's
-``conv.sample``) and answers lost before their turn was recorded (a crash in between).
+larger budget resumes exactly there. An analyzer's ``conv.sample`` calls count too: the gateway charges them
+as they go, and their usage is stored with the job's result for later runs. Not counted: answers lost before
+their turn or result was recorded (a crash in between), and the samples of an analyzer that failed and was
+rerun (its new result replaces the old).
 
 ``tokens`` counts input (cached or not) plus output tokens as the providers report them; ``usd`` needs a
 price for every API model of the run (``prices`` as in ``RunReport.usage``; batch turns at the discount
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ._exceptions import ConfigurationError
-from ._usage import check_prices, turn_cost
+from ._usage import check_prices, recorded_metadata, turn_cost
 
 __all__ = ["APIBudget", "ambient_budget", "estimate_tokens"]
 
@@ -122,9 +124,10 @@ class APIBudget:
             except LedgerNotFoundError:
                 return spend
             with reader:
-                for meta in reader.turn_values("$.metadata.usage"):
-                    if isinstance(meta, Mapping):
-                        spend.add(meta)
+                for meta in recorded_metadata(reader):  # turns and analyzers' samples
+                    usage = meta.get("usage")
+                    if isinstance(usage, Mapping):
+                        spend.add(usage)
         return spend
 
 

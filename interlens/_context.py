@@ -13,12 +13,12 @@ import contextvars
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from interlens.scheduler import JobContext
 
-__all__ = ["CURRENT_JOB", "in_job", "turn_seed"]
+__all__ = ["CURRENT_JOB", "collecting_samples", "in_job", "record_sample", "turn_seed"]
 
 CURRENT_JOB: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar(
     "interlens_current_job", default=None
@@ -35,6 +35,32 @@ def in_job(ctx: JobContext) -> Iterator[None]:
         yield
     finally:
         CURRENT_JOB.reset(token)
+
+
+_SAMPLES: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
+    "interlens_samples", default=None
+)
+
+
+@contextmanager
+def collecting_samples() -> Iterator[list[dict[str, Any]]]:
+    """Collect the metadata of every ``conv.sample`` made in the body (a rollout job's analyzer).
+
+    Why: a sample is not a turn, so no turns row records what it cost; the job stores this list with its
+    result, and the run's usage and API budget count it (an LLM judge is often the run's biggest bill)."""
+    samples: list[dict[str, Any]] = []
+    token = _SAMPLES.set(samples)
+    try:
+        yield samples
+    finally:
+        _SAMPLES.reset(token)
+
+
+def record_sample(metadata: dict[str, Any]) -> None:
+    """Note a sample's metadata for the collecting job (a no-op outside :func:`collecting_samples`)."""
+    samples = _SAMPLES.get()
+    if samples is not None:
+        samples.append(dict(metadata))
 
 
 class _Seeded(Protocol):

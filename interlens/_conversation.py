@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from ._capture import ActivationCache, CaptureSpec, CaptureTarget
-from ._context import CURRENT_JOB, turn_seed
+from ._context import CURRENT_JOB, record_sample, turn_seed
 from ._exceptions import (
     ConfigurationError,
     TemplateError,
@@ -408,7 +408,9 @@ class Conversation:
                 view, messages=(*view.messages, ViewMessage("user", prompt, MODERATOR))
             )
         options = self._options(list(ambient_conditions()), participant, ephemeral=True, steering=steering)
-        return await participant.agenerate(view, options)
+        message = await participant.agenerate(view, options)
+        record_sample(message.metadata)  # inside a rollout's analyzer: what it cost goes with the result
+        return message
 
     def sample(self, speaker: str, prompt: str | None = None, *, steering: Any = None) -> Message:
         """Sync twin of :meth:`asample`."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _export
 from ._message import Transcript
-from ._usage import UsageReport, summarize
+from ._usage import UsageReport, conversation_metadata, recorded_metadata, summarize
 
 if TYPE_CHECKING:
     import datasets
@@ -182,13 +182,12 @@ class RunReport:
             from interlens.store import LedgerReader
 
             with LedgerReader(self.out_dir) as reader:
-                return summarize(reader.turn_values("$.metadata"), prices, where="RunReport.usage()")
+                return summarize(recorded_metadata(reader), prices, where="RunReport.usage()")
         metadata = (
-            message.get("metadata") or {}
+            meta
             for outcome in self._outcome.outcomes()
             if outcome.conversation is not None
-            for message in outcome.conversation.get("transcript", [])
-            if isinstance(message, Mapping)
+            for meta in conversation_metadata(outcome.conversation)
         )
         return summarize(metadata, prices, where="RunReport.usage()")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
-from ._context import in_job
+from ._context import collecting_samples, in_job
 from ._exceptions import (
     ConfigurationError,
     InterlensError,
@@ -34,6 +34,7 @@ from ._options import Options, RunOptions, check_n, parse_options, prepare_out_d
 from ._report import RunReport
 from ._stop import ambient_conditions
 from ._templating import DatasetField, is_templated
+from ._usage import SAMPLES_KEY
 
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
@@ -78,16 +79,19 @@ class ConversationJob:
             with in_job(ctx):
                 await conv.advance(on_turn=record)
                 analysis, analysis_error = None, None
-                if conv.analyzer_fn is not None:
-                    try:
-                        analysis = await run_analyzer(conv.analyzer_fn, conv)
-                    except Exception as exc:
-                        analysis_error = exc
+                with collecting_samples() as samples:
+                    if conv.analyzer_fn is not None:
+                        try:
+                            analysis = await run_analyzer(conv.analyzer_fn, conv)
+                        except Exception as exc:
+                            analysis_error = exc
         except Exception:
             await _release_kept(conv, ctx.job_id)
             raise
         await _release_kept(conv, ctx.job_id)  # the conversation is over: its kept KV caches can go
         state = conv.to_json()
+        if samples:  # the analyzer's samples are no turns: their metadata (usage) is kept with the result
+            state[SAMPLES_KEY] = samples
         if self.recipe is not None:
             state["recipe"] = self.recipe
         return JobResult(

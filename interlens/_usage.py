@@ -6,6 +6,8 @@ counts, never re-tokenized), and every turn is stored in the ledger as it ends, 
 the totals here are read from it (every stored message, whichever job, state or run it belongs to, earlier
 runs of the same ``out_dir`` included), and so is what a spend guard (:mod:`interlens._budget`) counts as
 already spent when a run resumes. Without an ``out_dir`` the totals come from the results held in memory.
+An analyzer's ``conv.sample`` calls are no turns: their metadata is kept with the job's result (under
+:data:`SAMPLES_KEY` of its conversation state) and counted with the turns (:func:`recorded_metadata`).
 
 There is no price table (one would go stale): a cost is estimated only for models whose prices are passed,
 ``prices={"model-id": (usd_per_mtok_in, usd_per_mtok_out)}``, optionally with cache-read and cache-write
@@ -16,13 +18,43 @@ discount their provider documents (``Provider.batch_price``: OpenAI and Anthropi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
 
-__all__ = ["APIUsage", "LocalUsage", "Prices", "UsageReport", "check_prices", "summarize", "turn_cost"]
+__all__ = [
+    "SAMPLES_KEY",
+    "APIUsage",
+    "LocalUsage",
+    "Prices",
+    "UsageReport",
+    "check_prices",
+    "conversation_metadata",
+    "recorded_metadata",
+    "summarize",
+    "turn_cost",
+]
+
+#: The key of a result's conversation state holding the metadata of its analyzer's samples (``_rollout``).
+SAMPLES_KEY: Final = "sample_metadata"
+
+
+def recorded_metadata(reader: Any) -> Iterator[Mapping[str, Any]]:
+    """The metadata of every message a ledger (a ``LedgerReader``) holds: turns, then analyzers' samples."""
+    yield from reader.turn_values("$.metadata")
+    for samples in reader.result_values(f"$.{SAMPLES_KEY}"):
+        yield from (meta for meta in samples if isinstance(meta, Mapping))
+
+
+def conversation_metadata(conversation: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The same for one finished job's conversation state held in memory."""
+    for message in conversation.get("transcript", []):
+        if isinstance(message, Mapping):
+            yield message.get("metadata") or {}
+    yield from (meta for meta in conversation.get(SAMPLES_KEY, []) if isinstance(meta, Mapping))
+
 
 Prices = Mapping[str, tuple[float, ...]]
 """model id -> (usd per million input tokens, per million output tokens[, cache read[, cache write]])."""

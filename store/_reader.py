@@ -252,6 +252,16 @@ class LedgerReader:
         for (text,) in self._conn.execute(sql, (json_path, json_path)):
             yield json.loads(text)
 
+    def result_values(self, json_path: str) -> Iterator[Any]:
+        """The JSON value at ``json_path`` of every stored result's conversation state (what a result keeps
+        besides its transcript and recipe) that has one: a scan like :meth:`turn_values`."""
+        sql = (
+            "SELECT json_extract(state_json, ?) FROM results "
+            "WHERE json_type(state_json, ?) IN ('object', 'array')"
+        )
+        for (text,) in self._conn.execute(sql, (json_path, json_path)):
+            yield json.loads(text)
+
     # ------------------------------------------------------------------------------------------ runs, batches
 
     def runs(self) -> list[dict[str, Any]]:

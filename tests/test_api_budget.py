@@ -168,3 +168,37 @@ def test_usd_budgets_need_prices_and_budgets_apply_ambiently(
         APIBudget()
     with pytest.raises(ConfigurationError, match="must be an APIBudget"):
         conv.rollout(api_budget=5)  # type: ignore[arg-type]
+
+
+def judge_analyzer(conv: Conversation) -> dict[str, str]:
+    """An LLM judge: one hosted sample per finished conversation (no turn records it)."""
+    return {"verdict": conv.sample("judge", "Was that a good answer? One word.").content}
+
+
+def test_an_analyzers_api_samples_count_in_usage_and_in_the_budget_of_later_runs(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    judge = APIParticipant(name="judge", provider="openai", model_id="gpt-judge", retry=FAST)
+    host = ScriptedParticipant("host", ["An answer."])
+    conv = (
+        Conversation([host, judge], shared_context=dataset_field("q"))
+        .turns(1)  # only the host speaks: every API request is the analyzer's
+        .data(rows(6))
+        .analyzer(judge_analyzer)
+    )
+    first = conv.rollout(n=3, out_dir=tmp_path)
+    assert first.failed == [] and len(chat_bodies(server)) == 3
+    cost = spent_tokens(server)[0]
+    assert set(spent_tokens(server)) == {cost}
+    assert all(r.analysis["verdict"] for r in first.results.values())
+    [row] = first.usage().api  # read from the ledger: the samples were stored with the results
+    assert (row.model, row.requests) == ("gpt-judge", 3)
+    assert row.input_tokens + row.output_tokens == 3 * cost
+    in_memory = Conversation([host, judge], shared_context=dataset_field("q")).turns(1).data(rows(2))
+    live = in_memory.analyzer(judge_analyzer).rollout()
+    assert live.usage().totals()["requests"] == 2  # no out_dir: from the results in memory
+
+    # Three more rows under a budget the first run's judge already spent: nothing more is sent.
+    again = conv.rollout(n=6, out_dir=tmp_path, api_budget=APIBudget(tokens=3 * cost))
+    assert len(chat_bodies(server)) == 3 + 2 and again.stopped is not None
+    assert again.counts["pending"] == 3 and len(again.results) == 3
