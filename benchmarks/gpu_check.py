@@ -13,6 +13,10 @@ Five parts, each printing what it saw and the memory in use per GPU afterwards:
    fail with a clear error (or, before the NaN check, poison its worker, which is then replaced).
 4. Steering + capture: live on the first device, and inside a deterministic 2-worker rollout.
 5. Eviction: two models one after the other on one device; the first must be gone when the second runs.
+6. Cross-turn KV reuse and shared-prefix prefill on the first device (issue 14): rows sharing a long prefix,
+   then their next turns reusing the kept caches, against the same engine with reuse off (float32: tokens
+   should be equal; a mismatch here says the layouts' masks or positions differ on this device's kernels);
+   then an 8-turn debate rollout with ``kv_reuse`` on and off (the model's dtype), wall time and reuse share.
 
 The model is a real architecture built locally (``interlens.testing.tiny_model``: qwen2, random weights;
 ``--size bench`` is ~27M parameters). Without a GPU every part still runs on the CPU (the GPU-only parts say
@@ -96,6 +100,44 @@ def debate(path: str, *, new_tokens: int, name: str, **settings: Any) -> Convers
     a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=new_tokens, **settings)
     b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=new_tokens, **settings)
     return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(4).name(name)
+
+
+def kv_reuse_check(path: str, device: str) -> None:
+    """Engine level, float32: a shared-prefix batch, then each row's next turn on its kept cache; both turns
+    compared with the same engine code with reuse off."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens._generation import GenerationRequest, LocalEngine
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reusing = LocalEngine(model, tokenizer, device=device)
+    full = LocalEngine(model, tokenizer, device=device, kv_reuse_capacity=0)
+    rules = "Rules: be brief, cite one fact, answer the other side's last point. " * 4
+    topics = ["Tabs.", "Spaces, always and everywhere.", "Neither: use a formatter.", "Both, by file type."]
+
+    def prompt(text: str) -> tuple[int, ...]:
+        chat = [{"role": "user", "content": text}]
+        return tuple(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+
+    def turn(prompts: list[tuple[int, ...]]) -> tuple[list[Any], bool]:
+        requests = [
+            GenerationRequest(prompt_ids=p, max_new_tokens=12, temperature=0.9, seed=7 + i, reuse_key=f"s{i}")
+            for i, p in enumerate(prompts)
+        ]
+        mine, theirs = reusing.generate_batch(requests), full.generate_batch(requests)
+        failed = [r for r in mine + theirs if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+        return mine, [r.token_ids for r in mine] == [r.token_ids for r in theirs]
+
+    prompts = [prompt(rules + t) for t in topics]
+    first, same = turn(prompts)
+    print(f"  turn 1: shared_prefix_tokens {[r.shared_prefix_tokens for r in first]}; equal: {same}")
+    more = tuple(tokenizer(" And the other side says no.", add_special_tokens=False).input_ids)
+    second, same = turn([(*p, *r.token_ids, *more) for p, r in zip(prompts, first, strict=True)])
+    print(f"  turn 2: kv_reused_tokens {[r.kv_reused_tokens for r in second]}; equal: {same}")
 
 
 def nan_model(path: str, into: str) -> str:
@@ -226,6 +268,21 @@ def main() -> None:
     gc.collect()
     names = [os.path.basename(e.model.config._name_or_path) for e in cached_engines()]
     print(f"failed {report.failed}; models still cached after the run: {names}")
+    print(f"memory: {gpu_memory()}")
+
+    section(f"6. KV reuse and shared-prefix prefill on {first}")
+    kv_reuse_check(path, first)
+    for reuse in (True, False):
+        conv = debate(path, new_tokens=32, name=f"reuse_{reuse}", kv_reuse=reuse, temperature=0.9).turns(8)
+        t0 = time.perf_counter()
+        report = conv.rollout(n=args.rollouts, devices=[first], seed=1)
+        metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
+        share = sum(m["kv_reused_tokens"] for m in metas) / max(1, sum(m["prompt_tokens"] for m in metas))
+        tokens = sum(r.tokens_generated for r in report.results.values())
+        print(
+            f"  kv_reuse={reuse}: 8-turn debate x {args.rollouts}: {time.perf_counter() - t0:.2f} s, "
+            f"{tokens} tokens, reused {100 * share:.0f} % of prompt tokens, failed {report.failed}"
+        )
     print(f"memory: {gpu_memory()}")
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
 
