@@ -7,7 +7,7 @@ from collections.abc import Hashable
 
 import anyio
 import pytest
-from workers_testkit import EVICTED, EvictableSpec, WorkerJob
+from workers_testkit import EVICTED, EvictableSpec, WorkerJob, one_slot_worker
 
 from interlens.scheduler import JobSpec, LineupSpec, run_jobs
 from interlens.scheduler._eviction import EngineNeeds
@@ -72,24 +72,13 @@ def test_engine_needs_counts_pulled_and_ended_jobs() -> None:
 async def test_a_worker_process_evicts_when_told_before_its_next_job() -> None:
     from workers_testkit import children
 
-    from interlens.scheduler import ExecutionMode
-    from interlens.scheduler._subprocess import SubprocessWorker
-
     async def record(index: int, turn: object) -> None:
         pass
 
     def spec(job_id: str, engine: str) -> JobSpec:
         return JobSpec(job_id, "e", seed=0, job=WorkerJob(turns=1, engine=EvictableSpec(engine)))
 
-    worker = SubprocessWorker(
-        "cpu",
-        capacity=1,
-        mode=ExecutionMode.BATCHED,
-        max_batch_size=1,
-        max_batch_wait=0.05,
-        hooks=b"",
-        start_timeout=60,
-    )
+    worker = one_slot_worker("cpu")
     with anyio.fail_after(60):
         async with worker:
             await worker.started()

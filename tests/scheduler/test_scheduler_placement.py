@@ -11,11 +11,10 @@ from typing import Any
 
 import anyio
 import pytest
-from workers_testkit import EnvJob, children, lineup
+from workers_testkit import EnvJob, children, lineup, one_slot_worker
 
-from interlens.scheduler import DeviceError, ExecutionMode, JobSpec, run_jobs, validate_devices
+from interlens.scheduler import DeviceError, JobSpec, run_jobs, validate_devices
 from interlens.scheduler._placement import plan_workers
-from interlens.scheduler._subprocess import SubprocessWorker
 
 
 def test_a_cuda_worker_sees_only_its_gpu_as_cuda_0() -> None:
@@ -79,15 +78,7 @@ async def test_a_worker_process_for_cuda_3_is_started_with_cuda_visible_devices_
     async def record(index: int, turn: Any) -> None:
         raise AssertionError("EnvJob records no turn")
 
-    worker = SubprocessWorker(
-        plan,
-        capacity=1,
-        mode=ExecutionMode.BATCHED,
-        max_batch_size=1,
-        max_batch_wait=0.05,
-        hooks=b"",
-        start_timeout=60,
-    )
+    worker = one_slot_worker(plan)
     with anyio.fail_after(60):
         async with worker:
             await worker.started()

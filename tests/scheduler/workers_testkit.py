@@ -199,6 +199,22 @@ def lineup(name: str, jobs: Sequence[Any]) -> LineupSpec:
     return LineupSpec(name=name, fingerprint=f"fp-{name}", jobs=iter(specs), n_jobs=len(specs))
 
 
+def one_slot_worker(where: Any) -> Any:
+    """A worker process of one job slot and batches of one (``where``: a device or a ``WorkerPlan``), for
+    tests that drive a ``SubprocessWorker`` directly."""
+    from interlens.scheduler._subprocess import SubprocessWorker
+
+    return SubprocessWorker(
+        where,
+        capacity=1,
+        mode=ExecutionMode.BATCHED,
+        max_batch_size=1,
+        max_batch_wait=0.05,
+        hooks=b"",
+        start_timeout=60,
+    )
+
+
 def children() -> set[int]:
     """Pids of this process's live (or unreaped) child processes, read from /proc."""
     me, found = os.getpid(), set()
