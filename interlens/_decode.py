@@ -233,7 +233,6 @@ class ModelRunner:
             prompt_tokens=len(row.request.prompt_ids),
             seconds=seconds,
             batch_size=batch_size,
-            shared_prefill=shared > 0,
             shared_prefix_tokens=shared,
             kv_reused_tokens=reused,
         )

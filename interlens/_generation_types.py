@@ -105,14 +105,18 @@ class GenerationResult:
     prompt_tokens: int
     seconds: float  # wall time of the batched call this row was part of
     batch_size: int  # rows in that batched call
-    shared_prefill: bool  # part of the prompt was prefilled once for several rows (shared_prefix_tokens > 0)
+    # leading prompt tokens whose KV was computed once for several rows of the batch (identical prompts: all
+    # but the last token; a shared prefix of a data rollout: that prefix); 0 when nothing was shared
+    shared_prefix_tokens: int
     kv_reused_tokens: int  # prompt tokens whose KV came from this stream's previous turn (0 if none)
     captured: Captured | None = None  # the row's activations, when its request asked for a capture
     # the engine's batch-invariance self-test verdict (None: not run, i.e. no deterministic batch yet)
     batch_invariant: bool | None = None
-    # leading prompt tokens whose KV was computed once for several rows of the batch (identical prompts: all
-    # but the last token; a shared prefix of a data rollout: that prefix); 0 when nothing was shared
-    shared_prefix_tokens: int = 0
+
+    @property
+    def shared_prefill(self) -> bool:
+        """Whether part of the prompt was prefilled once for several rows."""
+        return self.shared_prefix_tokens > 0
 
 
 @dataclass(frozen=True, init=False)
