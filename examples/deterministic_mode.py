@@ -10,8 +10,11 @@ conversation is token-identical on the same hardware whatever runs beside it. Pi
 ``kv_reuse=False`` on the participants. It is also the only mode with per-turn interp (capture, steering,
 probes): see docs/interp.md.
 
-The script runs the rollout twice into two ledgers and compares every turn's text and token count, then
-shows the batched default's turn metadata for contrast.
+Deterministic turns still co-step where the engine's batch-invariance self-test passed for this model,
+device and dtype (``metadata["batch_invariant"]``; docs/deterministic.md): then a turn's tokens are the
+same in a batch as alone. The script runs the rollout twice into two ledgers and compares every turn's
+text and token count, then once more with one turn per batch (``max_batch_size=1``) to show that
+co-stepping changed nothing, and shows the batched default's turn metadata for contrast.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ def batched_turns(report: RunReport) -> str:
     """How many generated turns were co-stepped with others (``metadata["batched"]``), of how many."""
     turns = [m for res in report.results.values() for m in (res.transcript or [])[1:]]
     return f"{sum(bool(m.metadata.get('batched')) for m in turns)}/{len(turns)}"
+
+
+def texts(report: RunReport) -> dict[str, list[str]]:
+    return {job: [m.content for m in res.transcript or []] for job, res in report.results.items()}
 
 
 def main() -> None:
@@ -67,11 +74,15 @@ def main() -> None:
         tokens = [m.n_tokens for m in res.transcript[1:]]
         print(f"{job_id}: tokens per turn {tokens}, rerun identical: {same}")
     print(f"token-identical reruns: {identical}/{len(first.results)}")
+    verdicts = {m.metadata.get("batch_invariant") for r in first.results.values() for m in r.transcript[1:]}
     print(f"deterministic: {batched_turns(first)} turns generated in a batch of more than one")
+    print(f"batch-invariant (the engine's self-test): {', '.join(sorted(map(str, verdicts)))}")
+    alone = conv.rollout(n=args.n, batched=False, max_batch_size=1, out_dir=out / "alone", seed=0)
+    print(f"one turn per batch gives the same conversations: {texts(alone) == texts(first)}")
 
     batched = conv.rollout(n=args.n, out_dir=out / "batched", seed=0)  # the default, for contrast
     print(f"batched (default): {batched_turns(batched)} turns generated in a batch of more than one")
-    print("failed:", len(first.failed) + len(second.failed) + len(batched.failed))
+    print("failed:", sum(len(r.failed) for r in (first, second, alone, batched)))
 
 
 if __name__ == "__main__":

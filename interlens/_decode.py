@@ -104,16 +104,22 @@ class ModelRunner:
         ``attn`` is the full-length 2-D padding mask (or None): a static cache takes it whole (its KV is
         preallocated to that length), a dynamic cache takes the first ``kv_len`` columns, a view, no copy.
         """
-        if attn is not None and not static:
-            attn = attn[:, :kv_len]
+        rows = tokens.shape[0]
+        feed = getattr(cache, "feed", None)  # a slot cache (``_slot_rows``) pads the rows and builds the mask
+        if feed is not None:
+            tokens, position_ids, attn = feed(tokens, positions)
+        else:
+            position_ids = positions.unsqueeze(1)
+            if attn is not None and not static:
+                attn = attn[:, :kv_len]
         out = self.model(
             input_ids=tokens,
             attention_mask=attn,
-            position_ids=positions.unsqueeze(1),
+            position_ids=position_ids,
             cache=cache,
             use_cache=True,
         )
-        return out.logits[:, -1, :]
+        return out.logits[:rows, -1, :]
 
     # ------------------------------------------------------------------ the decode loop
 

@@ -38,6 +38,7 @@ from interlens._interp_rows import InterpRows
 from interlens._kv_reuse import KVReuse
 from interlens._prefill import prefill_groups as _prefill_groups
 from interlens._sampling import SamplingSettings
+from interlens._slot_rows import SlotRows
 from interlens.scheduler import ExecutionMode
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 
-class LocalEngine(InterpRows, KVReuse):
+class LocalEngine(InterpRows, KVReuse, SlotRows):
     """A loaded causal LM plus its tokenizer on one device; satisfies ``interlens.scheduler.Engine``.
 
     ``generate_batch`` runs one batch at a time (a lock), because live use may call it from several threads
@@ -111,7 +112,7 @@ class LocalEngine(InterpRows, KVReuse):
             import torch
 
             with torch.inference_mode():
-                self._batch_invariant = _self_test(self)
+                self._batch_invariant = self._slots_supported() and _self_test(self)
         return self._batch_invariant
 
     def generate_batch(
@@ -152,8 +153,10 @@ class LocalEngine(InterpRows, KVReuse):
         plain = [i for i in valid if not requests[i].interp]
         reuse = self.kv_reuse_capacity > 0 and self.kv_reuse_budget != 0 and not deterministic
         with self._lock, torch.inference_mode():
-            # the self-test runs only when its verdict matters: two or more rows that could co-step
-            alone = deterministic and len(plain) > 1 and not self._invariant()
+            # deterministic rows take the slot layout wherever the model allows it, alone or co-stepped (so a
+            # row's tokens never depend on whether it had company), and co-step only after the self-test
+            slotted = deterministic and bool(plain) and self._slots_supported()
+            alone = deterministic and bool(plain) and not self._invariant()
             groups = [[i] for i in plain] if alone else ([plain] if plain else [])
             groups += [[i] for i in valid if requests[i].interp]
             for group in groups:
@@ -162,6 +165,8 @@ class LocalEngine(InterpRows, KVReuse):
                     results = [self._generate_interp(batch[0], cancelled)]
                 elif reuse and any(r.reuse_key is not None for r in batch):
                     results = self._generate_reuse_rows(batch, cancelled)
+                elif slotted:
+                    results = self._generate_slotted(batch, cancelled)
                 else:
                     results = self._generate_rows(batch, cancelled, plain=deterministic)
                 for i, result in zip(group, results, strict=True):

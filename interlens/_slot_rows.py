@@ -1,0 +1,208 @@
+"""Deterministic rows in a batch-invariant layout: each row's arithmetic is the same alone and in any batch.
+
+A deterministic row samples from its own seeded stream, so its tokens follow from its own logits. If those
+are bitwise the same whatever rows share its batch, deterministic turns can co-step at batched speed and
+still be token-identical to running alone. The plain left-padded batch (``_prefill``) is not that, even on
+CPU with stock kernels (measured with MKL, torch 2.13, AVX-512):
+
+* a matmul of 1-3 rows takes another kernel, with another reduction order, than one of 4 or more, and with
+  several threads the rows each thread gets decide it too: a 1-row decode step and a 6-row one round apart;
+* left padding moves a row's keys to other cache slots, so the attention's reductions over keys put them in
+  other vector lanes and blocks; a longer cache (a batch mate asking for more tokens) moves block edges.
+
+So every deterministic batch, of one row or many, is laid out the same way here:
+
+* each distinct prompt is prefilled ALONE (a batch of one: the same call whatever else is pending; rows with
+  the same prompt share it, which is the same arithmetic) and its KV copied to slots ``0 .. len-1`` of its
+  row: slot == position, no left padding;
+* a decode step feeds one token per row and writes its KV at the row's own slot (:func:`slot_cache`); the
+  mask covers the slots up to the row's position;
+* the cache length is a multiple of :data:`SLOT_BLOCK` slots, so the key reductions' lanes and blocks fall
+  on the same positions whatever the length, and the slots past a row's position add exact zeros;
+* the rows of a step are padded to a multiple of :data:`ROW_BLOCK` with copies of the last row (their
+  logits are dropped), so every matmul has a row count the BLAS serves with one kernel.
+
+That removes the sources measured here; it proves nothing about other kernels (another BLAS, a GPU), so the
+engine co-steps rows on this layout only after its self-test (``_batch_invariance``) ran probe rows alone and
+together through this very path and found every submodule output bitwise equal. Only for models whose cache
+layers are all plain full-attention static layers (a sliding window counts slots); others run deterministic
+rows alone through the plain batch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from interlens._decode import Row, raise_if_cancelled, stop_window
+from interlens._generation_types import GenerationRequest, GenerationResult
+from interlens._prefill import BatchPrefill, plain_static
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
+
+#: Rows of every decode step are padded to a multiple of this (MKL: 4 rows and up share one kernel per thread).
+ROW_BLOCK = 8
+#: Cache lengths are a multiple of this many slots (vector lanes x unrolled accumulators of the reductions).
+SLOT_BLOCK = 64
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+class SlotRows(BatchPrefill):
+    """The deterministic path of ``LocalEngine`` on the batch-invariant layout (see the module docstring)."""
+
+    _slot_layout: bool | None = None  # whether this model's cache layers allow the layout (checked once)
+
+    def _slots_supported(self) -> bool:
+        """Whether the model's cache is plain static layers (no sliding window), so rows can own their slots."""
+        if self._slot_layout is None:
+            from transformers import StaticCache
+
+            try:
+                probe = StaticCache(config=self.model.config, max_cache_len=SLOT_BLOCK)
+            except (TypeError, ValueError, KeyError, NotImplementedError):
+                self._slot_layout = False
+            else:
+                self._slot_layout = bool(probe.layers) and plain_static(probe)
+        return self._slot_layout
+
+    def _generate_slotted(
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+    ) -> list[GenerationResult | Exception]:
+        """Prefill each distinct prompt alone, then decode every row in one slotted batch."""
+        import torch
+
+        started = time.perf_counter()
+        raise_if_cancelled(cancelled)
+        prompts = [r.prompt_ids for r in requests]
+        length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        logits, cache = self._slot_prefill(prompts, length)
+        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        self._decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
+        seconds = time.perf_counter() - started
+        uses = {p: prompts.count(p) for p in set(prompts)}
+        return [
+            row.failure
+            if row.failure is not None
+            else self._result(
+                row,
+                seconds=seconds,
+                batch_size=len(rows),
+                shared=len(row.request.prompt_ids) if uses[row.request.prompt_ids] > 1 else 0,
+                reused=0,
+            )
+            for row in rows
+        ]
+
+    def _slot_prefill(self, prompts: list[tuple[int, ...]], length: int) -> tuple[torch.Tensor, Any]:
+        """A new slot cache holding each row's prompt at slots ``0 .. len-1`` (at least ``length`` slots),
+        and each row's logits after its last prompt token (rows, vocab)."""
+        distinct = list(dict.fromkeys(prompts))
+        cache = self._slot_fill(distinct, length)
+        return self._slot_first(prompts, distinct, cache), cache
+
+    def _slot_fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
+        """Prefill all but the last token of each distinct prompt, in one batch padded on the RIGHT to a
+        multiple of ``SLOT_BLOCK`` tokens (slot == position; a multiple of ``ROW_BLOCK`` rows per matmul).
+
+        No padding mask is needed: a real token never attends to a later slot, so pads are only seen by pad
+        queries, whose KV is overwritten by the row's own tokens before the mask ever covers it (and stays
+        finite: every pad query sees at least slot 0, a masked NaN would still poison ``probs @ V``)."""
+        import torch
+
+        device = self.device
+        width = _round_up(max(len(p) for p in distinct) - 1, SLOT_BLOCK)
+        cache = slot_cache(self.model.config, rows=len(distinct), length=max(length, width))
+        if width:  # else every prompt is one token: nothing before its last
+            ids = [list(p[:-1]) + [self._pad_id] * (width - len(p) + 1) for p in distinct]
+            positions = torch.arange(width, device=device).expand(len(distinct), width)
+            self.model(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return cache
+
+    def _slot_first(self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any) -> Any:
+        """Give each row its prompt's prefilled slots (rows with one prompt share them: the same arithmetic),
+        then feed each row its last prompt token as a decode step: the logits of its first generated token."""
+        import torch
+
+        device = self.device
+        index = {p: i for i, p in enumerate(distinct)}
+        cache.reorder_cache(torch.tensor([index[p] for p in prompts], dtype=torch.long, device=device))
+        last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=device)
+        positions = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device)
+        return self._step(last, positions, None, cache, 0, True)
+
+
+@functools.cache
+def _slot_cache_class() -> type:
+    """The cache class, built on first use (``import interlens`` does not import transformers)."""
+    import torch
+    from transformers import StaticCache
+
+    class SlotCache(StaticCache):  # type: ignore[misc]
+        """A static cache whose decode steps write each row's token at that row's own slot (its position).
+
+        ``feed`` pads a step's rows to the cache's row count and says where each writes; ``reorder_cache``
+        keeps the row count a multiple of ``ROW_BLOCK`` when finished rows leave.
+        """
+
+        def __init__(self, config: Any, *, rows: int, length: int) -> None:
+            self.length = _round_up(length, SLOT_BLOCK)
+            super().__init__(config=config, max_cache_len=self.length)
+            self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
+            self.slots: torch.Tensor | None = None  # per stored row: the slot this step writes (None: prefill)
+
+        def feed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """Pad one step's ``tokens`` (rows, 1) and ``positions`` (rows,) to the stored rows with copies
+            of the last row; returns them with the 2-D mask (slots up to each row's position)."""
+            pad = self.rows - tokens.shape[0]
+            if pad:
+                tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)])
+                positions = torch.cat([positions, positions[-1:].expand(pad)])
+            self.slots = positions
+            top = int(positions.max())
+            for layer in self.layers:
+                layer.cumulative_length.fill_(top)  # the causal mask's query offset: the furthest row
+            slots = torch.arange(self.length, device=positions.device)
+            mask = (slots.unsqueeze(0) <= positions.unsqueeze(1)).long()
+            return tokens, positions.unsqueeze(1), mask
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.slots is None:  # the prefill, before any step: slots 0 .. width-1 of every row
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            layer = self.layers[layer_idx]
+            if not layer.is_initialized:  # every prompt was one token: nothing was prefilled
+                layer.lazy_initialization(key_states, value_states)
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            layer.keys[rows, :, self.slots] = key_states[:, :, 0]
+            layer.values[rows, :, self.slots] = value_states[:, :, 0]
+            return layer.keys, layer.values
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            keep = beam_idx.tolist()
+            self.rows = _round_up(len(keep), ROW_BLOCK)
+            keep += keep[-1:] * (self.rows - len(keep))
+            super().reorder_cache(torch.tensor(keep, dtype=torch.long, device=beam_idx.device))
+
+    return SlotCache
+
+
+def slot_cache(config: Any, *, rows: int, length: int) -> Any:
+    """A new slot cache for ``rows`` rows (stored padded to a multiple of ``ROW_BLOCK``) and at least
+    ``length`` slots (a multiple of ``SLOT_BLOCK``)."""
+    return _slot_cache_class()(config, rows=rows, length=length)
