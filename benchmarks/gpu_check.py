@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--size bench] [--rollouts 16] [--mem-fraction 0.003]
 
-Five parts, each printing what it saw and the memory in use per GPU afterwards:
+Seven parts, each printing what it saw and the memory in use per GPU afterwards:
 
 1. A 2-worker rollout: two GPUs (or two workers on one GPU, or two CPU workers without a GPU). Each job's
    analyzer reports its worker's device as the worker sees it (``interlens.worker_device()``, "cuda:0" in
@@ -17,6 +17,10 @@ Five parts, each printing what it saw and the memory in use per GPU afterwards:
    then their next turns reusing the kept caches, against the same engine with reuse off (float32: tokens
    should be equal; a mismatch here says the layouts' masks or positions differ on this device's kernels);
    then an 8-turn debate rollout with ``kv_reuse`` on and off (the model's dtype), wall time and reuse share.
+7. Deterministic co-stepping on the first device (issue 14): the engine's batch-invariance self-test on the
+   slot layout in float32 and bfloat16 (its verdict and cost), a deterministic batch of 6 rows against each
+   row alone (token-identical only if the verdict is True), and a 4-turn deterministic rollout's throughput
+   against the batched one.
 
 The model is a real architecture built locally (``interlens.testing.tiny_model``: qwen2, random weights;
 ``--size bench`` is ~27M parameters). Without a GPU every part still runs on the CPU (the GPU-only parts say
@@ -138,6 +142,47 @@ def kv_reuse_check(path: str, device: str) -> None:
     more = tuple(tokenizer(" And the other side says no.", add_special_tokens=False).input_ids)
     second, same = turn([(*p, *r.token_ids, *more) for p, r in zip(prompts, first, strict=True)])
     print(f"  turn 2: kv_reused_tokens {[r.kv_reused_tokens for r in second]}; equal: {same}")
+
+
+def deterministic_check(path: str, device: str) -> None:
+    """Engine level: the self-test's verdict on this device, then 6 deterministic rows together vs alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens._generation import GenerationRequest, LocalEngine
+    from interlens.scheduler import ExecutionMode
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    topics = ["Tabs.", "Spaces, always.", "Neither: a formatter.", "Both.", "Why argue?", "Tabs. " * 30]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        engine = LocalEngine(model, tokenizer, device=device)
+        t0 = time.perf_counter()
+        verdict = engine.batch_invariant
+        took = time.perf_counter() - t0
+        requests = [
+            GenerationRequest(
+                prompt_ids=tuple(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
+                    )
+                ),
+                max_new_tokens=8 + 4 * i,
+                temperature=0.9,
+                seed=3 + i,
+            )
+            for i, t in enumerate(topics)
+        ]
+        det = ExecutionMode.DETERMINISTIC
+        together = engine.generate_batch(requests, mode=det)
+        alone = [engine.generate_batch([r], mode=det)[0] for r in requests]
+        same = [getattr(a, "token_ids", a) == getattr(b, "token_ids", b) for a, b in zip(together, alone)]
+        sizes = [getattr(r, "batch_size", r) for r in together]
+        print(
+            f"  {str(dtype).removeprefix('torch.')}: batch_invariant={verdict} (self-test {took:.2f} s); "
+            f"batch sizes {sizes}; rows equal to alone: {sum(same)}/{len(same)}"
+        )
+        del engine, model
 
 
 def nan_model(path: str, into: str) -> str:
@@ -283,6 +328,20 @@ def main() -> None:
             f"  kv_reuse={reuse}: 8-turn debate x {args.rollouts}: {time.perf_counter() - t0:.2f} s, "
             f"{tokens} tokens, reused {100 * share:.0f} % of prompt tokens, failed {report.failed}"
         )
+    print(f"memory: {gpu_memory()}")
+
+    section(f"7. deterministic co-stepping on {first}")
+    deterministic_check(path, first)
+    rates = {}
+    for batched in (True, False):
+        conv = debate(path, new_tokens=32, name=f"batched_{batched}", temperature=0.9, seed=1)
+        t0 = time.perf_counter()
+        report = conv.rollout(n=args.rollouts, devices=[first], seed=1, batched=batched)
+        tokens = sum(r.tokens_generated for r in report.results.values())
+        rates[batched] = tokens / (time.perf_counter() - t0)
+        sizes = sorted({m.metadata["batch_size"] for r in report.results.values() for m in r.transcript[1:]})
+        print(f"  batched={batched}: {rates[batched]:.0f} tok/s, batch sizes {sizes}, failed {report.failed}")
+    print(f"  deterministic / batched = {rates[False] / rates[True]:.2f}x (one run each, first includes load)")
     print(f"memory: {gpu_memory()}")
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
 

@@ -11,6 +11,9 @@ split by seam:
   strings);
 * ``_prefill``: one left-padded batch from scratch (static cache, shared prefill of identical prompts,
   length-grouped prefill);
+* ``_slot_rows``: deterministic rows on a batch-invariant layout (each row's KV at slots equal to its
+  positions, rows and widths padded to fixed blocks), so that they can co-step and stay token-identical to
+  running alone (gated by the ``_batch_invariance`` self-test);
 * ``_kv_reuse``: a row on a reuse stream keeps its KV cache for that stream's next turn, which then
   prefills only what is past the longest common prefix, co-stepped with the batch's other rows (kept caches
   bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes); not in deterministic mode;
@@ -100,9 +103,9 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether rows get bitwise the same logits alone and in a left-padded batch on this model, device
-        and dtype (``_batch_invariance``): when True, deterministic rows co-step. Measured once, on first use.
-        """
+        """Whether rows get bitwise the same logits alone and in any batch on the slot layout, for this
+        model, device and dtype (``_batch_invariance``): when True, deterministic rows co-step. Measured
+        once, on first use; False without running anything for a model the layout does not support."""
         with self._lock:
             return self._invariant()
 
@@ -127,9 +130,11 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         In ``ExecutionMode.DETERMINISTIC`` every request runs from scratch (``reuse_key`` ignored: a reused
         KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still there
         depends on what else ran), so a seeded row is token-identical on the same hardware whatever else ran
-        with or before it. The rows co-step in one plain left-padded batch (no shared or grouped prefill)
-        when the engine passed its batch-invariance self-test (:attr:`batch_invariant`, run on the first
-        deterministic batch with two such rows), and run alone otherwise. A row with ``capture`` or
+        with or before it. Where the model allows it (plain full-attention static cache layers), every
+        deterministic row, alone or not, runs on the slot layout (``_slot_rows``), and the rows co-step in
+        one batch when the engine passed its batch-invariance self-test on that layout
+        (:attr:`batch_invariant`, run on the first deterministic batch); otherwise each row runs alone
+        through the plain batch path. A row with ``capture`` or
         ``steering`` runs alone and from scratch in every mode, with its hooks installed only during its own
         forward passes (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode
         step and :class:`interlens.scheduler.BatchCancelled` is raised.
