@@ -176,7 +176,10 @@ def deterministic_check(path: str, device: str) -> None:
         det = ExecutionMode.DETERMINISTIC
         together = engine.generate_batch(requests, mode=det)
         alone = [engine.generate_batch([r], mode=det)[0] for r in requests]
-        same = [getattr(a, "token_ids", a) == getattr(b, "token_ids", b) for a, b in zip(together, alone)]
+        same = [
+            getattr(a, "token_ids", a) == getattr(b, "token_ids", b)
+            for a, b in zip(together, alone, strict=True)
+        ]
         sizes = [getattr(r, "batch_size", r) for r in together]
         print(
             f"  {str(dtype).removeprefix('torch.')}: batch_invariant={verdict} (self-test {took:.2f} s); "
@@ -341,7 +344,9 @@ def main() -> None:
         rates[batched] = tokens / (time.perf_counter() - t0)
         sizes = sorted({m.metadata["batch_size"] for r in report.results.values() for m in r.transcript[1:]})
         print(f"  batched={batched}: {rates[batched]:.0f} tok/s, batch sizes {sizes}, failed {report.failed}")
-    print(f"  deterministic / batched = {rates[False] / rates[True]:.2f}x (one run each, first includes load)")
+    print(
+        f"  deterministic / batched = {rates[False] / rates[True]:.2f}x (one run each, each loads the model)"
+    )
     print(f"memory: {gpu_memory()}")
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
 

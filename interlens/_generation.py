@@ -28,6 +28,7 @@ outside the vocabulary) is returned in place as an exception instance, so it fai
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -43,6 +44,8 @@ from interlens._prefill import prefill_groups as _prefill_groups
 from interlens._sampling import SamplingSettings
 from interlens._slot_rows import SlotRows
 from interlens.scheduler import ExecutionMode
+
+log = logging.getLogger("interlens")
 
 __all__ = [
     "GenerationRequest",
@@ -115,7 +118,17 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
             import torch
 
             with torch.inference_mode():
-                self._batch_invariant = self._slots_supported() and _self_test(self)
+                try:
+                    self._batch_invariant = self._slots_supported() and _self_test(self)
+                except torch.OutOfMemoryError:
+                    raise  # the scheduler's to handle (it halves the batch); the test runs again next time
+                except Exception as exc:  # a model the layout cannot drive: its rows run alone
+                    log.warning(
+                        "%r: the batch-invariance self-test failed to run (%r); deterministic rows run alone",
+                        self,
+                        exc,
+                    )
+                    self._batch_invariant = False
         return self._batch_invariant
 
     def generate_batch(
@@ -158,10 +171,11 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         plain = [i for i in valid if not requests[i].interp]
         reuse = self.kv_reuse_capacity > 0 and self.kv_reuse_budget != 0 and not deterministic
         with self._lock, torch.inference_mode():
-            # deterministic rows take the slot layout wherever the model allows it, alone or co-stepped (so a
-            # row's tokens never depend on whether it had company), and co-step only after the self-test
-            slotted = deterministic and bool(plain) and self._slots_supported()
-            alone = deterministic and bool(plain) and not self._invariant()
+            # deterministic rows take the slot layout, alone or co-stepped (a row's tokens never depend on
+            # whether it had company), where the engine's self-test passed on it; otherwise each runs alone
+            # through the plain batch path. The verdict is fixed per engine before its first such row.
+            slotted = deterministic and bool(plain) and self._invariant()
+            alone = deterministic and bool(plain) and not slotted
             groups = [[i] for i in plain] if alone else ([plain] if plain else [])
             groups += [[i] for i in valid if requests[i].interp]
             for group in groups:

@@ -38,16 +38,16 @@ from typing import TYPE_CHECKING, Any
 
 from interlens._decode import Row, raise_if_cancelled, stop_window
 from interlens._generation_types import GenerationRequest, GenerationResult
-from interlens._prefill import BatchPrefill, plain_static
+from interlens._prefill import BatchPrefill
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
 
-#: Rows of every decode step are padded to a multiple of this (MKL: 4 rows and up share one kernel per thread).
+#: Rows of every decode step are padded to a multiple of this (MKL: 4 rows and up share one kernel a thread).
 ROW_BLOCK = 8
-#: Cache lengths are a multiple of this many slots (vector lanes x unrolled accumulators of the reductions).
+#: Cache lengths (and prefill widths) are a multiple of this many slots: vector lanes x unrolled accumulators.
 SLOT_BLOCK = 64
 
 
@@ -61,16 +61,27 @@ class SlotRows(BatchPrefill):
     _slot_layout: bool | None = None  # whether this model's cache layers allow the layout (checked once)
 
     def _slots_supported(self) -> bool:
-        """Whether the model's cache is plain static layers (no sliding window), so rows can own their slots."""
+        """Whether every layer of the model is full or sliding-window attention over a plain static cache
+        (the layout keeps both as full-length static layers and builds a sliding layer's window into its
+        mask). Chunked attention, linear attention and state-space layers are not: their masks or states
+        would need their own per-row rules, so such models run deterministic rows alone."""
         if self._slot_layout is None:
             from transformers import StaticCache
+            from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+            config = self.model.config
+            types = set(getattr(config, "layer_types", None) or ("full_attention",))
             try:
-                probe = StaticCache(config=self.model.config, max_cache_len=SLOT_BLOCK)
+                probe = StaticCache(config=config, max_cache_len=SLOT_BLOCK)
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 self._slot_layout = False
             else:
-                self._slot_layout = bool(probe.layers) and plain_static(probe)
+                kinds = {type(layer) for layer in probe.layers}
+                self._slot_layout = (
+                    bool(kinds)
+                    and kinds <= {StaticLayer, StaticSlidingWindowLayer}
+                    and types <= {"full_attention", "sliding_attention"}
+                )
         return self._slot_layout
 
     def _generate_slotted(
@@ -120,7 +131,9 @@ class SlotRows(BatchPrefill):
 
         device = self.device
         width = _round_up(max(len(p) for p in distinct) - 1, SLOT_BLOCK)
-        cache = slot_cache(self.model.config, rows=len(distinct), length=max(length, width))
+        cache = slot_cache(
+            self.model.config, rows=len(distinct), length=max(length, width), dtype=self.model.dtype
+        )
         if width:  # else every prompt is one token: nothing before its last
             ids = [list(p[:-1]) + [self._pad_id] * (width - len(p) + 1) for p in distinct]
             positions = torch.arange(width, device=device).expand(len(distinct), width)
@@ -151,41 +164,80 @@ def _slot_cache_class() -> type:
     """The cache class, built on first use (``import interlens`` does not import transformers)."""
     import torch
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    from transformers.masking_utils import create_causal_mask
 
-    class SlotCache(StaticCache):  # type: ignore[misc]
+    class SlotCache(StaticCache):
         """A static cache whose decode steps write each row's token at that row's own slot (its position).
 
-        ``feed`` pads a step's rows to the cache's row count and says where each writes; ``reorder_cache``
-        keeps the row count a multiple of ``ROW_BLOCK`` when finished rows leave.
+        ``feed`` pads a step's rows to the cache's row count, says where each writes and builds the masks;
+        ``reorder_cache`` keeps the row count a multiple of ``ROW_BLOCK`` when finished rows leave. Every
+        layer is a full-length static layer, sliding-window ones included (their window is in their mask:
+        a ring buffer would put a row's keys at slots that depend on its length).
         """
 
-        def __init__(self, config: Any, *, rows: int, length: int) -> None:
+        def __init__(self, config: Any, *, rows: int, length: int, dtype: torch.dtype) -> None:
             self.length = _round_up(length, SLOT_BLOCK)
             super().__init__(config=config, max_cache_len=self.length)
+            self.slot_layers: list[Any] = [StaticLayer(self.length) for _ in self.layers]
+            self.layers = self.slot_layers
+            self.config, self.dtype = config, dtype
+            types = getattr(config, "layer_types", None) or ()
+            self.window = config.sliding_window if "sliding_attention" in types else None
             self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
-            self.slots: torch.Tensor | None = None  # per stored row: the slot this step writes (None: prefill)
+            self.slots: torch.Tensor | None = (
+                None  # per stored row: the slot this step writes (None: prefill)
+            )
 
-        def feed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def feed(
+            self, tokens: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, Any]:
             """Pad one step's ``tokens`` (rows, 1) and ``positions`` (rows,) to the stored rows with copies
-            of the last row; returns them with the 2-D mask (slots up to each row's position)."""
+            of the last row; returns them with the attention mask: the 2-D mask of the slots up to each
+            row's position, or for a model with sliding-window layers the model's 4-D masks per layer type
+            (the window counted back from each row's own position, not from the batch's furthest)."""
             pad = self.rows - tokens.shape[0]
             if pad:
                 tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)])
                 positions = torch.cat([positions, positions[-1:].expand(pad)])
             self.slots = positions
             top = int(positions.max())
-            for layer in self.layers:
+            for layer in self.slot_layers:
                 layer.cumulative_length.fill_(top)  # the causal mask's query offset: the furthest row
             slots = torch.arange(self.length, device=positions.device)
             mask = (slots.unsqueeze(0) <= positions.unsqueeze(1)).long()
-            return tokens, positions.unsqueeze(1), mask
+            ids = positions.unsqueeze(1)
+            if self.window is None:
+                return tokens, ids, mask
+            window = self.window
+            shape = torch.empty((self.rows, 1, 1), dtype=self.dtype, device=positions.device)
+            masks = {
+                kind: create_causal_mask(
+                    config=self.config,
+                    inputs_embeds=shape,
+                    attention_mask=mask,
+                    cache=self,
+                    position_ids=ids,
+                    and_mask_function=within if kind == "sliding_attention" else None,
+                )
+                for kind, within in (
+                    ("full_attention", None),
+                    ("sliding_attention", lambda b, h, q, kv: kv > positions[b] - window),
+                )
+            }
+            return tokens, ids, masks
 
         def update(
-            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            *args: Any,
+            **kwargs: Any,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if self.slots is None:  # the prefill, before any step: slots 0 .. width-1 of every row
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            layer = self.layers[layer_idx]
+            layer = self.slot_layers[layer_idx]
             if not layer.is_initialized:  # every prompt was one token: nothing was prefilled
                 layer.lazy_initialization(key_states, value_states)
             rows = torch.arange(key_states.shape[0], device=key_states.device)
@@ -197,12 +249,13 @@ def _slot_cache_class() -> type:
             keep = beam_idx.tolist()
             self.rows = _round_up(len(keep), ROW_BLOCK)
             keep += keep[-1:] * (self.rows - len(keep))
-            super().reorder_cache(torch.tensor(keep, dtype=torch.long, device=beam_idx.device))
+            index: Any = torch.tensor(keep, dtype=torch.long, device=beam_idx.device)
+            super().reorder_cache(index)
 
     return SlotCache
 
 
-def slot_cache(config: Any, *, rows: int, length: int) -> Any:
+def slot_cache(config: Any, *, rows: int, length: int, dtype: Any) -> Any:
     """A new slot cache for ``rows`` rows (stored padded to a multiple of ``ROW_BLOCK``) and at least
-    ``length`` slots (a multiple of ``SLOT_BLOCK``)."""
-    return _slot_cache_class()(config, rows=rows, length=length)
+    ``length`` slots (a multiple of ``SLOT_BLOCK``), for a model computing in ``dtype``."""
+    return _slot_cache_class()(config, rows=rows, length=length, dtype=dtype)

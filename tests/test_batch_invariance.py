@@ -1,11 +1,11 @@
 """Deterministic rows co-step on the slot layout (_slot_rows) where the engine's self-test passed.
 
-On this CPU (MKL, stock kernels) the slot layout is batch-invariant for the tiny plain-attention models in
-float32 and bfloat16: each row's logits and every submodule output are bitwise the same alone and in any
-batch, so deterministic rows co-step and stay token-identical to running alone. What makes it so is the
-layout's row padding and slot blocks: without either, the same kernels fail the self-test (a matmul of one
-row rounds apart from one of several; keys in other vector lanes). Sliding-window models (gemma2) cannot
-take the layout and run deterministic rows alone.
+On this CPU (MKL, stock kernels) the slot layout is batch-invariant for the tiny models in float32 and
+bfloat16, sliding-window ones (gemma2, gemma3) included: each row's logits and every submodule output are
+bitwise the same alone and in any batch, so deterministic rows co-step and stay token-identical to running
+alone. What makes it so is the layout's row padding and slot blocks: without either, the same kernels fail
+the self-test (a matmul of one row rounds apart from one of several; keys in other vector lanes). A model
+whose layers the layout cannot drive (chunked attention: llama4) runs deterministic rows alone.
 """
 
 from __future__ import annotations
@@ -55,7 +55,14 @@ def _ok(results: list[Any]) -> list[GenerationResult]:
 
 
 @pytest.mark.parametrize(
-    ("family", "dtype"), [("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("llama", torch.float32)]
+    ("family", "dtype"),
+    [
+        ("qwen2", torch.float32),
+        ("qwen2", torch.bfloat16),
+        ("llama", torch.float32),
+        ("gemma2", torch.float32),
+        ("gemma3", torch.bfloat16),
+    ],
 )
 def test_deterministic_rows_co_step_on_stock_kernels_token_identical_to_alone(
     family: str, dtype: torch.dtype
@@ -75,16 +82,22 @@ def test_deterministic_rows_co_step_on_stock_kernels_token_identical_to_alone(
     assert [r.token_ids for r in mixed] == [alone[3].token_ids, alone[1].token_ids]
 
 
-def test_the_slot_layout_computes_what_the_plain_batch_computes() -> None:
-    """float64 greedy: the slot layout (own slots, row and slot padding, per-step mask) gives the tokens
-    of the plain left-padded batch; a wrong mask or position would not."""
-    engine = _engine(dtype=torch.float64)
-    requests = _requests(engine, temperature=0.0)
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_the_slot_layout_computes_what_the_plain_path_computes(family: str) -> None:
+    """float64 greedy: the slot layout (own slots, row and slot padding, per-step masks, a sliding window
+    counted from each row's own position) gives each row's tokens from the plain path run alone; prompts and
+    generations run past gemma2's 64-token window. A wrong mask or position would not."""
+    engine = _engine(family, torch.float64)
+    requests = [
+        GenerationRequest(q.prompt_ids, max_new_tokens=30 + 20 * i, temperature=0.0)
+        for i, q in enumerate(_requests(engine)[:4])
+    ]
     slotted = _ok(engine.generate_batch(requests, mode=DET))
-    plain = _ok(engine.generate_batch(requests))
-    assert slotted[0].batch_invariant is True
+    plain = [_ok(engine.generate_batch([q]))[0] for q in requests]
+    assert [(r.batch_size, r.batch_invariant) for r in slotted] == [(4, True)] * 4
+    assert max(len(q.prompt_ids) for q in requests) + 90 > 2 * 64
     assert [r.token_ids for r in slotted] == [r.token_ids for r in plain]
-    assert all(r.n_tokens == q.max_new_tokens for r, q in zip(slotted, requests, strict=True))
+    assert [r.n_tokens for r in slotted] == [q.max_new_tokens for q in requests]
 
 
 @pytest.mark.parametrize("rule", ["ROW_BLOCK", "SLOT_BLOCK"])
@@ -117,10 +130,45 @@ def test_batched_mode_does_not_run_the_self_test() -> None:
     assert engine._batch_invariant is None
 
 
-def test_a_sliding_window_model_runs_deterministic_rows_alone_without_a_self_test() -> None:
-    engine = _engine("gemma2")
+@pytest.fixture(scope="module")
+def chunked_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny llama4 text model (chunked attention layers, random weights), saved and loaded for real."""
+    from transformers import AutoConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    config = AutoConfig.for_model(
+        "llama4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=len(tokenizer),
+        attention_chunk_size=16,
+        num_local_experts=1,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama4")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_with_layers_the_layout_cannot_drive_runs_deterministic_rows_alone(
+    chunked_model: str,
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(chunked_model).eval()
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(chunked_model), device="cpu")
+    assert engine.model.config.layer_types[0] == "chunked_attention"
+    assert engine._slots_supported() is False  # refused up front: the self-test never runs on it
     results = _ok(engine.generate_batch(_requests(engine), mode=DET))
     assert [(r.batch_size, r.batch_invariant) for r in results] == [(1, False)] * 5
+    again = _ok(engine.generate_batch(_requests(engine), mode=DET))
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
 
 
 def _debate(family: str) -> Conversation:
@@ -134,9 +182,10 @@ def _texts(report: RunReport) -> dict[str, list[str]]:
     return {job: [m.content for m in r.transcript] for job, r in report.results.items()}
 
 
-def test_a_deterministic_rollout_co_steps_and_equals_each_turn_run_alone() -> None:
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_a_deterministic_rollout_co_steps_and_equals_each_turn_run_alone(family: str) -> None:
     clear_engine_cache()
-    conv = _debate("qwen2")
+    conv = _debate(family)
     together = conv.rollout(n=6, devices=["cpu"], seed=9, batched=False, progress=False)
     metas = [m.metadata for r in together.results.values() for m in r.transcript[1:]]
     assert max(m["batch_size"] for m in metas) > 1
@@ -144,10 +193,3 @@ def test_a_deterministic_rollout_co_steps_and_equals_each_turn_run_alone() -> No
     single = conv.rollout(n=6, devices=["cpu"], seed=9, batched=False, progress=False, max_batch_size=1)
     assert {m.metadata["batch_size"] for r in single.results.values() for m in r.transcript[1:]} == {1}
     assert _texts(together) == _texts(single)
-
-
-def test_a_deterministic_rollout_of_a_sliding_window_model_runs_every_turn_alone() -> None:
-    clear_engine_cache()
-    report = _debate("gemma2").rollout(n=3, devices=["cpu"], seed=9, batched=False, progress=False)
-    metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
-    assert {(m["batch_size"], m["batched"], m["batch_invariant"]) for m in metas} == {(1, False, False)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,7 +158,12 @@ async def test_a_single_lineup_must_be_wrapped_in_a_list() -> None:
         await run_jobs(LineupSpec("a", "fp", jobs=_untouched()), devices=["cpu"], out_dir=None)
 
 
-async def test_progress_bar_shows_counts_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_progress_bar_shows_counts_only_when_asked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # progress=None means on inside a Jupyter kernel, which is judged by ipykernel being imported: an earlier
+    # test (the notebook one) may have imported it into this process
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     jobs = [TurnsJob(needs_device=False) for _ in range(3)] + [TurnsJob(needs_device=False, raise_on_turn=0)]
     await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, progress=True)
     err = capsys.readouterr().err
