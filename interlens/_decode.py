@@ -103,9 +103,11 @@ class ModelRunner:
 
         ``attn`` is the full-length 2-D padding mask (or None): a static cache takes it whole (its KV is
         preallocated to that length), a dynamic cache takes the first ``kv_len`` columns, a view, no copy.
+        A slot cache (``_slot_rows``) pads the rows and builds the mask itself (``feed``); only the given
+        rows' logits are returned.
         """
         rows = tokens.shape[0]
-        feed = getattr(cache, "feed", None)  # a slot cache (``_slot_rows``) pads the rows and builds the mask
+        feed = getattr(cache, "feed", None)
         if feed is not None:
             tokens, position_ids, attn = feed(tokens, positions)
         else:

@@ -12,11 +12,12 @@ CPU with stock kernels (measured with MKL, torch 2.13, AVX-512):
 
 So every deterministic batch, of one row or many, is laid out the same way here:
 
-* each distinct prompt is prefilled ALONE (a batch of one: the same call whatever else is pending; rows with
-  the same prompt share it, which is the same arithmetic) and its KV copied to slots ``0 .. len-1`` of its
-  row: slot == position, no left padding;
-* a decode step feeds one token per row and writes its KV at the row's own slot (:func:`slot_cache`); the
-  mask covers the slots up to the row's position;
+* all but the last token of each distinct prompt are prefilled in one batch padded on the RIGHT to a width
+  that is a multiple of :data:`SLOT_BLOCK`: row token *i* is at slot *i* (slot == position), whatever the
+  other rows; rows with the same prompt share its prefill (the same arithmetic);
+* each row's last prompt token, then each generated token, is fed as a decode step and its KV written at
+  the row's own slot (:func:`slot_cache`); the mask covers the slots up to the row's position (and, for a
+  sliding-window layer, back to its window from that position);
 * the cache length is a multiple of :data:`SLOT_BLOCK` slots, so the key reductions' lanes and blocks fall
   on the same positions whatever the length, and the slots past a row's position add exact zeros;
 * the rows of a step are padded to a multiple of :data:`ROW_BLOCK` with copies of the last row (their
@@ -24,8 +25,8 @@ So every deterministic batch, of one row or many, is laid out the same way here:
 
 That removes the sources measured here; it proves nothing about other kernels (another BLAS, a GPU), so the
 engine co-steps rows on this layout only after its self-test (``_batch_invariance``) ran probe rows alone and
-together through this very path and found every submodule output bitwise equal. Only for models whose cache
-layers are all plain full-attention static layers (a sliding window counts slots); others run deterministic
+together through this very path and found every submodule output bitwise equal. Only for models whose
+layers are full or sliding-window attention (:meth:`SlotRows._slots_supported`); others run deterministic
 rows alone through the plain batch path.
 """
 
@@ -87,7 +88,7 @@ class SlotRows(BatchPrefill):
     def _generate_slotted(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None
     ) -> list[GenerationResult | Exception]:
-        """Prefill each distinct prompt alone, then decode every row in one slotted batch."""
+        """Prefill the distinct prompts in one batch, then decode every row in one slot-cache batch."""
         import torch
 
         started = time.perf_counter()
@@ -124,9 +125,10 @@ class SlotRows(BatchPrefill):
         """Prefill all but the last token of each distinct prompt, in one batch padded on the RIGHT to a
         multiple of ``SLOT_BLOCK`` tokens (slot == position; a multiple of ``ROW_BLOCK`` rows per matmul).
 
-        No padding mask is needed: a real token never attends to a later slot, so pads are only seen by pad
-        queries, whose KV is overwritten by the row's own tokens before the mask ever covers it (and stays
-        finite: every pad query sees at least slot 0, a masked NaN would still poison ``probs @ V``)."""
+        No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
+        queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
+        every pad query attends to something, so the pad slots hold finite values (a fully masked query
+        would leave NaN there, and ``0 * NaN`` in ``probs @ V`` would reach the real rows)."""
         import torch
 
         device = self.device
@@ -146,7 +148,9 @@ class SlotRows(BatchPrefill):
             )
         return cache
 
-    def _slot_first(self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any) -> Any:
+    def _slot_first(
+        self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any
+    ) -> torch.Tensor:
         """Give each row its prompt's prefilled slots (rows with one prompt share them: the same arithmetic),
         then feed each row its last prompt token as a decode step: the logits of its first generated token."""
         import torch
@@ -185,9 +189,8 @@ def _slot_cache_class() -> type:
             types = getattr(config, "layer_types", None) or ()
             self.window = config.sliding_window if "sliding_attention" in types else None
             self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
-            self.slots: torch.Tensor | None = (
-                None  # per stored row: the slot this step writes (None: prefill)
-            )
+            # per stored row: the slot the current step writes (None until the first step: the prefill)
+            self.slots: torch.Tensor | None = None
 
         def feed(
             self, tokens: torch.Tensor, positions: torch.Tensor
@@ -218,7 +221,7 @@ def _slot_cache_class() -> type:
                     attention_mask=mask,
                     cache=self,
                     position_ids=ids,
-                    and_mask_function=within if kind == "sliding_attention" else None,
+                    and_mask_function=within,
                 )
                 for kind, within in (
                     ("full_attention", None),
