@@ -193,3 +193,42 @@ def test_a_deterministic_rollout_co_steps_and_equals_each_turn_run_alone(family:
     single = conv.rollout(n=6, devices=["cpu"], seed=9, batched=False, progress=False, max_batch_size=1)
     assert {m.metadata["batch_size"] for r in single.results.values() for m in r.transcript[1:]} == {1}
     assert _texts(together) == _texts(single)
+
+
+def test_an_out_of_memory_split_leaves_every_other_rows_deterministic_tokens_unchanged() -> None:
+    """A co-stepped deterministic batch that runs out of memory is split in halves down to the bad row (the
+    scheduler's bisection): the other rows land in other batches, and still get the tokens they get alone."""
+    from interlens import dataset_field
+
+    clear_engine_cache()
+    solver = AutoModelParticipant.from_pretrained(
+        tiny_model("qwen2"), name="solver", max_new_tokens=8, temperature=0.9
+    )
+    engine = solver.live_engine().engine
+    marker = torch.tensor(engine.tokenizer("POISONPILL", add_special_tokens=False)["input_ids"])
+    sizes: list[int] = []
+
+    def out_of_memory_on_poison(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] >= len(marker):
+            if (ids.unfold(1, len(marker), 1) == marker).all(-1).any():
+                sizes.append(ids.shape[0])
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+
+    rows = [{"q": f"What is {i} plus {2 * i}?"} for i in range(8)]
+    rows[3] = {"q": "What is POISONPILL?"}
+    conv = Conversation(participants=[solver], shared_context=dataset_field("q")).turns(1).data(rows)
+    handle = engine.model.register_forward_pre_hook(out_of_memory_on_poison, with_kwargs=True)
+    try:
+        split = conv.rollout(devices=["cpu"], batched=False, seed=2, progress=False)
+    finally:
+        handle.remove()
+    alone = conv.rollout(devices=["cpu"], batched=False, seed=2, progress=False, max_batch_size=1)
+    assert split.failed == ["row_00003"] and sizes[0] == 8 and sizes[-1] == 1
+    kept = [job for job in split.results if job != "row_00003"]
+    assert max(split.results[job].transcript[1].metadata["batch_size"] for job in kept) > 1
+
+    def contents(report: RunReport) -> list[list[str]]:
+        return [[m.content for m in report.results[job].transcript] for job in kept]
+
+    assert contents(split) == contents(alone)
