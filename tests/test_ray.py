@@ -45,6 +45,7 @@ from interlens.scheduler._ray_worker import RaySession  # noqa: E402  (after the
 
 SCRIPTS = Path(__file__).parent / "scripts"
 KEY = "sk-test-ray-0123456789abcdef"  # in the environment when Ray starts, and the fake provider's key
+HUB = "hf_test0123456789abcdef"  # a Hub token in the environment when Ray starts
 RUN = {"batched": False, "seed": 3, "progress": False}
 INIT_PIDS: list[int] = []  # filled by remember_actor, in whichever process runs it
 
@@ -56,7 +57,12 @@ def remember_actor() -> None:
 def probe(conv: Conversation) -> dict[str, Any]:
     """Registered by name; an actor runs it after its init hooks, with the actor's environment."""
     keys = [name for name in os.environ if name.endswith("API_KEY")]
-    return {"pid": os.getpid(), "init": list(INIT_PIDS), "keys": keys}
+    return {
+        "pid": os.getpid(),
+        "init": list(INIT_PIDS),
+        "keys": keys,
+        "hub": os.environ.get("HF_TOKEN") == HUB,
+    }
 
 
 register_analyzer("ray_probe", probe)
@@ -69,13 +75,18 @@ def api_key() -> str:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[RaySession]:
-    saved = os.environ.get("OPENAI_API_KEY")
+    saved, saved_hub = os.environ.get("OPENAI_API_KEY"), os.environ.get("HF_TOKEN")
     os.environ["OPENAI_API_KEY"] = KEY
+    os.environ["HF_TOKEN"] = HUB  # the actors load (gated) weights with it: theirs to keep
     try:
         with RaySession() as session:
             assert session.resources()["CPU"] == 2
             yield session
     finally:
+        if saved_hub is None:
+            os.environ.pop("HF_TOKEN", None)
+        else:
+            os.environ["HF_TOKEN"] = saved_hub
         if saved is None:
             os.environ.pop("OPENAI_API_KEY", None)
         else:
@@ -142,6 +153,7 @@ def test_ray_gives_the_local_results_runs_closures_and_sends_api_turns_to_the_pa
     api = report.results["api"]
     assert api.analysis["pid"] in pids and api.analysis["init"] == [api.analysis["pid"]]  # hook ran there
     assert api.analysis["keys"] == []  # the actor's environment holds no API key
+    assert api.analysis["hub"] is True  # but the Hub token its model loads may need
     assert INIT_PIDS == []  # the init hook ran in the actors only
     assert api.transcript is not None and api.transcript[2].author == "hosted"
     calls = [r for r in server.requests if r.path == "/v1/chat/completions"]
