@@ -13,8 +13,8 @@ CPU with stock kernels (measured with MKL, torch 2.13, AVX-512):
 So every deterministic batch, of one row or many, is laid out the same way here:
 
 * all but the last token of each distinct prompt are prefilled in one batch padded on the RIGHT to a width
-  that is a multiple of :data:`SLOT_BLOCK`: row token *i* is at slot *i* (slot == position), whatever the
-  other rows; rows with the same prompt share its prefill (the same arithmetic);
+  that is a multiple of :data:`PREFILL_BLOCK`: row token *i* is at slot *i* (slot == position), whatever
+  the other rows; rows with the same prompt share its prefill (the same arithmetic);
 * each row's last prompt token, then each generated token, is fed as a decode step and its KV written at
   the row's own slot (:func:`slot_cache`); the mask covers the slots up to the row's position (and, for a
   sliding-window layer, back to its window from that position);
@@ -44,12 +44,15 @@ from interlens._prefill import BatchPrefill
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
+__all__ = ["PREFILL_BLOCK", "ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
 
 #: Rows of every decode step are padded to a multiple of this (MKL: 4 rows and up share one kernel a thread).
 ROW_BLOCK = 8
-#: Cache lengths (and prefill widths) are a multiple of this many slots: vector lanes x unrolled accumulators.
+#: Cache lengths are a multiple of this many slots: vector lanes x unrolled accumulators of the reductions.
 SLOT_BLOCK = 64
+#: Prefill widths are a multiple of this many tokens (a smaller block than the cache's: the prefill is most of
+#: a deterministic turn's extra work, and 32 keeps every matmul's rows and attention block edges aligned).
+PREFILL_BLOCK = 32
 
 
 def _round_up(n: int, block: int) -> int:
@@ -123,7 +126,7 @@ class SlotRows(BatchPrefill):
 
     def _slot_fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
         """Prefill all but the last token of each distinct prompt, in one batch padded on the RIGHT to a
-        multiple of ``SLOT_BLOCK`` tokens (slot == position; a multiple of ``ROW_BLOCK`` rows per matmul).
+        multiple of ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows).
 
         No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
         queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
@@ -132,7 +135,7 @@ class SlotRows(BatchPrefill):
         import torch
 
         device = self.device
-        width = _round_up(max(len(p) for p in distinct) - 1, SLOT_BLOCK)
+        width = _round_up(max(len(p) for p in distinct) - 1, PREFILL_BLOCK)
         cache = slot_cache(
             self.model.config, rows=len(distinct), length=max(length, width), dtype=self.model.dtype
         )

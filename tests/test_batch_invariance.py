@@ -100,7 +100,7 @@ def test_the_slot_layout_computes_what_the_plain_path_computes(family: str) -> N
     assert [r.n_tokens for r in slotted] == [q.max_new_tokens for q in requests]
 
 
-@pytest.mark.parametrize("rule", ["ROW_BLOCK", "SLOT_BLOCK"])
+@pytest.mark.parametrize("rule", ["ROW_BLOCK", "PREFILL_BLOCK", "SLOT_BLOCK"])
 def test_without_the_layouts_padding_the_stock_kernels_fail_the_self_test(
     rule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
