@@ -93,9 +93,10 @@ def turn_seed(conv: _Seeded, participant: object, *, sample: int | None = None) 
       forward pass whose other rows (and their padding) depend on timing, and a turn that happens to run
       alone may continue its stream's kept KV cache (logits a few ulps off a fresh prefill). The tokens
       are reproducible only where the forward pass is batch-invariant, i.e. gives each row bitwise the same
-      logits whatever its batch mates; it is for the tiny test models on CPU, it generally is NOT on GPUs
-      (kernels pick different reduction orders for different batch shapes). Otherwise a rerun is
-      reproducible in distribution only: same seeds, same sampling law, possibly different tokens.
+      logits whatever its batch mates; with stock kernels it is not, on CPU (a matmul of another row count
+      rounds differently; left padding moves keys to other vector lanes) or GPU (kernels pick reduction
+      orders by batch shape). So a rerun is reproducible in distribution only: same seeds, same sampling
+      law, possibly different tokens (deterministic mode's slot layout is what makes co-stepping exact).
 
     ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
     stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,
