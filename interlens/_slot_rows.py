@@ -246,9 +246,11 @@ def _slot_cache_class() -> type:
             layer = self.slot_layers[layer_idx]
             if not layer.is_initialized:  # every prompt was one token: nothing was prefilled
                 layer.lazy_initialization(key_states, value_states)
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            layer.keys[rows, :, self.slots] = key_states[:, :, 0]
-            layer.values[rows, :, self.slots] = value_states[:, :, 0]
+            device = key_states.device  # a model split over devices keeps each layer's cache on its own
+            rows = torch.arange(key_states.shape[0], device=device)
+            slots = self.slots.to(device)
+            layer.keys[rows, :, slots] = key_states[:, :, 0]
+            layer.values[rows, :, slots] = value_states[:, :, 0]
             return layer.keys, layer.values
 
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
