@@ -1,13 +1,14 @@
 """Whether this engine's deterministic path is batch-invariant: the gate for co-stepping deterministic rows.
 
 A deterministic row samples from its own seeded stream (``_sampling``), so its tokens depend only on its own
-logits. Deterministic rows run on the slot layout (``_slot_rows``: each prompt prefilled alone, every row's
-KV at slots equal to its positions, rows and cache lengths padded to fixed blocks), built so that a row's
-arithmetic does not change with its batch mates. Whether it really does not depends on the kernels the
-library picks for this model, device and dtype, so it is not assumed: :func:`batch_invariant` measures it
-once per engine, on the very calls the co-stepped path makes (``SlotRows._slot_prefill``, then
-``ModelRunner._step`` into the slot cache, with ``reorder_cache`` dropping a row as the decode loop does):
-probe rows alone and in batches with other partners, sizes, prompt lengths and a longer cache.
+logits. Deterministic rows run on the slot layout (``_slot_rows``: prompts prefilled in one right-padded
+batch, every row's KV at slots equal to its positions, rows, prefill widths and cache lengths padded to fixed
+blocks), built so that a row's arithmetic does not change with its batch mates. Whether it really does not
+depends on the kernels the library picks for this model, device and dtype, so it is not assumed:
+:func:`batch_invariant` measures it once per engine, on the very calls the co-stepped path makes
+(``SlotRows._slot_fill`` and ``_slot_first``, then ``ModelRunner._step`` into the slot cache, with
+``reorder_cache`` dropping a row as the decode loop does): probe rows alone and in batches with other
+partners, sizes, prompt lengths and a longer cache.
 
 Comparing the logits alone is too weak: in bfloat16 a kernel whose float32 accumulation differs by the
 batch shape rounds to the same bf16 value almost always, and differs only now and then (seen on CPU: a

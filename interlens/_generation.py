@@ -143,11 +143,11 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         In ``ExecutionMode.DETERMINISTIC`` every request runs from scratch (``reuse_key`` ignored: a reused
         KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still there
         depends on what else ran), so a seeded row is token-identical on the same hardware whatever else ran
-        with or before it. Where the model allows it (plain full-attention static cache layers), every
-        deterministic row, alone or not, runs on the slot layout (``_slot_rows``), and the rows co-step in
-        one batch when the engine passed its batch-invariance self-test on that layout
-        (:attr:`batch_invariant`, run on the first deterministic batch); otherwise each row runs alone
-        through the plain batch path. A row with ``capture`` or
+        with or before it. Where the engine passed its batch-invariance self-test on the slot layout
+        (:attr:`batch_invariant`: run on its first deterministic batch; False without running for a model
+        whose layers the layout cannot drive), every deterministic row, alone or not, runs on that layout
+        (``_slot_rows``) and the rows co-step in one batch; otherwise each row runs alone through the plain
+        batch path. A row with ``capture`` or
         ``steering`` runs alone and from scratch in every mode, with its hooks installed only during its own
         forward passes (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode
         step and :class:`interlens.scheduler.BatchCancelled` is raised.
