@@ -6,9 +6,9 @@ Batched co-stepping is the default: local turns of many conversations run as one
 trades exact per-row reproducibility for throughput (batch composition perturbs rows; turns are marked
 ``metadata["batched"]``). ``batched=False`` is ``ExecutionMode.DETERMINISTIC``: each turn is sampled from
 its own generator seeded by the participant's ``seed``, the rollout seed and the turn index, so a
-conversation is token-identical on the same hardware whatever runs beside it. Pin ``seed=`` and
-``kv_reuse=False`` on the participants. It is also the only mode with per-turn interp (capture, steering,
-probes): see docs/interp.md.
+conversation is token-identical on the same hardware whatever runs beside it (deterministic turns never
+continue a kept KV cache, whatever ``kv_reuse`` says). It is also the only mode with per-turn interp
+(capture, steering, probes): see docs/interp.md.
 
 Deterministic turns still co-step where the engine's batch-invariance self-test passed for this model,
 device and dtype (``metadata["batch_invariant"]``; docs/deterministic.md): then a turn's tokens are the
@@ -55,8 +55,7 @@ def main() -> None:
             name=name,
             temperature=0.9,
             max_new_tokens=args.max_new_tokens,
-            seed=seed,  # pinned: each turn's generator derives from it
-            kv_reuse=False,
+            seed=seed,  # each turn's generator derives from it
         )
 
     conv = Conversation([speaker("a", 1), speaker("b", 2)], shared_context="Debate: tabs vs spaces.")
