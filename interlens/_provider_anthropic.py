@@ -110,6 +110,7 @@ class AnthropicClient:
                 http_client=http,
             ),
             max_in_flight,
+            base_url=base_url,
         )
         self._sdk = self._shards.control
 

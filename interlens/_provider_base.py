@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,7 @@ __all__ = [
     "post_json",
     "request_digest",
     "row_error",
+    "tls_context",
 ]
 
 OPENING_TURN = "Begin."
@@ -143,6 +146,39 @@ class Provider:
 
 _SHARD_SIZE = 8
 
+_TLS: dict[tuple[str, str | None, str | None], Any] = {}
+_TLS_LOCK = threading.Lock()
+
+
+def tls_context(base_url: str) -> Any:
+    """The ``ssl.SSLContext`` the client shards for ``base_url`` use, built once per process and shared.
+
+    Why: loading the system's CA store takes ~16 ms, and a run's gateway opens its clients anew (their
+    connections belong to the run's event loop), so a context per client cost every run that much on its
+    first API turn. An ``SSLContext`` is safe to share between clients, threads and event loops; it is keyed
+    by the variables ``httpx2`` reads the CA store from (``SSL_CERT_FILE``, ``SSL_CERT_DIR``), so changing
+    them between runs still takes effect. An ``http://`` endpoint (a local OpenAI-compatible server, the fake
+    provider) never speaks TLS: our HTTP clients follow no redirects and use no proxy. It gets a context that
+    verifies certificates against an EMPTY trust store, built without reading the CA store, so a TLS peer is
+    never trusted through it (it fails closed rather than verifying nothing).
+    """
+    plain = base_url[:7].lower() == "http://"
+    env = os.environ
+    key = ("http", None, None) if plain else ("https", env.get("SSL_CERT_FILE"), env.get("SSL_CERT_DIR"))
+    with _TLS_LOCK:
+        context = _TLS.get(key)
+        if context is None:
+            if plain:
+                import ssl
+
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname, no CAs
+            else:
+                import httpx2
+
+                context = httpx2.create_ssl_context()
+            _TLS[key] = context
+        return context
+
 
 class Shards:
     """One provider client as several SDK clients over small connection pools, used least-loaded first.
@@ -151,18 +187,17 @@ class Shards:
     pool of 64 connections costs a few tenths of a millisecond per request, most of the client's budget at
     64 requests per 50 ms. Pools of ``_SHARD_SIZE`` keep that scan short. The gateway's limiter bounds the
     total in flight, and least-loaded placement keeps every shard within its pool. Shards open on demand
-    (live use needs one) and share one TLS context; shard 0 has spare connections for batch control calls.
+    (live use needs one) and share the process's TLS context for their endpoint (:func:`tls_context`); shard 0
+    has spare connections for batch control calls.
     Each SDK client runs on an ``httpx2.AsyncClient(trust_env=False)`` with the SDK's retries OFF (``make``
     sees to that): the gateway retries, so every 429 reaches its adaptive limiter.
     """
 
-    def __init__(self, make: Any, max_in_flight: int) -> None:
-        import httpx2
-
+    def __init__(self, make: Any, max_in_flight: int, *, base_url: str) -> None:
         self._make = make
         self._count = -(-max_in_flight // _SHARD_SIZE)
         self._size = -(-max_in_flight // self._count)
-        self._tls = httpx2.create_ssl_context()
+        self._tls = tls_context(base_url)
         self.clients: list[Any] = []
         self.load: list[int] = []
         self._open()

@@ -93,6 +93,7 @@ class OpenAIClient:
                 default_headers=headers,
             ),
             max_in_flight,
+            base_url=base_url,
         )
         self._sdk = self._shards.control
         self._last: dict[str, Any] = {}  # batch id -> the poll that found it done (saves a GET)
