@@ -111,7 +111,7 @@ class SlotRows(BatchPrefill):
                 row,
                 seconds=seconds,
                 batch_size=len(rows),
-                shared=len(row.request.prompt_ids) if uses[row.request.prompt_ids] > 1 else 0,
+                shared=len(row.request.prompt_ids) - 1 if uses[row.request.prompt_ids] > 1 else 0,
                 reused=0,
             )
             for row in rows

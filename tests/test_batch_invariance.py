@@ -73,6 +73,7 @@ def test_deterministic_rows_co_step_on_stock_kernels_token_identical_to_alone(
     assert engine.batch_invariant is True
     assert [(r.batch_size, r.batch_invariant) for r in together] == [(5, True)] * 5
     assert [r.shared_prefill for r in together] == [True, False, False, False, True]
+    assert together[0].shared_prefix_tokens == len(requests[0].prompt_ids) - 1  # all but the fed last token
     alone = [_ok(engine.generate_batch([q], mode=DET))[0] for q in requests]
     assert [(r.batch_size, r.shared_prefill) for r in alone] == [(1, False)] * 5
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
