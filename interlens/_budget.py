@@ -17,9 +17,9 @@ to pending (not failed, its committed turns kept) and the run ends with a warnin
 how to continue. The spend counts what the ledger already recorded (every turn's ``metadata["usage"]``,
 earlier runs of the same ``out_dir`` included), so a rerun with the same budget sends nothing and one with a
 larger budget resumes exactly there. An analyzer's ``conv.sample`` calls count too: the gateway charges them
-as they go, and their usage is stored with the job's result for later runs. Not counted: answers lost before
-their turn or result was recorded (a crash in between), and the samples of an analyzer that failed and was
-rerun (its new result replaces the old).
+as they go, and their usage is stored with the job's result for later runs, the samples of an analyzer that
+failed and was rerun included (the ledger keeps a replaced result's state). Not counted: answers lost before
+their turn or result was recorded (a crash in between).
 
 ``tokens`` counts input (cached or not) plus output tokens as the providers report them; ``usd`` needs a
 price for every API model of the run (``prices`` as in ``RunReport.usage``; batch turns at the discount

@@ -29,7 +29,7 @@ import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
 from ._exceptions import ConfigurationError, translate
-from ._usage import summarize
+from ._usage import recorded_metadata, summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
 
@@ -135,7 +135,7 @@ def run_status(reader: LedgerReader) -> dict[str, Any]:
         "failures": failures,
         "failures_total": len(failed_ids),
         "failures_by_type": summary["failures_by_type"],
-        "api_usage": [dataclasses.asdict(u) for u in summarize(reader.turn_values("$.metadata")).api],
+        "api_usage": [dataclasses.asdict(u) for u in summarize(recorded_metadata(reader)).api],
         "open_batches": [
             {
                 "provider": b.provider,

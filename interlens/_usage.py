@@ -7,7 +7,10 @@ the totals here are read from it (every stored message, whichever job, state or 
 runs of the same ``out_dir`` included), and so is what a spend guard (:mod:`interlens._budget`) counts as
 already spent when a run resumes. Without an ``out_dir`` the totals come from the results held in memory.
 An analyzer's ``conv.sample`` calls are no turns: their metadata is kept with the job's result (under
-:data:`SAMPLES_KEY` of its conversation state) and counted with the turns (:func:`recorded_metadata`).
+:data:`SAMPLES_KEY` of its conversation state) and counted with the turns (:func:`recorded_metadata`). When
+the analyzer fails, the job's conversation is kept with its samples; a rerun's result replaces it, and the
+ledger keeps the replaced state, which ``LedgerReader.result_values`` still reads: every attempt's samples
+were paid for, and every one is counted.
 
 There is no price table (one would go stale): a cost is estimated only for models whose prices are passed,
 ``prices={"model-id": (usd_per_mtok_in, usd_per_mtok_out)}``, optionally with cache-read and cache-write

@@ -422,7 +422,9 @@ class Ledger:
         Clears the error fields of earlier attempts. Durable on return.
 
         The conversation's ``"transcript"`` list is stored as turns rows (its committed turns are not stored
-        again) and a ``"recipe"`` equal to the lineup's is stored once per lineup: see ``_results``."""
+        again) and a ``"recipe"`` equal to the lineup's is stored once per lineup: see ``_results``. A result
+        stored earlier for the job (a failed attempt's kept conversation) is replaced, its state kept in
+        ``superseded_results`` for :meth:`LedgerReader.result_values`."""
         run_id = self._require_run("finish_job")
         result = encode_result(
             job_id, conversation, analysis, what=f"the conversation of job {job_id!r}", guard=self._guard
@@ -442,8 +444,9 @@ class Ledger:
         tokens_generated: int = 0,
     ) -> None:
         """Mark ``job_id`` failed with its error. Pass ``conversation`` when the conversation finished but its
-        analyzer failed: it is kept (analysis empty) so a rerun can redo only the analysis. Without one, a
-        result stored earlier is left in place. Durable on return.
+        analyzer failed: it is kept (analysis empty) so a rerun can redo only the analysis (a result stored
+        earlier is replaced, its state kept, as in :meth:`finish_job`). Without one, a result stored earlier
+        is left in place. Durable on return.
 
         A credential in the error text is redacted (``[redacted:VARNAME]``), not refused: the text describes
         the failure, and refusing it would leave the job running and abort the run. A credential in the

@@ -254,12 +254,21 @@ class LedgerReader:
 
     def result_values(self, json_path: str) -> Iterator[Any]:
         """The JSON value at ``json_path`` of every stored result's conversation state (what a result keeps
-        besides its transcript and recipe) that has one: a scan like :meth:`turn_values`."""
-        sql = (
-            "SELECT json_extract(state_json, ?) FROM results "
-            "WHERE json_type(state_json, ?) IN ('object', 'array')"
+        besides its transcript and recipe) that has one: a scan like :meth:`turn_values`, for totals.
+
+        Results a later one replaced are included (``superseded_results``, schema 4: say an analyzer failed
+        with its conversation kept and a rerun redid it), so a total counts what every attempt recorded, not
+        only the current result's. Everything else here (:meth:`result`, :meth:`iter_results`) reads the
+        current result only. A version 1 or 2 ledger (read as it is) holds the whole conversation per result,
+        and no replaced ones."""
+        column = "state_json" if self._version >= 3 else "conversation_json"
+        tables = ("results", "superseded_results") if self._version >= 4 else ("results",)
+        sql = " UNION ALL ".join(
+            f"SELECT json_extract({column}, ?) FROM {table} "
+            f"WHERE json_type({column}, ?) IN ('object', 'array')"
+            for table in tables
         )
-        for (text,) in self._conn.execute(sql, (json_path, json_path)):
+        for (text,) in self._conn.execute(sql, (json_path, json_path) * len(tables)):
             yield json.loads(text)
 
     # ------------------------------------------------------------------------------------------ runs, batches
@@ -334,6 +343,9 @@ class LedgerReader:
             runs = self.runs()
             open_batches = len(self.batches(open_only=True))
             counts = self.counts()
+            superseded = 0  # results later ones replaced, kept for result_values (schema 4)
+            if self._version >= 4:
+                superseded = int(self._all("SELECT count(*) FROM superseded_results")[0][0])
         finally:
             self._conn.execute("COMMIT")
         return {
@@ -347,6 +359,7 @@ class LedgerReader:
             "runs": len(runs),
             "last_run": runs[-1] if runs else None,
             "open_batches": open_batches,
+            "superseded_results": superseded,
         }
 
     def integrity_check(self) -> str:

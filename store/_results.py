@@ -16,6 +16,13 @@ of a lineup, once per job. So the result is split where it is written:
   recorded at ``begin_run``), only ``results.lineup_recipe = 1`` is stored; any other recipe stays per job.
 - the rest (``state_json``): what is the job's own — its data row, seed, format version.
 
+A result written for a job that already has one (its analyzer failed with the conversation kept, then a
+rerun redid the analysis) replaces it, and the replaced row's ``state_json`` and ``analysis_json`` move to
+``superseded_results`` in the same transaction (schema 4): what an attempt recorded, such as the metadata of
+paid API calls, is kept for totals over every result (``LedgerReader.result_values``), while every reader of
+"the" result sees the current one only. Its transcript is not kept again: the job's turns rows stay (the rows
+with a negative idx are the current result's own and are rewritten with it).
+
 Readers put the same mapping back together (:func:`assemble`), so callers see exactly what was written.
 :func:`store_results` writes the results of every ``finish_job`` of one group-committed transaction with a
 few statements for all of them: a statement per result would cost a round trip to SQLite's thread each.
@@ -135,6 +142,12 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
             order = json.dumps(indices, separators=(",", ":"))
         state = result.state_json if shared else result.state_with_recipe()
         rows.append((job_id, state, int(shared), order, result.analysis_json))
+    for marks, piece in chunks(ids):  # results these replace: kept (schema 4), see the module docstring
+        await conn.execute(
+            "INSERT INTO superseded_results (job_id, state_json, analysis_json, replaced_at) "
+            f"SELECT job_id, state_json, analysis_json, ? FROM results WHERE job_id IN ({marks})",
+            (now, *piece),
+        )
     if stale:
         await conn.executemany(
             "DELETE FROM turns WHERE job_id = ? AND idx < 0", [(j,) for j in sorted(stale)]

@@ -27,7 +27,16 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
+
+# Version 4 keeps every result a later one replaced (see SCHEMA): one table, empty in a migrated ledger (the
+# results version 3 replaced are gone).
+_SUPERSEDED: Final = """CREATE TABLE superseded_results (
+    job_id      TEXT NOT NULL REFERENCES jobs(job_id),
+    state_json  TEXT NOT NULL,
+    analysis_json TEXT,
+    replaced_at REAL NOT NULL
+)"""
 
 # Version 3 stores a result's transcript once (as turns rows) and its recipe once per lineup. A v2 result
 # keeps what cannot move exactly: a transcript with an element that is not a JSON object or array (SQLite
@@ -93,13 +102,15 @@ _V2_TO_V3: Final = (
 #: ``user_version``; readers open older ledgers as they are (they ask which version they read).
 #: Version 2 adds what a rerun compares: each job's input fingerprint and each provider batch row's request
 #: hash (NULL on rows written by version 1, which recorded neither). Version 3 stops storing a result's
-#: transcript and recipe again per job (see :data:`SCHEMA`).
+#: transcript and recipe again per job (see :data:`SCHEMA`). Version 4 keeps the results later ones replaced
+#: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted.
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
         "ALTER TABLE batch_requests ADD COLUMN request_hash TEXT",
     ),
     2: _V2_TO_V3,
+    3: (_SUPERSEDED,),
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
@@ -110,6 +121,8 @@ _SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 _TABLES: Final = frozenset(
     {"runs", "lineups", "run_lineups", "jobs", "turns", "results", "batches", "batch_requests"}
 )
+#: The tables a ledger has from a version on (older ones lack them until the writer upgrades the file).
+_TABLES_SINCE: Final = {4: frozenset({"superseded_results"})}
 
 # Text columns holding JSON are named *_json. Times are UNIX seconds (REAL). Job order is jobs.seq, the
 # rowid, i.e. the order add_jobs inserted them — not the lexical order of the ids. turns and results are
@@ -182,6 +195,12 @@ CREATE TABLE results (
     turn_order  TEXT,
     analysis_json TEXT
 );
+-- A result a later one replaced for the same job (a failed analyzer's kept conversation, then the rerun's
+-- result), in the order they were replaced: its state_json and analysis_json as they were stored, never its
+-- transcript (the turns rows stay the job's own and are not copied). Kept because a result records what was
+-- computed and paid for (interlens: the metadata of an analyzer's API samples), which a total over every
+-- result must still count (LedgerReader.result_values); whatever reads "the" result reads results only.
+{_SUPERSEDED};
 CREATE TABLE batches (
     provider    TEXT NOT NULL,
     batch_id    TEXT NOT NULL,
@@ -265,7 +284,8 @@ def check_existing(path: Path, *, deep: bool) -> int:
                 f"another out_dir, or rerun with resume=False (rollout()/run(); Ledger.open(..., fresh=True) "
                 f"for the ledger on its own), which moves it aside. It was left untouched."
             )
-        missing = _TABLES - tables
+        required = _TABLES.union(*(t for since, t in _TABLES_SINCE.items() if version >= since))
+        missing = required - tables
         if version < 1 or missing:
             raise LedgerCorruptError(
                 f"{path} is an incomplete interlens ledger (schema version {version}, missing tables "

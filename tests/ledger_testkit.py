@@ -1,5 +1,5 @@
 """Older ledger files, for the tests of what opens them: the schema-2 SQL as version 2 created it, and a
-rewrite of a ledger written now into what version 2 (or 1) would have written for the same run.
+rewrite of a ledger written now into what version 3, 2 or 1 would have written for the same run.
 
 Kept in the tests on purpose: the store keeps only the way forward (``MIGRATIONS``), and a test that built
 its "old" file with the code under test could not notice that code changing.
@@ -99,6 +99,9 @@ PRAGMA user_version = 2;
 """
 )
 
+# Version 4 added the table of replaced results; version 3 kept none (a replaced result was gone).
+_TO_V3 = "DROP TABLE superseded_results; PRAGMA user_version = 3;"
+
 # A version-3 result put back together in SQL, as version 2 stored it: one conversation_json per job.
 _TO_V2 = (
     "ALTER TABLE results RENAME TO results_v3;"
@@ -126,11 +129,12 @@ _TO_V1 = (
 
 
 def as_schema(path: Path, version: int) -> None:
-    """Rewrite the closed ledger at ``path`` (schema 3) as schema ``version`` (2 or 1) would have held it."""
-    assert version in (1, 2), version
+    """Rewrite the closed ledger at ``path`` (schema 4) as schema ``version`` (3, 2 or 1) would hold it."""
+    assert version in (1, 2, 3), version
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
-        conn.executescript("BEGIN;" + _TO_V2 + (_TO_V1 if version == 1 else "") + "COMMIT;")
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        steps = [_TO_V3, _TO_V2, _TO_V1][: 4 - version]
+        conn.executescript("BEGIN;" + "".join(steps) + "COMMIT;")
     finally:
         conn.close()

@@ -83,7 +83,7 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
     before = _everything(path)
     assert before["pair/row_2"][2]["conversation"]["transcript"] == [{"role": "a", "content": "done"}]
 
-    async with await Ledger.open(tmp_path) as ledger:  # 1 → 2 → 3, in one transaction
+    async with await Ledger.open(tmp_path) as ledger:  # 1 → 2 → 3 → 4, in one transaction
         await ledger.begin_run({"pair": "fp"}, versions={})
         assert await ledger.committed_turns("pair/row_0") == [{"role": "a", "content": "hello"}]
         [batch] = await ledger.open_batches()
@@ -95,7 +95,8 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
         assert reader.summary()["schema_version"] == SCHEMA_VERSION
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("SELECT count(*) FROM superseded_results").fetchone()[0] == 0
         assert "input_fp" in _columns(conn, "jobs")
         assert "request_hash" in _columns(conn, "batch_requests")
         assert _columns(conn, "results") == [
@@ -190,6 +191,9 @@ async def test_a_version_2_ledger_is_migrated_at_open_and_reads_back_the_same(tm
     path = tmp_path / "ledger.sqlite"
     _v2_ledger(path)
     before = _everything(path)  # read as version 2 stored it
+    with LedgerReader(tmp_path) as reader:  # totals over results read version 2's whole conversations
+        rows_before = list(reader.result_values("$.row"))
+    assert len(rows_before) == 5 and rows_before[0] == {"q": "2+2", "x": 0.1}
     assert before["done"][2] == {
         "conversation": {**before["done"][2]["conversation"], "transcript": [CONTEXT, T0, T1]},
         "analysis": {"score": 1.5},
@@ -204,11 +208,13 @@ async def test_a_version_2_ledger_is_migrated_at_open_and_reads_back_the_same(tm
 
     after = _everything(path)
     assert after == before
+    with LedgerReader(tmp_path) as reader:
+        assert list(reader.result_values("$.row")) == rows_before
     for job_id, (_, _, result) in after.items():  # type for type too (1.0 == 1 in Python, not in JSON)
         assert json.dumps(result, sort_keys=True) == json.dumps(before[job_id][2], sort_keys=True), job_id
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT name FROM sqlite_temp_master").fetchall() == []
         stored = dict(conn.execute("SELECT job_id, turn_order FROM results").fetchall())
@@ -258,10 +264,65 @@ async def test_a_version_2_ledger_that_cannot_be_upgraded_is_refused_as_it_was(t
     with pytest.raises(LedgerSchemaError) as excinfo:
         await Ledger.open(tmp_path)
     message = str(excinfo.value)
-    assert str(path) in message and "schema version 2" in message and "version 3" in message
+    assert str(path) in message and "schema version 2" in message and f"version {SCHEMA_VERSION}" in message
     assert "left as it was" in message and "resume=False" in message
     assert _dump(path) == before  # (only the journal mode changed: the writer's WAL is set first)
     with LedgerReader(tmp_path) as reader:  # still readable as version 2
         assert reader.result("ghost") is None and reader.result("done") is not None
     async with await Ledger.open(tmp_path, fresh=True) as ledger:  # the way out it names
         assert ledger.moved_aside is not None and _dump(ledger.moved_aside) == before
+
+
+# ------------------------------------------------------------------------------------------- version 3
+
+
+async def test_a_version_3_ledger_gains_the_table_of_replaced_results_and_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.sqlite"
+    kept = {"recipe": RECIPE, "transcript": [CONTEXT, T0], "spent": [{"calls": 1}]}
+    async with await Ledger.open(tmp_path) as ledger:
+        await ledger.begin_run({"pair": "fp"}, versions={}, describe={"pair": RECIPE})
+        await ledger.add_jobs([JobRecord("kept", "pair", seed=0), JobRecord("done", "pair", seed=1)])
+        for job_id in ("kept", "done"):
+            await ledger.start_job(job_id, device="cpu")
+            await ledger.record_turn(job_id, 0, T0)
+        await ledger.fail_job(
+            "kept", error_type="AnalyzerError", message="m", traceback="t", conversation=kept
+        )
+        finished = {**kept, "spent": [{"calls": 2}]}
+        await ledger.finish_job("done", conversation=finished, analysis={"score": 1}, tokens_generated=1)
+        await ledger.end_run("failed")
+    as_schema(path, 3)
+    with LedgerReader(tmp_path) as reader:  # read as it is
+        assert reader.summary()["schema_version"] == 3 and reader.summary()["superseded_results"] == 0
+        assert sorted(v[0]["calls"] for v in reader.result_values("$.spent")) == [1, 2]
+    before = _everything(path)
+    assert before["kept"][2] == {"conversation": kept, "analysis": None, "tokens_generated": 0}
+
+    async with await Ledger.open(tmp_path) as ledger:  # 3 → 4 at open
+        await ledger.begin_run({"pair": "fp"}, versions={})
+        assert await ledger.committed_turns("kept") == [T0]
+        assert _everything(path) == before
+        await ledger.start_job("kept", device="cpu")  # the rerun redoes the analysis
+        redone = {**kept, "spent": [{"calls": 3}]}
+        await ledger.finish_job("kept", conversation=redone, analysis={"score": 2}, tokens_generated=1)
+        await ledger.end_run("completed")
+    with LedgerReader(tmp_path) as reader:
+        assert (
+            reader.summary()["schema_version"] == SCHEMA_VERSION
+            and reader.summary()["superseded_results"] == 1
+        )
+        assert reader.result("kept") == {
+            "conversation": redone,
+            "analysis": {"score": 2},
+            "tokens_generated": 1,
+        }
+        assert reader.result("done") == before["done"][2]
+        assert sorted(v[0]["calls"] for v in reader.result_values("$.spent")) == [1, 2, 3]
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()

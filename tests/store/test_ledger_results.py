@@ -135,3 +135,58 @@ async def test_a_finish_for_an_unknown_job_fails_alone_among_concurrent_ones(tmp
         for job_id in ids:
             assert reader.result(job_id)["conversation"]["transcript"] == [CONTEXT, {**T0, "content": job_id}]
     assert _rows(tmp_path / "ledger.sqlite", "SELECT count(*) FROM turns WHERE idx < 0") == [(6,)]
+
+
+async def test_a_replaced_result_keeps_its_state_for_totals_and_readers_see_the_current_one(
+    tmp_path: Path,
+) -> None:
+    def attempt(n: int, *messages: dict[str, Any]) -> dict[str, Any]:
+        return {"recipe": RECIPE, "transcript": [CONTEXT, *messages], "spent": [{"calls": n}]}
+
+    async with await Ledger.open(tmp_path) as ledger:
+        await ledger.begin_run({"l": "fp"}, versions={}, describe={"l": RECIPE})
+        await ledger.add_jobs([JobRecord(j, "l", seed=0) for j in ("twice", "redone", "once")])
+        for job_id in ("twice", "redone", "once"):
+            await ledger.start_job(job_id, device="cpu")
+            await ledger.record_turn(job_id, 0, T0)
+        for n in (1, 2):  # the analyzer fails twice, the conversation kept each time, then succeeds
+            await ledger.fail_job(
+                "twice", error_type="AnalyzerError", message="m", traceback="t", conversation=attempt(n, T0)
+            )
+            await ledger.start_job("twice", device="cpu")
+        await ledger.finish_job("twice", conversation=attempt(3, T0), analysis={"ok": 3}, tokens_generated=1)
+        # A done job's result written again (not for a failure): the first is kept as well.
+        await ledger.finish_job(
+            "redone", conversation=attempt(10, T0), analysis={"ok": 10}, tokens_generated=1
+        )
+        await ledger.finish_job(
+            "redone", conversation=attempt(11, T0), analysis={"ok": 11}, tokens_generated=1
+        )
+        await ledger.finish_job("once", conversation=attempt(20, T0), analysis=None, tokens_generated=1)
+
+    with LedgerReader(tmp_path) as reader:
+        assert sorted(v[0]["calls"] for v in reader.result_values("$.spent")) == [1, 2, 3, 10, 11, 20]
+        assert [v[0]["calls"] for v in reader.result_values("$.spent")][:3] == [3, 11, 20]  # current first
+        current = {"twice": (3, {"ok": 3}), "redone": (11, {"ok": 11}), "once": (20, None)}
+        for job_id, (n, analysis) in current.items():  # every reader of "the" result: the current one only
+            assert reader.result(job_id) == {
+                "conversation": attempt(n, T0),
+                "analysis": analysis,
+                "tokens_generated": 1,
+            }
+        assert {job.job_id: r["conversation"]["spent"] for job, r in reader.iter_results(page_size=2)} == {
+            job_id: [{"calls": n}] for job_id, (n, _) in current.items()
+        }
+        assert reader.counts()["done"] == 3 and reader.summary()["superseded_results"] == 3
+    path = tmp_path / "ledger.sqlite"
+    # Only the states are kept (the recipe is the lineup's, the transcript the job's turns rows): no copies.
+    assert _rows(path, "SELECT job_id, state_json, analysis_json FROM superseded_results ORDER BY rowid") == [
+        ("twice", '{"spent":[{"calls":1}]}', None),
+        ("twice", '{"spent":[{"calls":2}]}', None),
+        ("redone", '{"spent":[{"calls":10}]}', '{"ok":10}'),
+    ]
+    assert _rows(path, "SELECT job_id, count(*) FROM turns GROUP BY job_id ORDER BY job_id") == [
+        ("once", 2),  # T0 and the current result's context row
+        ("redone", 2),
+        ("twice", 2),
+    ]
