@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PREFILL_BLOCK", "ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
 
-#: Rows of every decode step are padded to a multiple of this (MKL: 4 rows and up share one kernel a thread).
-ROW_BLOCK = 8
+#: Rows of every decode step are padded to a multiple of this (MKL: 1-3 rows take another kernel than 4 or
+#: more; every multiple of 4 measured invariant with 1 to 8 threads). A padding row costs a row of KV cache.
+ROW_BLOCK = 4
 #: Cache lengths are a multiple of this many slots: vector lanes x unrolled accumulators of the reductions.
 SLOT_BLOCK = 64
 #: Prefill widths are a multiple of this many tokens (a smaller block than the cache's: the prefill is most of
