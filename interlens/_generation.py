@@ -38,6 +38,7 @@ from interlens._batch_invariance import batch_invariant as _self_test
 from interlens._decode import raise_if_cancelled
 from interlens._exceptions import ConfigurationError
 from interlens._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
+from interlens._hooks import text_config
 from interlens._interp_rows import InterpRows
 from interlens._kv_reuse import KVReuse
 from interlens._prefill import prefill_groups as _prefill_groups
@@ -304,7 +305,7 @@ def token_budget_estimate(config: Any, *, free_bytes: int, dtype_bytes: int, hea
     activations, which live one layer at a time (a few hidden- and MLP-wide vectors per token). Rough by
     design: the scheduler's budget corrects it on the first out-of-memory error.
     """
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     hidden = int(text.hidden_size)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)

@@ -30,7 +30,15 @@ from interlens._steering import SteeringSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DecoderLayer", "Recorder", "decoder_layers", "hidden_size", "hooked", "site_problem"]
+__all__ = [
+    "DecoderLayer",
+    "Recorder",
+    "decoder_layers",
+    "hidden_size",
+    "hooked",
+    "site_problem",
+    "text_config",
+]
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -49,7 +57,7 @@ def decoder_layers(model: Any) -> list[DecoderLayer]:
     """The model's decoder layers, found by structure (see the module docstring); an error names the model."""
     from torch import nn
 
-    expected = getattr(_text_config(model), "num_hidden_layers", None)
+    expected = getattr(text_config(model.config), "num_hidden_layers", None)
     try:
         width = hidden_size(model)
     except (AttributeError, TypeError):
@@ -84,7 +92,7 @@ def decoder_layers(model: Any) -> list[DecoderLayer]:
 
 def hidden_size(model: Any) -> int:
     """The width of the residual stream (``d_model``)."""
-    size = getattr(_text_config(model), "hidden_size", None)
+    size = getattr(text_config(model.config), "hidden_size", None)
     if isinstance(size, int):
         return size
     return int(model.get_input_embeddings().weight.shape[1])
@@ -94,8 +102,9 @@ def _has_width(block: Any, width: int) -> bool:
     return any(p.dim() == 1 and p.numel() == width for p in block.parameters())
 
 
-def _text_config(model: Any) -> Any:
-    config = model.config
+def text_config(config: Any) -> Any:
+    """The decoder's own config: a multimodal model (Gemma 3's ``Gemma3ForConditionalGeneration``, what
+    ``AutoModelForCausalLM`` loads for its checkpoints) keeps its layers' settings in ``text_config``."""
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from interlens._decode import Row, raise_if_cancelled, stop_window
 from interlens._generation_types import GenerationRequest, GenerationResult
+from interlens._hooks import text_config
 from interlens._prefill import BatchPrefill
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class SlotRows(BatchPrefill):
             from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
             config = self.model.config
-            types = set(getattr(config, "layer_types", None) or ("full_attention",))
+            types = set(getattr(text_config(config), "layer_types", None) or ("full_attention",))
             try:
                 probe = StaticCache(config=config, max_cache_len=SLOT_BLOCK)
             except (TypeError, ValueError, KeyError, NotImplementedError):
@@ -190,8 +191,9 @@ def _slot_cache_class() -> type:
             self.slot_layers: list[Any] = [StaticLayer(self.length) for _ in self.layers]
             self.layers = self.slot_layers
             self.config, self.dtype = config, dtype
-            types = getattr(config, "layer_types", None) or ()
-            self.window = config.sliding_window if "sliding_attention" in types else None
+            text = text_config(config)
+            types = getattr(text, "layer_types", None) or ()
+            self.window = text.sliding_window if "sliding_attention" in types else None
             self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
             # per stored row: the slot the current step writes (None until the first step: the prefill)
             self.slots: torch.Tensor | None = None

@@ -132,6 +132,46 @@ def test_batched_mode_does_not_run_the_self_test() -> None:
 
 
 @pytest.fixture(scope="module")
+def multimodal_gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Gemma 3 checkpoint the way the real ones come (``Gemma3ForConditionalGeneration``: its
+    decoder's ``layer_types`` and ``sliding_window`` sit in ``text_config``), random weights, saved and
+    loaded for real."""
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    path = tiny_model("gemma3")
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=AutoConfig.from_pretrained(path).to_dict(),
+        vision_config={**vision, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("gemma3_mm")
+    Gemma3ForConditionalGeneration(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return str(out)
+
+
+def test_a_multimodal_checkpoints_decoder_takes_the_layout_with_its_own_sliding_window(
+    multimodal_gemma3: str,
+) -> None:
+    """float64 greedy, prompts and generations past the 64-token window: co-stepped on the slot layout and
+    equal to the plain path alone (read from the top-level config, the window would be missed: the self-test
+    then fails, as a mask counted from the batch's furthest row is not batch-invariant)."""
+    model = AutoModelForCausalLM.from_pretrained(multimodal_gemma3, dtype=torch.float64).eval()
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(multimodal_gemma3), device="cpu")
+    assert getattr(engine.model.config, "layer_types", None) is None  # only text_config has them
+    requests = [
+        GenerationRequest(q.prompt_ids, max_new_tokens=60, temperature=0.0) for q in _requests(engine)[1:4]
+    ]
+    slotted = _ok(engine.generate_batch(requests, mode=DET))
+    plain = [_ok(engine.generate_batch([q]))[0] for q in requests]
+    assert [(r.batch_size, r.batch_invariant) for r in slotted] == [(3, True)] * 3
+    assert [r.token_ids for r in slotted] == [r.token_ids for r in plain]
+
+
+@pytest.fixture(scope="module")
 def chunked_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny llama4 text model (chunked attention layers, random weights), saved and loaded for real."""
     from transformers import AutoConfig
