@@ -12,12 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from interlens import APIBudget, Conversation, ScriptedParticipant, dataset_field
 from interlens._api_participant import APIParticipant
 from interlens._budget import estimate_tokens
+from interlens._cli_runs import run_status
 from interlens._exceptions import ConfigurationError
 from interlens._participant import GenerationOptions
 from interlens.scheduler.gateway import BatchPolicy, RetryPolicy
@@ -175,17 +177,22 @@ def judge_analyzer(conv: Conversation) -> dict[str, str]:
     return {"verdict": conv.sample("judge", "Was that a good answer? One word.").content}
 
 
-def test_an_analyzers_api_samples_count_in_usage_and_in_the_budget_of_later_runs(
-    server: FakeProviderServer, tmp_path: Path
-) -> None:
+def judged(analyzer: Any) -> Conversation:
+    """Six data rows, a scripted host that answers, and ``analyzer`` judging with an API participant."""
     judge = APIParticipant(name="judge", provider="openai", model_id="gpt-judge", retry=FAST)
     host = ScriptedParticipant("host", ["An answer."])
-    conv = (
+    return (
         Conversation([host, judge], shared_context=dataset_field("q"))
         .turns(1)  # only the host speaks: every API request is the analyzer's
         .data(rows(6))
-        .analyzer(judge_analyzer)
+        .analyzer(analyzer)
     )
+
+
+def test_an_analyzers_api_samples_count_in_usage_and_in_the_budget_of_later_runs(
+    server: FakeProviderServer, tmp_path: Path
+) -> None:
+    conv = judged(judge_analyzer)
     first = conv.rollout(n=3, out_dir=tmp_path)
     assert first.failed == [] and len(chat_bodies(server)) == 3
     cost = spent_tokens(server)[0]
@@ -194,11 +201,86 @@ def test_an_analyzers_api_samples_count_in_usage_and_in_the_budget_of_later_runs
     [row] = first.usage().api  # read from the ledger: the samples were stored with the results
     assert (row.model, row.requests) == ("gpt-judge", 3)
     assert row.input_tokens + row.output_tokens == 3 * cost
-    in_memory = Conversation([host, judge], shared_context=dataset_field("q")).turns(1).data(rows(2))
-    live = in_memory.analyzer(judge_analyzer).rollout()
+    live = judged(judge_analyzer).data(rows(2)).rollout()
     assert live.usage().totals()["requests"] == 2  # no out_dir: from the results in memory
 
     # Three more rows under a budget the first run's judge already spent: nothing more is sent.
     again = conv.rollout(n=6, out_dir=tmp_path, api_budget=APIBudget(tokens=3 * cost))
     assert len(chat_bodies(server)) == 3 + 2 and again.stopped is not None
     assert again.counts["pending"] == 3 and len(again.results) == 3
+
+
+class JudgeBroke(RuntimeError):
+    pass
+
+
+def flaky_judge(conv: Conversation) -> dict[str, str]:
+    """The judge, failing after its (paid) sample while ``JUDGE_FAILS`` is set."""
+    verdict = judge_analyzer(conv)
+    if os.environ.get("JUDGE_FAILS"):
+        raise JudgeBroke("the judge's answer could not be parsed")
+    return verdict
+
+
+def judge_requests(server: FakeProviderServer) -> int:
+    return sum(
+        1 for r in server.requests if r.path == "/v1/chat/completions" and r.json["model"] == "gpt-judge"
+    )
+
+
+def spent(server: FakeProviderServer) -> tuple[int, int]:
+    """(input, output) tokens of every answer the server gave, as it reported them."""
+    usage = [e["usage"] for e in server.reported_usage]
+    return sum(u["prompt_tokens"] for u in usage), sum(u["completion_tokens"] for u in usage)
+
+
+def test_a_failed_analyzers_samples_stay_counted_after_a_rerun_replaces_its_result(
+    server: FakeProviderServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The analyzer fails after its sample (the job fails with its conversation and the samples' usage kept)
+    and a rerun into the same out_dir redoes only the analysis, whose result replaces the kept one. Every
+    attempt's requests were paid for, so ``usage()``, ``interlens status`` and later runs' spend guard count
+    them all (the ledger keeps replaced results' states: ``superseded_results``)."""
+    conv = judged(flaky_judge)
+    monkeypatch.setenv("JUDGE_FAILS", "1")
+    for attempt in (1, 2):  # the analyzer fails on every job, twice; each time after its sample
+        failed = conv.rollout(n=3, out_dir=tmp_path)
+        assert failed.counts["failed"] == 3 and judge_requests(server) == 3 * attempt
+        assert all("JudgeBroke" in (r.error.type if r.error else "") for r in failed.results.values())
+    monkeypatch.delenv("JUDGE_FAILS")
+    fixed = conv.rollout(n=3, out_dir=tmp_path)  # only the analysis is redone: one more sample per job
+    assert fixed.failed == [] and judge_requests(server) == 9
+    assert all(r.analysis and r.analysis["verdict"] for r in fixed.results.values())
+    tokens_in, tokens_out = spent(server)
+    assert (
+        len({u["usage"]["prompt_tokens"] for u in server.reported_usage}) == 1
+    )  # every sample costs the same
+    cost = (tokens_in + tokens_out) // 9
+
+    [row] = fixed.usage().api  # every attempt's samples, not only the results' that replaced them
+    assert (row.model, row.requests, row.input_tokens, row.output_tokens) == (
+        "gpt-judge",
+        9,
+        tokens_in,
+        tokens_out,
+    )
+    with LedgerReader(tmp_path) as reader:  # a fresh read of the out_dir: `interlens status`
+        [shown] = run_status(reader)["api_usage"]
+        assert (shown["requests"], shown["input_tokens"], shown["output_tokens"]) == (
+            9,
+            tokens_in,
+            tokens_out,
+        )
+        assert reader.summary()["superseded_results"] == 6  # two replaced results per job
+        for job_id, result in fixed.results.items():  # readers of the result see the current one
+            stored = reader.result(job_id)
+            assert stored is not None and stored["analysis"] == result.analysis
+            assert len(stored["conversation"]["sample_metadata"]) == 1
+
+    # Three more rows under a budget the three attempts together spent, though no one attempt did.
+    again = conv.rollout(n=6, out_dir=tmp_path, api_budget=APIBudget(tokens=7 * cost))
+    assert judge_requests(server) == 9 and again.stopped is not None
+    assert again.counts["pending"] == 3 and len(again.results) == 3
+    done = conv.rollout(n=6, out_dir=tmp_path, api_budget=APIBudget(tokens=12 * cost + 1))
+    assert done.stopped is None and judge_requests(server) == 12
+    assert done.failed == [] and len(done.results) == 6
