@@ -48,7 +48,7 @@ def _serve(conn: Connection, latency: float) -> None:
 
 def _debate(provider: str, model: str, limit: int, turns: int) -> Any:
     from interlens import Conversation
-    from interlens._api_participant import APIParticipant
+    from interlens.participants._api_participant import APIParticipant
 
     def speaker(name: str, side: str) -> APIParticipant:
         return APIParticipant(

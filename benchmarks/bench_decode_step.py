@@ -41,7 +41,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest
     from interlens.testing import tiny_model
 
     path = tiny_model("qwen2", size=args.size)
@@ -91,7 +91,7 @@ def main() -> None:
 
 def timed_engine(model: Any, tokenizer: Any, *, device: str) -> Any:
     """A LocalEngine that accumulates the seconds spent in the model's calls (prefill and steps)."""
-    from interlens._generation import LocalEngine
+    from interlens.engine._generation import LocalEngine
 
     class Timed(LocalEngine):
         model_seconds = 0.0

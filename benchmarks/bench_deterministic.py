@@ -5,9 +5,9 @@
 The same two-speaker debate (one local Qwen2, random weights, T = 0.9), rolled out ``--rollouts`` times
 ``batched=True`` and ``batched=False``, interleaved (batched, deterministic, batched, ...) after one warm-up
 of each. Deterministic turns co-step only where the engine's batch-invariance self-test passed
-(``interlens._batch_invariance``); the script prints the verdict for this model, device and dtype, what the
-self-test costs, and the turns' batch sizes, so the ratio can be read for what it is. Prints generated
-tok/s, medians with (min-max) spread, and the ratio deterministic / batched (goal >= 0.8x).
+(``interlens.engine._batch_invariance``); the script prints the verdict for this model, device and dtype,
+what the self-test costs, and the turns' batch sizes, so the ratio can be read for what it is. Prints
+generated tok/s, medians with (min-max) spread, and the ratio deterministic / batched (goal >= 0.8x).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
     conv = debate(path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype)
 
-    from interlens._model_cache import load_engine
+    from interlens.engine._model_cache import load_engine
 
     engine = load_engine(path, dtype=args.dtype)
     start = time.perf_counter()

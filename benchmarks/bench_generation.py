@@ -127,7 +127,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._generation import LocalEngine
+    from interlens.engine._generation import LocalEngine
     from interlens.testing import tiny_model
 
     path = tiny_model("qwen2", size="bench")
@@ -150,7 +150,7 @@ def main() -> None:
 
 
 def _run(engine: Any, batch: list[Any]) -> list[Any]:
-    from interlens._generation import GenerationResult
+    from interlens.engine._generation import GenerationResult
 
     results = engine.generate_batch(batch)
     ok = [r for r in results if isinstance(r, GenerationResult)]
@@ -171,7 +171,7 @@ def _part_a(
 ) -> None:
     import torch
 
-    from interlens._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest
 
     eos = set(engine._eos_ids)
     prompts = []
@@ -227,7 +227,7 @@ def _part_a(
 def _part_b(
     engine: Any, tokenizer: Any, rng: random.Random, n_samples: int, prompt_words: int, new: int, repeats: int
 ) -> None:
-    from interlens._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest
 
     words = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
     long_prompt = tokenizer.apply_chat_template(

@@ -55,7 +55,7 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
     timed region, as a hand-written loop would each round)."""
     import torch
 
-    from interlens._chat_template import render_view
+    from interlens.engine._chat_template import render_view
 
     engine = conv.participants[0].live_engine().engine
     model, tok = engine.model, engine.tokenizer
@@ -127,8 +127,8 @@ def mixed_batch(path: str, args: argparse.Namespace) -> None:
     """One turn of 16 rows where half the streams lost their kept caches (evicted, or new jobs that start
     with a long prompt): those rows prefilled apart and laid in next to the reusing rows ("split", the
     default), joining the reusing rows' layout with a hole ("join"), or no reuse at all ("full")."""
-    from interlens._generation import GenerationRequest
-    from interlens._model_cache import load_engine
+    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._model_cache import load_engine
 
     engine = load_engine(path, dtype=args.dtype)
     words = engine.tokenizer(

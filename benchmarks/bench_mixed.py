@@ -50,7 +50,7 @@ def _serve(conn: Connection, latency: float) -> None:
 
 def conversations(path: str, args: argparse.Namespace) -> tuple[Any, Any]:
     from interlens import AutoModelParticipant, Conversation, ScriptedParticipant
-    from interlens._api_participant import APIParticipant
+    from interlens.participants._api_participant import APIParticipant
 
     local = AutoModelParticipant.from_pretrained(
         path, name="local", temperature=0.9, max_new_tokens=args.new_tokens, dtype=args.dtype

@@ -27,7 +27,7 @@ loop: 1.6-3.4 s vs 0.8 s), which would slow the baselines and flatter the rollou
 Runs are interleaved (rollout, engine, hf dynamic, hf static, rollout, ...) after one warm-up of each;
 medians of ``--repeats`` with (min–max), and the per-repeat ratios' medians.
 
-Part 2, shared-prefix prefill (``interlens._prefill``): a data rollout of ``--shared-rows`` rows whose
+Part 2, shared-prefix prefill (``interlens.engine._prefill``): a data rollout of ``--shared-rows`` rows whose
 speaker has a ``--system-tokens``-token system prompt and a short per-row question, 1 turn, with the
 engine's shared prefill on vs off (off: one plain left-padded prefill of every row), interleaved; and n
 samples of one 1,000-token prompt (identical prompts), on vs off.
@@ -269,7 +269,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # global: the rollout's in-process worker thread uses it too
 
-    from interlens._model_cache import load_engine
+    from interlens.engine._model_cache import load_engine
 
     path = tiny_model("qwen2", size="bench")
     engine = load_engine(path, dtype=args.dtype)

@@ -29,7 +29,7 @@ from bench_generation import _MALLOC, _WORDS, _line, _measure, _run
 
 
 def _part_a(engine: Any, rows: int, new: int, repeats: int) -> None:
-    from interlens._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest
 
     rng = random.Random(0)
     prompts = []
@@ -63,8 +63,8 @@ def _part_a(engine: Any, rows: int, new: int, repeats: int) -> None:
 def _part_b(rows: int, repeats: int, steps: int) -> None:
     import torch
 
-    from interlens._generation import GenerationRequest
-    from interlens._sampling import Sampler
+    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._sampling import Sampler
 
     print(f"\n(b) sampler alone, {rows} rows, ms per decode step (median of {repeats} runs x {steps} steps)")
     for vocab in (4096, 151_936):
@@ -111,7 +111,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._generation import LocalEngine
+    from interlens.engine._generation import LocalEngine
     from interlens.testing import tiny_model
 
     path = tiny_model("qwen2", size="bench")

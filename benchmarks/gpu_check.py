@@ -112,7 +112,7 @@ def kv_reuse_check(path: str, device: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -149,7 +149,7 @@ def deterministic_check(path: str, device: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine
     from interlens.scheduler import ExecutionMode
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -311,7 +311,7 @@ def main() -> None:
         devices=[first],
         max_batch_size=1,
     )
-    from interlens._model_cache import cached_engines
+    from interlens.engine._model_cache import cached_engines
 
     gc.collect()
     names = [os.path.basename(e.model.config._name_or_path) for e in cached_engines()]

@@ -10,12 +10,7 @@ Importing interlens is cheap: torch, transformers, datasets and the provider SDK
 
 from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, available_devices, worker_device
 
-from ._analyzers import register_analyzer, register_worker_init
-from ._api_participant import APIParticipant
-from ._budget import APIBudget
-from ._capture import ActivationCache, ActivationRecord
-from ._conversation import Conversation
-from ._exceptions import (
+from ._core import (
     AnalyzerError,
     ConfigurationError,
     ConfigurationTypeError,
@@ -28,25 +23,34 @@ from ._exceptions import (
     LedgerError,
     LedgerLockedError,
     LedgerSchemaError,
+    MaxTurns,
+    Message,
     MissingColumnError,
     ModelLoadError,
     SchemaVersionError,
+    StopCondition,
+    StopStrings,
     TemplateError,
+    TokenBudget,
+    Transcript,
     UnknownAnalyzerError,
     UnknownParticipantError,
     UnrunConversationError,
+    View,
     WorkerStartError,
+    dataset_field,
 )
-from ._message import Message, Transcript
-from ._model_participant import AutoModelParticipant, ModelParticipant
-from ._participant import Participant, ScriptedParticipant, View
-from ._probes import Probe
-from ._report import RunReport, RunResult
-from ._run import arun, run
-from ._scoring import Logprobs
-from ._steering import SteeringSpec
-from ._stop import MaxTurns, StopCondition, StopStrings, TokenBudget
-from ._templating import dataset_field
+from .conversation import Conversation
+from .interp import ActivationCache, ActivationRecord, Logprobs, Probe, SteeringSpec
+from .participants import (
+    APIParticipant,
+    AutoModelParticipant,
+    ModelParticipant,
+    Participant,
+    ScriptedParticipant,
+)
+from .report import RunReport, RunResult
+from .rollouts import APIBudget, arun, register_analyzer, register_worker_init, run
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """``python -m interlens``: the same command as the ``interlens`` console script (see ``_cli``)."""
 
-from interlens._cli import main
+from .cli import main
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from interlens._api_participant import APIParticipant
-from interlens._provider_base import APIRequest
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._base import APIRequest
 from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
 

@@ -23,11 +23,11 @@ import pytest
 from ledger_testkit import as_schema
 
 from interlens import Conversation, dataset_field
-from interlens._api_participant import APIParticipant
-from interlens._message import Transcript
-from interlens._participant import GenerationOptions
-from interlens._provider_base import APIRequest, request_digest
-from interlens._providers import request_body
+from interlens._core._message import Transcript
+from interlens._core._view import GenerationOptions
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._base import APIRequest, request_digest
+from interlens.providers._registry import request_body
 from interlens.scheduler.gateway import BatchPolicy, Gateway, RetryPolicy
 from interlens.store import Ledger, LedgerReader
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
@@ -215,8 +215,8 @@ def request(i: int, *, system: str | None = None, temperature: float | None = No
 _CHILD = textwrap.dedent(
     """
     import sys, anyio
-    from interlens._api_participant import APIParticipant
-    from interlens._provider_base import APIRequest
+    from interlens.participants._api_participant import APIParticipant
+    from interlens.providers._base import APIRequest
     from interlens.scheduler.gateway import BatchPolicy, Gateway
     from interlens.store import Ledger, LedgerReader
 

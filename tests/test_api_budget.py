@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from interlens import APIBudget, Conversation, ScriptedParticipant, dataset_field
-from interlens._api_participant import APIParticipant
-from interlens._budget import estimate_tokens
-from interlens._cli_runs import run_status
-from interlens._exceptions import ConfigurationError
-from interlens._participant import GenerationOptions
+from interlens._core._exceptions import ConfigurationError
+from interlens._core._view import GenerationOptions
+from interlens.cli._runs import run_status
+from interlens.participants._api_participant import APIParticipant
+from interlens.rollouts._api_budget import estimate_tokens
 from interlens.scheduler.gateway import BatchPolicy, RetryPolicy
 from interlens.store import LedgerReader
 from interlens.testing._fake_provider import FakeProviderServer

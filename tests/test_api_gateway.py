@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from interlens import Conversation, GenerationError, dataset_field
-from interlens._api_loop import loop_gateway
-from interlens._api_participant import APIParticipant
+from interlens.participants._api_loop import loop_gateway
+from interlens.participants._api_participant import APIParticipant
 from interlens.scheduler.gateway import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from interlens import Conversation
-from interlens._api_participant import APIParticipant
-from interlens._exceptions import ConfigurationError
-from interlens._providers import is_local_endpoint
+from interlens._core._exceptions import ConfigurationError
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._registry import is_local_endpoint
 from interlens.scheduler.gateway import RetryPolicy
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from interlens import AutoModelParticipant, Conversation
-from interlens._api_participant import APIParticipant
-from interlens._message import Transcript
-from interlens._participant import GenerationOptions
-from interlens._providers import request_body
+from interlens._core._message import Transcript
+from interlens._core._view import GenerationOptions
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._registry import request_body
 from interlens.scheduler.gateway import BatchPolicy
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
 

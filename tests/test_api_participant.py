@@ -19,12 +19,12 @@ import anyio
 import pytest
 
 from interlens import Conversation, GenerationError, ScriptedParticipant, TokenBudget
-from interlens._api_loop import loop_gateway
-from interlens._api_participant import APIParticipant
-from interlens._exceptions import ConfigurationError
-from interlens._participant import GenerationOptions, View, ViewMessage
-from interlens._provider_base import CONTINUE_TURN, OPENING_TURN
-from interlens._providers import fold_view
+from interlens._core._exceptions import ConfigurationError
+from interlens._core._view import GenerationOptions, View, ViewMessage
+from interlens.participants._api_loop import loop_gateway
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._base import CONTINUE_TURN, OPENING_TURN
+from interlens.providers._registry import fold_view
 from interlens.scheduler._errors import SchedulerError
 from interlens.scheduler.gateway import RetryPolicy
 from interlens.testing._fake_provider import FakeProviderServer, count_tokens, default_reply
@@ -194,7 +194,7 @@ def test_bad_settings_are_refused_at_construction() -> None:
 
 def test_interp_request_at_generation_raises_not_ignored(server: FakeProviderServer) -> None:
     from interlens import SteeringSpec
-    from interlens._capture import ActivationCache, CaptureSpec, CaptureTarget
+    from interlens.interp._capture import ActivationCache, CaptureSpec, CaptureTarget
 
     steer = GenerationOptions(steering=(SteeringSpec([1.0, 0.0], layers=0),))
     capture = GenerationOptions(capture=CaptureTarget(ActivationCache(CaptureSpec()), 1))

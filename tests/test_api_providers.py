@@ -21,9 +21,9 @@ import pytest
 
 import interlens.scheduler.gateway as gateway
 from interlens import Conversation, _provider_base
-from interlens._api_participant import APIParticipant
-from interlens._provider_base import APIRequest
-from interlens._providers import PROVIDERS, open_client
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._base import APIRequest
+from interlens.providers._registry import PROVIDERS, open_client
 from interlens.testing._fake_provider import FakeProviderServer
 
 ROOT = Path(__file__).resolve().parents[1]

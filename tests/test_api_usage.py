@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from interlens import Conversation
-from interlens._api_participant import APIParticipant
-from interlens._exceptions import ConfigurationError
-from interlens._usage import summarize
+from interlens._core._exceptions import ConfigurationError
+from interlens.participants._api_participant import APIParticipant
+from interlens.report._usage import summarize
 from interlens.scheduler.gateway import BatchPolicy, RetryPolicy
 from interlens.testing._fake_provider import FakeProviderServer
 

@@ -15,8 +15,8 @@ import anyio
 import pytest
 from api_wiring_testkit import MixedJob, ask, lineup
 
-from interlens._api_participant import APIParticipant
-from interlens._providers import request_body
+from interlens.participants._api_participant import APIParticipant
+from interlens.providers._registry import request_body
 from interlens.scheduler import run_jobs
 from interlens.scheduler.gateway import BatchPolicy
 from interlens.store import Ledger

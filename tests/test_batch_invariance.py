@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation, RunReport
-from interlens import _slot_rows as slot_rows
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine
-from interlens._model_cache import clear_engine_cache
+from interlens.engine import _slot_rows as slot_rows
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._model_cache import clear_engine_cache
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
 

@@ -15,7 +15,7 @@ import weakref
 import pytest
 from transformers import AutoTokenizer
 
-from interlens._chat_template import TemplateCaps, probe_template
+from interlens.engine._chat_template import TemplateCaps, probe_template
 from interlens.testing import tiny_model
 
 

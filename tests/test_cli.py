@@ -389,7 +389,7 @@ def test_report_to_pandas_and_to_dataset(finished: tuple[Path, Any]) -> None:
 
 
 def test_mixed_analysis_types_become_json_text_so_arrow_can_type_them() -> None:
-    from interlens._export import to_pandas
+    from interlens.report._export import to_pandas
 
     rows = [{"job_id": "a", "analysis.x": 1}, {"job_id": "b", "analysis.x": "one"}, {"job_id": "c"}]
     frame = to_pandas(rows)

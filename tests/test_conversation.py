@@ -214,14 +214,14 @@ class FakeTString:
 
 
 def test_tstring_templates_duck_typed():
-    from interlens._templating import resolve
+    from interlens._core._templating import resolve
 
     t = FakeTString(("Q: ", " (", ")"), (FakeTString.Interp(dataset_field("q")), FakeTString.Interp(3, "r")))
     assert resolve(t, {"q": "why?"}) == "Q: why? (3)"
 
 
 def test_save_load_round_trip(tmp_path):
-    from interlens._participant import count_tokens
+    from interlens._core._view import count_tokens
 
     a = ScriptedParticipant("a", ["hello there", "again"], system_prompt="Sys A")
     b = ScriptedParticipant("b", ["hi"])

@@ -86,7 +86,7 @@ def _cli_options() -> set[str]:
     """Every option of every `interlens` command, as the real command line declares it."""
     import typer
 
-    from interlens._cli import app
+    from interlens.cli._commands import app
 
     group = typer.main.get_command(app)
     options = {"--help"}

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import interlens
 from interlens import AutoModelParticipant, Conversation
-from interlens._exceptions import GenerationError
-from interlens._generation import (
+from interlens._core._exceptions import GenerationError
+from interlens.engine._generation import (
     GenerationRequest,
     GenerationResult,
     LocalEngine,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import interlens
-import interlens._analyzers
+import interlens.rollouts._analyzers
 from interlens import (
     AnalyzerError,
     APIParticipant,
@@ -490,7 +490,7 @@ def test_worker_start_error_is_exported_and_raised_as_an_interlens_error(monkeyp
     assert "WorkerStartError" in interlens.__all__
     assert issubclass(interlens.WorkerStartError, InterlensError)
     assert issubclass(interlens.WorkerStartError, SchedulerWorkerStartError)
-    monkeypatch.setattr(interlens._analyzers, "_WORKER_INIT", [])  # the registry is process-wide
+    monkeypatch.setattr(interlens.rollouts._analyzers, "_WORKER_INIT", [])  # the registry is process-wide
     register_worker_init(failing_init)
     conv, speak = scripted()
     with pytest.raises(interlens.WorkerStartError) as info:

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens._exceptions import ConfigurationError, DeviceError, ModelLoadError
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
-from interlens._model_cache import clear_engine_cache, load_engine
-from interlens._prefill import MIN_SHARED_PREFIX
+from interlens._core._exceptions import ConfigurationError, DeviceError, ModelLoadError
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
+from interlens.engine._model_cache import clear_engine_cache, load_engine
+from interlens.engine._prefill import MIN_SHARED_PREFIX
 from interlens.scheduler import BatchCancelled, ExecutionMode
 from interlens.testing import TINY_FAMILIES, tiny_model
 
@@ -577,7 +577,7 @@ def test_load_engine_errors_are_clear(tmp_path: object) -> None:
 
 def test_importing_the_engine_modules_stays_cheap() -> None:
     code = (
-        "import sys, interlens._generation, interlens._model_cache, interlens.testing\n"
+        "import sys, interlens.engine._generation, interlens.engine._model_cache, interlens.testing\n"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

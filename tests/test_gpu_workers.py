@@ -16,7 +16,7 @@ import pytest
 
 import interlens
 from interlens import AutoModelParticipant, Conversation
-from interlens._model_cache import cached_engines, clear_engine_cache
+from interlens.engine._model_cache import cached_engines, clear_engine_cache
 
 
 def _loaded(path: str) -> list[Any]:
@@ -68,7 +68,7 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
 
 def test_weights_load_straight_onto_the_device_through_the_device_map(qwen2_path: str) -> None:
     pytest.importorskip("accelerate")  # how transformers honours device_map (interlens[local] installs it)
-    from interlens._model_cache import load_engine
+    from interlens.engine._model_cache import load_engine
 
     clear_engine_cache()
     engine = load_engine(qwen2_path, device="cpu")
@@ -81,7 +81,7 @@ def test_weights_load_straight_onto_the_device_through_the_device_map(qwen2_path
 
 
 def test_the_load_plan_for_a_gpu_and_for_a_group_of_gpus() -> None:
-    from interlens._model_cache import load_kwargs
+    from interlens.engine._model_cache import load_kwargs
 
     assert load_kwargs("cpu", None) == {"device_map": {"": "cpu"}}
     assert load_kwargs("cuda:1", None) == {"device_map": {"": "cuda:1"}, "dtype": "bfloat16"}  # not fp32
@@ -103,7 +103,7 @@ def test_the_load_plan_for_a_gpu_and_for_a_group_of_gpus() -> None:
     ],
 )
 def test_a_bad_group_is_refused_when_loading(qwen2_path: str, device: str, message: str) -> None:
-    from interlens._model_cache import load_engine
+    from interlens.engine._model_cache import load_engine
 
     with pytest.raises(interlens.DeviceError, match=message):
         load_engine(qwen2_path, device=device)
@@ -116,7 +116,7 @@ def test_two_models_load_at_once_in_a_fresh_process(qwen2_path: str, llama_path:
 
     code = (
         "import sys, threading\n"
-        "from interlens._model_cache import load_engine\n"
+        "from interlens.engine._model_cache import load_engine\n"
         "errors = []\n"
         "def load(path):\n"
         "    try:\n"
@@ -136,7 +136,7 @@ def test_two_models_load_at_once_in_a_fresh_process(qwen2_path: str, llama_path:
 
 
 def test_dtype_none_on_cuda_and_bfloat16_share_one_copy_of_the_weights() -> None:
-    from interlens._model_cache import recipe_key
+    from interlens.engine._model_cache import recipe_key
 
     def key(device: str, dtype: str | None) -> tuple[object, ...]:
         return recipe_key("/m", device=device, dtype=dtype, revision=None, trust=False)

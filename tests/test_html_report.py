@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import pytest
 
 from interlens import ConfigurationError, Conversation, LedgerError, ScriptedParticipant, dataset_field
-from interlens._html_report import _TIME_BUCKETS, _histogram, _Times, write_report
+from interlens.report._html_report import _TIME_BUCKETS, _histogram, _Times, write_report
 
 INJECTION = "</script><script>document.title='pwned'</script><b id=\"inj\">bold</b>"
 TOPICS = ["tabs", "spaces", "bad one", "crash now", INJECTION, "bad two", "vim", "emacs"]
@@ -449,7 +449,7 @@ def test_run_report_to_html_writes_the_same_page(run, tmp_path):
 
 
 def test_embedding_stops_at_the_size_cap_and_says_so(run, tmp_path, monkeypatch):
-    import interlens._html_report as html_report
+    import interlens.report._html_report as html_report
 
     sizes = [sum(len(m.content) for m in t or []) for t in run["transcripts"].values()]
     monkeypatch.setattr(html_report, "_EMBED_CHARS", sizes[0] + sizes[1])
@@ -479,7 +479,7 @@ def test_histogram_of_a_wide_range_uses_wider_bins_and_keeps_every_turn():
 async def test_failure_groups_stay_bounded_however_many_jobs_fail(tmp_path, monkeypatch):
     """60 jobs fail the same way and 3 more in ways of their own: 50 ids shown and a count of the rest;
     past the distinct first lines kept per type, new lines are counted together."""
-    import interlens._html_report as html_report
+    import interlens.report._html_report as html_report
     from interlens.store import JobRecord, Ledger
 
     monkeypatch.setattr(html_report, "_FAILURE_KEPT", 2)

@@ -110,7 +110,7 @@ def test_turn_activations_reread_each_turn_in_the_view_its_speaker_had(qwen2_pat
     """A teacher-forced pass per turn over the speaker's view at that point plus the message's text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._chat_template import render_view
+    from interlens.engine._chat_template import render_view
 
     conv = debate(qwen2_path, seed=2).turns(3)
     conv.run()
@@ -142,7 +142,7 @@ def test_turn_activations_reread_each_turn_in_the_view_its_speaker_had(qwen2_pat
 def test_logprobs_equal_the_sum_of_per_token_log_softmax_by_hand(qwen2_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens._chat_template import render_view
+    from interlens.engine._chat_template import render_view
 
     conv = debate(qwen2_path, seed=0)
     conv.step()

@@ -1,8 +1,8 @@
 """Engine-level interp on real tiny models of every family: capture, steering and scoring in ``LocalEngine``.
 
-References are independent of ``interlens._hooks``: a teacher-forced forward of the HF model over prompt +
-answer, read through the model's own ``output_hidden_states`` and through hooks this file installs on the
-modules by their attribute names (``model.model.layers[i].self_attn`` ...), and steering re-done by hand
+References are independent of ``interlens.interp._hooks``: a teacher-forced forward of the HF model over
+prompt + answer, read through the model's own ``output_hidden_states`` and through hooks this file installs on
+the modules by their attribute names (``model.model.layers[i].self_attn`` ...), and steering re-done by hand
 with such a hook. Nothing of interlens is mocked.
 """
 
@@ -18,11 +18,17 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens._capture import CaptureSpec
-from interlens._exceptions import ConfigurationError
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine, ScoreRequest, ScoreResult
-from interlens._hooks import decoder_layers, hooked
-from interlens._steering import SteeringSpec
+from interlens._core._exceptions import ConfigurationError
+from interlens.engine._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    ScoreRequest,
+    ScoreResult,
+)
+from interlens.interp._capture import CaptureSpec
+from interlens.interp._hooks import decoder_layers, hooked
+from interlens.interp._steering import SteeringSpec
 from interlens.scheduler import BatchCancelled, ExecutionMode
 from interlens.testing import TINY_FAMILIES, tiny_model
 

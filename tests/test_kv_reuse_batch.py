@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation
-from interlens._exceptions import ConfigurationError
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens._core._exceptions import ConfigurationError
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
 
@@ -207,7 +207,7 @@ def test_a_batched_rollout_reuses_kv_on_later_turns_and_stays_exact(qwen2_path, 
     the same size of deviation as extra padding gives, see ``../shared/notes/kv_reuse.md``.)"""
     import torch
 
-    from interlens._model_cache import cached_engines, clear_engine_cache
+    from interlens.engine._model_cache import cached_engines, clear_engine_cache
 
     clear_engine_cache()
     batches: list[list[GenerationRequest]] = []

@@ -15,7 +15,7 @@ from typing import Any
 from ledger_testkit import as_schema
 
 from interlens import Conversation, ScriptedParticipant, View, dataset_field
-from interlens._message import Message
+from interlens._core._message import Message
 from interlens.store import LedgerReader
 
 RECIPE_MARK = "RECIPE-MARK-7f3a"

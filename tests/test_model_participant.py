@@ -17,7 +17,7 @@ from interlens import (
     ScriptedParticipant,
     TokenBudget,
 )
-from interlens._chat_template import fold_messages, probe_template, render_view
+from interlens.engine._chat_template import fold_messages, probe_template, render_view
 from interlens.testing import TINY_FAMILIES, tiny_model
 
 
@@ -43,7 +43,7 @@ def test_three_families_available():
 
 
 def test_from_pretrained_resolves_family_without_loading_weights(family):
-    from interlens._model_cache import clear_engine_cache
+    from interlens.engine._model_cache import clear_engine_cache
 
     clear_engine_cache()
     name, path = family
@@ -56,7 +56,7 @@ def test_from_pretrained_resolves_family_without_loading_weights(family):
     "old", ["Qwen2Participant", "LlamaParticipant", "Gemma2Participant", "Gemma3Participant"]
 )
 def test_removed_family_classes_warn_and_resolve_to_model_participant(old):
-    import interlens._model_participant as module
+    import interlens.participants._model_participant as module
 
     with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
         assert getattr(module, old) is ModelParticipant
@@ -123,7 +123,7 @@ def test_batched_generation_through_engine(family):
     conv.run(turns=1)
     participant = conv.participants[1]
     engine = participant.live_engine()
-    from interlens._participant import GenerationOptions
+    from interlens._core._view import GenerationOptions
 
     requests = [participant.request(conv.view("b"), GenerationOptions(max_new_tokens=k)) for k in (2, 4, 6)]
     results = engine.generate_batch(requests)
@@ -134,7 +134,7 @@ def test_batched_generation_through_engine(family):
 
 
 def test_request_tokens_counts_prompt_plus_max_new_and_is_rendered_once(qwen2_path):
-    from interlens._participant import GenerationOptions
+    from interlens._core._view import GenerationOptions
 
     conv = _debate(qwen2_path, temperature=0.0)
     participant = conv.participants[1]
@@ -196,7 +196,7 @@ def test_two_models_loading_at_once_in_a_fresh_process_both_load(qwen2_path, lla
     script = textwrap.dedent(
         """
         import sys, threading
-        from interlens._model_cache import load_engine
+        from interlens.engine._model_cache import load_engine
         start, errors, engines = threading.Barrier(2), [], []
         def load(path):
             start.wait()

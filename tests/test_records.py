@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from interlens import AutoModelParticipant, ConfigurationError, Conversation, ScriptedParticipant
-from interlens._generation import GenerationRequest
-from interlens._participant import GenerationOptions, View
-from interlens._sampling import SamplingSettings
+from interlens._core._view import GenerationOptions, View
+from interlens.engine._generation import GenerationRequest
+from interlens.engine._sampling import SamplingSettings
 from interlens.store import LedgerReader
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interlens._generation import GenerationRequest
-from interlens._sampling import Sampler, _inverse_cdf
+from interlens.engine._generation import GenerationRequest
+from interlens.engine._sampling import Sampler, _inverse_cdf
 
 # Six tokens: probabilities .4 .3 .2 .1, then two that are impossible (-inf logits).
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])

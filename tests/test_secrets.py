@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from interlens import Conversation, LedgerError, ScriptedParticipant, dataset_field, register_analyzer
-from interlens._api_participant import APIParticipant
+from interlens.participants._api_participant import APIParticipant
 from interlens.scheduler import ErrorInfo
 from interlens.scheduler.gateway import RetryPolicy
 from interlens.store import LedgerReader

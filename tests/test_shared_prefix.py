@@ -1,5 +1,5 @@
-"""Shared-prefix prefill (``interlens._prefill``): rows of one batch sharing a long token prefix prefill it
-once, then their own suffixes, and decode exactly as the plain left-padded batch does.
+"""Shared-prefix prefill (``interlens.engine._prefill``): rows of one batch sharing a long token prefix
+prefill it once, then their own suffixes, and decode exactly as the plain left-padded batch does.
 
 References are the engine's own plain path (``shared_prefill=False``: one left-padded prefill of every row)
 on the same tiny float32 models; nothing is mocked.
@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
-from interlens._decode import left_pad
-from interlens._generation import GenerationRequest, GenerationResult, LocalEngine
-from interlens._prefill import MIN_SHARED_PREFIX, plain_static, prefix_groups
+from interlens.engine._decode import left_pad
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._prefill import MIN_SHARED_PREFIX, plain_static, prefix_groups
 from interlens.testing import tiny_model
 
 _SUFFIXES = (

@@ -13,7 +13,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens._exceptions import ConfigurationError
+from interlens._core._exceptions import ConfigurationError
 from interlens.testing import TINY_FAMILIES, TINY_SIZES, tiny_model
 
 _EXPECTED = {

@@ -13,7 +13,7 @@ from typing import Any
 
 import interlens
 from interlens import Conversation, Message, ScriptedParticipant, StopStrings
-from interlens._participant import GenerationOptions, View
+from interlens._core._view import GenerationOptions, View
 
 PACKAGE = Path(interlens.__file__).parent
 

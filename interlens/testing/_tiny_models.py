@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from interlens._exceptions import ConfigurationError
+from .._core import ConfigurationError
 
 __all__ = ["TINY_FAMILIES", "TINY_SIZES", "tiny_model"]
 

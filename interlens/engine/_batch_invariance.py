@@ -1,0 +1,124 @@
+"""Whether this engine's deterministic path is batch-invariant: the gate for co-stepping deterministic rows.
+
+A deterministic row samples from its own seeded stream (``_sampling``), so its tokens depend only on its own
+logits. Deterministic rows run on the slot layout (``_slot_rows``: prompts prefilled in one right-padded
+batch, every row's KV at slots equal to its positions, rows, prefill widths and cache lengths padded to fixed
+blocks), built so that a row's arithmetic does not change with its batch mates. Whether it really does not
+depends on the kernels the library picks for this model, device and dtype, so it is not assumed:
+:func:`batch_invariant` measures it once per engine, on the very calls the co-stepped path makes
+(``SlotRows._slot_fill`` and ``_slot_first``, then ``ModelRunner._step`` into the slot cache, with
+``reorder_cache`` dropping a row as the decode loop does): probe rows alone and in batches with other
+partners, sizes, prompt lengths and a longer cache.
+
+Comparing the logits alone is too weak: in bfloat16 a kernel whose float32 accumulation differs by the
+batch shape rounds to the same bf16 value almost always, and differs only now and then (seen on CPU: a
+``q_proj`` of 6 rows and of 1 row, equal inputs, one differing element at the 8th decode step of a real
+debate). So every submodule's output is compared too, for every row of every step (forward hooks), with
+``torch.equal``: many thousands of roundings, where such a kernel shows itself. A single differing bit says
+no, and the engine then runs deterministic rows alone. It is still a sample, not a proof.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._slot_rows import SLOT_BLOCK, SlotRows
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["batch_invariant"]
+
+#: Prompt lengths of the probe rows (one past a ``SLOT_BLOCK``) and the batch compositions checked against
+#: each row alone (indices into the probe rows: other partners, sizes on both sides of ``ROW_BLOCK``).
+_LENGTHS = (3, 9, 5, 14, 2, 7, 21, 11, 70)
+_BATCHES = ((0, 1, 2, 3, 4, 5, 6, 7, 8), (1, 4), (5, 3, 0), (7, 6, 2, 1, 0, 4), (8, 2))
+_STEPS = 6  # decode steps after the prefill
+#: A batch mate asking for more tokens makes the batch's cache longer than a row's alone, by a block or more.
+_SLACK = SLOT_BLOCK + 3
+
+#: Per row: per forward call (the prefill, then each step), the row's slice of every observed output.
+_Trace = list[list[list["torch.Tensor"]]]
+
+
+def batch_invariant(runner: SlotRows) -> bool:
+    """True when every probe row's logits and submodule outputs, at the prefill and every decode step, are
+    bitwise equal alone and in each probe batch (see the module docstring). Call under inference mode."""
+    import torch
+
+    vocab = runner._vocab_size
+    prompts = [[(7 * r + 3 * j + 11) % vocab for j in range(n)] for r, n in enumerate(_LENGTHS)]
+    feeds = [[(13 * r + 5 * s + 17) % vocab for s in range(_STEPS)] for r in range(len(_LENGTHS))]
+    pairs = zip(prompts, feeds, strict=True)
+    alone = [_run(runner, [p], [f], slack=0, drop_first_at=None)[0] for p, f in pairs]
+    for members in _BATCHES:
+        together = _run(
+            runner, [prompts[r] for r in members], [feeds[r] for r in members], slack=_SLACK, drop_first_at=2
+        )
+        for r, got in zip(members, together, strict=True):
+            want = alone[r][: len(got)]
+            for a_call, b_call in zip(want, got, strict=True):
+                if len(a_call) != len(b_call):
+                    return False
+                if not all(
+                    a.shape == b.shape and torch.equal(a, b) for a, b in zip(a_call, b_call, strict=True)
+                ):
+                    return False
+    return True
+
+
+def _run(
+    runner: SlotRows,
+    prompts: list[list[int]],
+    feeds: list[list[int]],
+    *,
+    slack: int,
+    drop_first_at: int | None,
+) -> _Trace:
+    """Each row's trace through the slot path: the batch prefill (each row's own positions), the first step
+    (its last prompt token), then the decode loop's steps; the first row leaves the batch after step
+    ``drop_first_at`` as a finished row does (``reorder_cache``), so its trace is shorter."""
+    import torch
+
+    device = runner.device
+    rows = [tuple(p) for p in prompts]
+    out: _Trace = [[] for _ in prompts]
+    seen: list[torch.Tensor] = []
+    handles = [
+        module.register_forward_hook(lambda _m, _i, o: _keep(seen, o))
+        for name, module in runner.model.named_modules()
+        if name
+    ]
+    try:
+        cache = runner._slot_fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
+        width = max((t.shape[1] for t in seen), default=0)  # of the prefill's outputs, (rows, width, ...)
+        for k, p in enumerate(prompts):  # each row's own tokens (the last-position logits are a pad's)
+            out[k].append([t[k, : len(p) - 1].clone() for t in seen if t.shape[:2] == (len(rows), width)])
+        seen.clear()
+        logits = runner._slot_first(rows, rows, cache)
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        active = list(range(len(prompts)))
+        for step in range(_STEPS + 1):
+            for k, r in enumerate(active):
+                out[r].append([logits[k].clone()] + [t[k].clone() for t in seen if t.shape[0] == cache.rows])
+            if step == _STEPS:
+                break
+            if step == drop_first_at and len(active) > 1:
+                keep = torch.arange(1, len(active), dtype=torch.long, device=device)
+                cache.reorder_cache(keep)
+                positions = positions.index_select(0, keep)
+                active = active[1:]
+            tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
+            seen.clear()
+            logits = runner._step(tokens, positions, None, cache, 0, True)
+            positions = positions + 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def _keep(seen: list[Any], out: Any) -> None:
+    tensor = out[0] if isinstance(out, tuple) and out else out
+    if hasattr(tensor, "shape") and getattr(tensor, "dim", lambda: 0)() >= 2:
+        seen.append(tensor)

@@ -1,0 +1,265 @@
+"""The model calls and the decode loop every generation path shares: the base of ``LocalEngine``.
+
+Why a hand-written loop rather than ``model.generate``: ``generate`` cannot honour per-row temperature / top-p
+/ max_new_tokens / stop strings, cannot drop finished rows, and draws every row from one RNG stream. Here
+each step samples every active row at once (``_sampling.Sampler``: a seeded row from its own stream), checks
+end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
+removed, once enough have finished to pay for the copy), so long rows do not drag short ones along.
+
+Non-finite logits (fp16 overflow, a broken checkpoint) never reach a sampled token: each step reduces each
+row's logits to one float32 sum on the device (NaN/inf iff a logit is) and folds the verdict into the chosen
+tokens (-1 for a bad row), so the one host sync the loop already makes (the chosen tokens) brings it along.
+A bad row stops with a :class:`~interlens.GenerationError` (``Row.failure``, returned in place of its
+result) and is dropped like a finished row, so its garbage token is never fed; the other rows carry on. On
+CUDA a NaN fed onward would end in a device-side assert that poisons the whole process.
+
+The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
+stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from interlens.scheduler import BatchCancelled
+
+from .._core import GenerationError
+from ._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
+from ._sampling import Sampler, eos_ids, pad_id
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import torch
+
+__all__ = ["ModelRunner", "Row", "left_pad", "raise_if_cancelled", "stop_window"]
+
+#: Finished rows stay in the batch (fed an ignored token) until they are at least 1/_COMPACT_SHARE of it:
+#: dropping them copies the whole KV cache (every layer, every position), which at a row leaving on most
+#: steps cost more per step than the rows' own share of the forward pass (benchmarks/bench_decode_step.py).
+_COMPACT_SHARE = 8
+
+
+@dataclass
+class Row:
+    """Mutable per-row decode state."""
+
+    request: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    stop_window: int = 0  # how many trailing tokens can hold a stop string (0: row has no stop strings)
+    failure: GenerationError | None = None  # set instead of ``finish`` when the row's logits went bad
+    # Where the row's prompt KV lies in the batch cache when its layout has holes (a shared prefix, a kept
+    # cache laid out); None: the ``len(prompt)`` slots right before the first generated token's.
+    prompt_slots: list[int] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.failure is not None
+
+
+class ModelRunner:
+    """A loaded causal LM and its tokenizer on one device, with the special ids decoding needs."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self._eos_ids = eos_ids(model, tokenizer)
+        self._pad_id = pad_id(model, tokenizer, self._eos_ids)
+        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ model calls
+
+    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+        """Prefill a left-padded block; returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        attention = torch.tensor(mask, dtype=torch.long, device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        has_pad = not bool(attention.all())
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention if has_pad else None,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        cache: Any,
+        kv_len: int,
+        static: bool,
+    ) -> torch.Tensor:
+        """Feed one token per row; ``kv_len`` is the KV length after this step.
+
+        ``attn`` is the full-length 2-D padding mask (or None): a static cache takes it whole (its KV is
+        preallocated to that length), a dynamic cache takes the first ``kv_len`` columns, a view, no copy.
+        A slot cache (``_slot_rows``) pads the rows and builds the mask itself (``feed``); only the given
+        rows' logits are returned.
+        """
+        rows = tokens.shape[0]
+        feed = getattr(cache, "feed", None)
+        if feed is not None:
+            tokens, position_ids, attn = feed(tokens, positions)
+        else:
+            position_ids = positions.unsqueeze(1)
+            if attn is not None and not static:
+                attn = attn[:, :kv_len]
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attn,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits[:rows, -1, :]
+
+    # ------------------------------------------------------------------ the decode loop
+
+    def _decode(
+        self,
+        rows: list[Row],
+        logits: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        kv_len: int,
+        cancelled: threading.Event | None,
+        *,
+        static: bool,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
+    ) -> None:
+        """Sample until every row is finished, dropping finished rows from the batch (in bunches: see
+        ``_COMPACT_SHARE``).
+
+        ``on_leave(indices, rows, cache, gen_start)`` is told about rows as they leave the batch (dropped
+        when finished, or at the end): their indices in the batch as it is then, the rows, the cache and the
+        KV slot where the first generated token was written, so the caller can copy a row's KV out before
+        it is gone (``_kv_reuse`` keeps it for the stream's next turn).
+
+        ``positions`` holds each active row's position of the NEXT token to feed; ``attn`` is the full-length
+        2-D mask (None when no row is padded); ``kv_len`` the KV length already in the cache. Each row's last
+        sampled token is never fed.
+        """
+        import torch
+
+        eos = self._eos_ids
+        gen_start = kv_len
+        active = list(rows)
+        sampler = Sampler([r.request for r in active], self.device)
+        dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
+        while True:
+            # one reduction per row on the device, no sync of its own: a row's sum is NaN/inf iff one of its
+            # logits is (accumulated in float32, so a half-precision sum cannot overflow); an
+            # ``isfinite(logits).all(-1)`` would first build a rows × vocab mask, 20x slower on CPU
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
+            chosen = torch.where(finite, sampler(logits), -1)
+            for row, token in zip(active, chosen.tolist(), strict=True):
+                if row.done:  # finished on an earlier step, still in the batch: its draw is ignored
+                    continue
+                if token < 0:
+                    row.failure = self._non_finite(row)
+                    dead += 1
+                    continue
+                row.tokens.append(token)
+                if token in eos:
+                    row.finish = "eos"
+                elif row.stop_window and self._hit_stop(row):
+                    row.finish = "stop"
+                elif len(row.tokens) >= row.request.max_new_tokens:
+                    row.finish = "length"
+                if row.finish is not None:
+                    dead += 1
+            if dead == len(active):
+                if on_leave is not None:
+                    on_leave(list(range(len(active))), active, cache, gen_start)
+                return
+            raise_if_cancelled(cancelled)
+            if dead and dead * _COMPACT_SHARE >= len(active):
+                keep = [j for j, row in enumerate(active) if not row.done]
+                if on_leave is not None:
+                    gone = [j for j, row in enumerate(active) if row.done]
+                    on_leave(gone, [active[j] for j in gone], cache, gen_start)
+                keep_t = torch.tensor(keep, dtype=torch.long, device=chosen.device)
+                cache.reorder_cache(keep_t)  # index_select on the batch dim, for static and dynamic layers
+                chosen = chosen.index_select(0, keep_t)
+                positions = positions.index_select(0, keep_t)
+                if attn is not None:
+                    attn = attn.index_select(0, keep_t)
+                    if bool(attn.all()):
+                        attn = None  # the padded rows are gone: let attention skip the mask
+                active = [active[j] for j in keep]
+                sampler = sampler.select(keep)
+                dead = 0
+            elif dead:
+                chosen = chosen.clamp(min=0)  # a failed row still in the batch is fed a valid (ignored) id
+            kv_len += 1
+            logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
+            positions = positions + 1
+
+    def _non_finite(self, row: Row) -> GenerationError:
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        dtype = str(getattr(self.model, "dtype", "unknown")).removeprefix("torch.")
+        return GenerationError(
+            f"model {name!r} ({dtype} on {self.device}) produced non-finite logits (NaN or inf) for this "
+            f"row at generated token {len(row.tokens) + 1} (prompt of {len(row.request.prompt_ids)} "
+            "tokens); the row was stopped before sampling. Likely cause: float16 overflow or a broken "
+            "checkpoint (NaN weights). Fix: load the model with dtype='bfloat16' (or 'float32'), or check "
+            "the checkpoint's weights."
+        )
+
+    def _hit_stop(self, row: Row) -> bool:
+        # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.
+        tail = self.tokenizer.decode(row.tokens[-row.stop_window :], skip_special_tokens=True)
+        return any(s in tail for s in row.request.stop)
+
+    def _result(
+        self, row: Row, *, seconds: float, batch_size: int, shared: int, reused: int
+    ) -> GenerationResult:
+        """The row's result. ``shared``: its leading prompt tokens prefilled once for several rows;
+        ``reused``: its prompt tokens whose KV came from its stream's kept cache."""
+        text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        if row.finish == "stop":
+            cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+            if cuts:
+                text = text[: min(cuts)]
+        assert row.finish in FINISH_REASONS
+        return GenerationResult(
+            token_ids=list(row.tokens),
+            text=text,
+            n_tokens=len(row.tokens),
+            finish_reason=row.finish,
+            prompt_tokens=len(row.request.prompt_ids),
+            seconds=seconds,
+            batch_size=batch_size,
+            shared_prefix_tokens=shared,
+            kv_reused_tokens=reused,
+        )
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], width: int, pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
+
+
+def stop_window(stops: tuple[str, ...]) -> int:
+    """Trailing tokens that can hold a stop string: a byte-level token may carry a single byte of a char."""
+    return 4 * max(len(s) for s in stops) + 4 if stops else 0
+
+
+def raise_if_cancelled(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise BatchCancelled("generation cancelled")

@@ -1,0 +1,317 @@
+"""Batched text generation for a local HuggingFace causal LM: the engine behind every local-model turn.
+
+The scheduler coalesces the turn requests that are pending for one model on one device and hands them to
+:meth:`LocalEngine.generate_batch` as ONE call, in a worker thread. This module is the engine's public face:
+it checks the rows, decides which rows run together and by which path, and holds the lock. The machinery is
+split by seam:
+
+* ``_generation_types``: the request/result records (``GenerationRequest``/``GenerationResult``, and
+  ``ScoreRequest``/``ScoreResult`` for scoring);
+* ``_decode``: the model calls and the decode loop every path shares (per-row sampling, row dropping, stop
+  strings);
+* ``_prefill``: one left-padded batch from scratch (static cache, shared prefill of identical prompts,
+  length-grouped prefill);
+* ``_slot_rows``: deterministic rows on a batch-invariant layout (each row's KV at slots equal to its
+  positions, rows and widths padded to fixed blocks), so that they can co-step and stay token-identical to
+  running alone (gated by the ``_batch_invariance`` self-test);
+* ``_kv_reuse``: a row on a reuse stream keeps its KV cache for that stream's next turn, which then
+  prefills only what is past the longest common prefix, co-stepped with the batch's other rows (kept caches
+  bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes); not in deterministic mode;
+* ``_interp_rows`` (with ``_hooks``): a row with ``capture``/``steering`` runs alone with forward hooks on
+  its decoder layers, and :meth:`LocalEngine.score` gives teacher-forced log-probabilities.
+
+Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
+halves and retries (after :meth:`LocalEngine.release_memory`). A request that is bad on its own (a token id
+outside the vocabulary) is returned in place as an exception instance, so it fails only its own caller (see
+``interlens.scheduler.Engine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from interlens.scheduler import ExecutionMode
+
+from .._core import ConfigurationError
+from ..interp import text_config
+from ._batch_invariance import batch_invariant as _self_test
+from ._decode import raise_if_cancelled
+from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
+from ._interp_rows import InterpRows
+from ._kv_reuse import KVReuse
+from ._prefill import prefill_groups as _prefill_groups
+from ._sampling import SamplingSettings
+from ._slot_rows import SlotRows
+
+log = logging.getLogger("interlens")
+
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "LocalEngine",
+    "SamplingSettings",
+    "ScoreRequest",
+    "ScoreResult",
+    "_prefill_groups",
+    "token_budget_estimate",
+]
+
+
+class LocalEngine(InterpRows, KVReuse, SlotRows):
+    """A loaded causal LM plus its tokenizer on one device; satisfies ``interlens.scheduler.Engine``.
+
+    ``generate_batch`` runs one batch at a time (a lock), because live use may call it from several threads
+    and the model, the RNG streams and the KV-reuse entries are shared state.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str,
+        kv_reuse_capacity: int = 1024,
+        kv_reuse_budget: int | None = None,
+        shared_prefill: bool = True,
+    ) -> None:
+        """``kv_reuse_capacity``: most streams whose KV cache is kept between turns (0: no reuse);
+        ``kv_reuse_budget``: most bytes those kept caches may hold on this device (None: a quarter of the
+        free memory, measured on first use; 0: no reuse). Over either, the least recently used go."""
+        _check_limit("kv_reuse_capacity", kv_reuse_capacity, "a number of streams such as 1024")
+        if kv_reuse_budget is not None:
+            _check_limit("kv_reuse_budget", kv_reuse_budget, "bytes such as 2 << 30, or None for the default")
+        super().__init__(model, tokenizer, device=device)
+        self.kv_reuse_capacity = kv_reuse_capacity
+        self.kv_reuse_budget = kv_reuse_budget
+        self.shared_prefill = shared_prefill
+        self._lock = threading.Lock()
+        self._reuse = OrderedDict()
+        self._kept_bytes = 0
+        self._budget_bytes = None
+        self._plain_kv = None
+        #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
+        #: ``interlens._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
+        self.placement: dict[str, Any] = {}
+        # "static" for batches (see ``_prefill``); tests and the benchmark may compare "dynamic".
+        self._batch_cache = "static"
+        self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
+
+    def __repr__(self) -> str:
+        name = getattr(self.model.config, "_name_or_path", type(self.model).__name__)
+        return f"LocalEngine({name!r}, device={self.device!r})"
+
+    # ------------------------------------------------------------------ public face
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether rows get bitwise the same logits alone and in any batch on the slot layout, for this
+        model, device and dtype (``_batch_invariance``): when True, deterministic rows co-step. Measured
+        once, on first use; False without running anything for a model the layout does not support."""
+        with self._lock:
+            return self._invariant()
+
+    def _invariant(self) -> bool:
+        """The cached self-test verdict, running it first if needed (call under the lock)."""
+        if self._batch_invariant is None:
+            import torch
+
+            with torch.inference_mode():
+                try:
+                    self._batch_invariant = self._slots_supported() and _self_test(self)
+                except torch.OutOfMemoryError:
+                    raise  # the scheduler's to handle (it halves the batch); the test runs again next time
+                except Exception as exc:  # a model the layout cannot drive: its rows run alone
+                    log.warning(
+                        "%r: the batch-invariance self-test failed to run (%r); deterministic rows run alone",
+                        self,
+                        exc,
+                    )
+                    self._batch_invariant = False
+        return self._batch_invariant
+
+    def generate_batch(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        mode: ExecutionMode = ExecutionMode.BATCHED,
+        cancelled: threading.Event | None = None,
+    ) -> list[GenerationResult | Exception]:
+        """Generate one result per request, in order, as one batched call (see the module docstring).
+
+        In ``ExecutionMode.DETERMINISTIC`` every request runs from scratch (``reuse_key`` ignored: a reused
+        KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still there
+        depends on what else ran), so a seeded row is token-identical on the same hardware whatever else ran
+        with or before it. Where the engine passed its batch-invariance self-test on the slot layout
+        (:attr:`batch_invariant`: run on its first deterministic batch; False without running for a model
+        whose layers the layout cannot drive), every deterministic row, alone or not, runs on that layout
+        (``_slot_rows``) and the rows co-step in one batch; otherwise each row runs alone through the plain
+        batch path. A row with ``capture`` or
+        ``steering`` runs alone and from scratch in every mode, with its hooks installed only during its own
+        forward passes (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode
+        step and :class:`interlens.scheduler.BatchCancelled` is raised.
+        """
+        import torch
+
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, GenerationRequest):
+                kind = type(request).__name__
+                raise TypeError(f"LocalEngine.generate_batch expects GenerationRequest objects, got {kind}.")
+        out: list[GenerationResult | Exception | None] = [None] * len(requests)
+        valid: list[int] = []
+        for i, request in enumerate(requests):
+            problem = self._check(request)
+            if problem is None:
+                valid.append(i)
+            else:
+                out[i] = problem
+        deterministic = mode is ExecutionMode.DETERMINISTIC
+        plain = [i for i in valid if not requests[i].interp]
+        reuse = self.kv_reuse_capacity > 0 and self.kv_reuse_budget != 0 and not deterministic
+        with self._lock, torch.inference_mode():
+            # deterministic rows take the slot layout, alone or co-stepped (a row's tokens never depend on
+            # whether it had company), where the engine's self-test passed on it; otherwise each runs alone
+            # through the plain batch path. The verdict is fixed per engine before its first such row.
+            slotted = deterministic and bool(plain) and self._invariant()
+            alone = deterministic and bool(plain) and not slotted
+            groups = [[i] for i in plain] if alone else ([plain] if plain else [])
+            groups += [[i] for i in valid if requests[i].interp]
+            for group in groups:
+                batch = [requests[i] for i in group]
+                if batch[0].interp:
+                    results = [self._generate_interp(batch[0], cancelled)]
+                elif reuse and any(r.reuse_key is not None for r in batch):
+                    results = self._generate_reuse_rows(batch, cancelled)
+                elif slotted:
+                    results = self._generate_slotted(batch, cancelled)
+                else:
+                    results = self._generate_rows(batch, cancelled, plain=deterministic)
+                for i, result in zip(group, results, strict=True):
+                    if isinstance(result, GenerationResult):
+                        result.batch_invariant = self._batch_invariant
+                    out[i] = result
+        return [r for r in out if r is not None]
+
+    def score(
+        self, requests: Sequence[ScoreRequest], *, cancelled: threading.Event | None = None
+    ) -> list[ScoreResult | Exception]:
+        """Teacher-forced log-probabilities of each row's continuation, one result per request, in order.
+
+        Each row is one forward pass over prompt + continuation, with its hooks (capture, steering) if it
+        asks for them; a row that is bad for this model is answered in place with a ``ConfigurationError``.
+        When ``cancelled`` is set, :class:`interlens.scheduler.BatchCancelled` is raised before the next row.
+        """
+        import torch
+
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, ScoreRequest):
+                kind = type(request).__name__
+                raise TypeError(f"LocalEngine.score expects ScoreRequest objects, got {kind}.")
+        out: list[ScoreResult | Exception] = []
+        with self._lock, torch.inference_mode():
+            for request in requests:
+                problem = self._check_score(request)
+                if problem is not None:
+                    out.append(problem)
+                    continue
+                raise_if_cancelled(cancelled)
+                out.append(self._score_row(request))
+        return out
+
+    def request_tokens(self, request: GenerationRequest) -> int:
+        """What ``request`` costs in a batch (prompt + max_new tokens): the scheduler's batch budget unit."""
+        return len(request.prompt_ids) + request.max_new_tokens
+
+    def token_budget(self) -> int | None:
+        """A first batch budget in tokens from the device's free memory (CUDA only; None elsewhere).
+
+        Only a starting point for the scheduler's adaptive budget, which shrinks on an out-of-memory error
+        and grows after successes: the allocator's cached-but-unused blocks count as free.
+        """
+        import torch
+
+        if not self.device.startswith("cuda") or not torch.cuda.is_available():
+            return None
+        with torch.cuda.device(self.device):
+            free, _ = torch.cuda.mem_get_info()
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
+        return token_budget_estimate(self.model.config, free_bytes=free + cached, dtype_bytes=dtype_bytes)
+
+    def release(self, reuse_key: Hashable) -> None:
+        """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
+        with self._lock:
+            self._drop_kept(reuse_key)
+
+    def clear_reuse(self) -> None:
+        """Free every kept KV cache."""
+        with self._lock:
+            self._drop_kept()
+
+    def release_memory(self) -> None:
+        """Before an out-of-memory retry: drop the kept KV caches (their streams prefill in full next
+        time), collect garbage cycles, return CUDA's cached blocks."""
+        import gc
+
+        import torch
+
+        self.clear_reuse()
+        gc.collect()
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ validation
+
+    def _check(self, request: GenerationRequest) -> Exception | None:
+        """Problems only this engine can see (the request validated itself); returned in place, not raised."""
+        highest = max(request.prompt_ids)
+        if highest >= self._vocab_size:
+            return ConfigurationError(
+                f"prompt token id {highest} is outside this model's vocabulary (size {self._vocab_size}); "
+                "tokenize the prompt with this model's own tokenizer."
+            )
+        return self._check_interp(request.capture, request.steering)
+
+    def _check_score(self, request: ScoreRequest) -> Exception | None:
+        if not request.continuation_ids:
+            return ConfigurationError(
+                "ScoreRequest(continuation_ids=()): nothing to score; pass at least one continuation token id"
+            )
+        highest = max(request.prompt_ids + request.continuation_ids)
+        if highest >= self._vocab_size:
+            return ConfigurationError(
+                f"ScoreRequest: token id {highest} is outside this model's vocabulary (size "
+                f"{self._vocab_size}); tokenize the prompt and continuation with this model's own tokenizer."
+            )
+        return self._check_interp(request.capture, request.steering)
+
+
+def _check_limit(name: str, value: object, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"LocalEngine({name}={value!r}): must be an int >= 0; pass {example} (0 turns KV reuse off)."
+        )
+
+
+def token_budget_estimate(config: Any, *, free_bytes: int, dtype_bytes: int, headroom: float = 0.7) -> int:
+    """How many batch tokens (rows × (prompt + max_new)) fit in ``headroom`` of ``free_bytes``.
+
+    A token costs its KV (2 × layers × kv heads × head dim) for the whole batch, plus the prefill's
+    activations, which live one layer at a time (a few hidden- and MLP-wide vectors per token). Rough by
+    design: the scheduler's budget corrects it on the first out-of-memory error.
+    """
+    text = text_config(config)
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    mlp = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim
+    per_token = (kv + 4 * hidden + 3 * mlp) * dtype_bytes
+    return max(1, int(free_bytes * headroom) // per_token)

@@ -1,0 +1,412 @@
+"""KV reuse across turns: a stream keeps its KV cache, so its next turn prefills only what is new.
+
+A conversation's prompt grows turn by turn (the other speaker's answer, the template's headers), so
+re-prefilling it from scratch each round is quadratic work: an 8-turn debate spends most of its prefill
+re-encoding history. A row with a ``reuse_key`` keeps its KV after its turn (prompt + generated tokens but
+the last, which was never fed), and the stream's next turn reuses the LONGEST COMMON TOKEN PREFIX of the kept
+ids and the new prompt and prefills only the rest. Not "exact extension": decoded text need not re-encode to
+the same ids (always so on random-weight models, often on real ones), and the common prefix still holds most
+of the history (``../shared/notes/kv_reuse.md``, the measured prototype).
+
+Co-stepped batches (the normal batched rollout) reuse too, rows with different kept lengths in ONE batch.
+transformers keeps one length per cache, so the batch is laid out per row as
+``[hole | kept prefix] [hole | new suffix] [generated ...]``: kept prefixes left-padded to the longest, ``U``,
+suffixes left-padded after them, holes masked in the 2-D attention mask, positions from the mask's cumsum
+(omitting them is silently wrong). A row without a usable kept cache (a new job, an evicted stream) joins
+the same decode loop: if its prompt fits in the suffix region it is a suffix after a ``U``-long hole;
+if longer, it is prefilled apart at its own width and its KV copied in next to the others, since widening
+every row's suffix to it would cost more prefill than the kept prefixes save (measured:
+``bench_long_debate.py --mixed``). A batch where nothing is reused takes the plain path (``_prefill``: static
+cache, shared and grouped prefill) and only copies each row's KV out as it leaves.
+
+Kept KV is copied out of the batch cache per row (its real slots only, gathered), so a stream's memory is its
+own tokens. The table is an LRU bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes (by
+default a quarter of the device's free memory: CUDA ``mem_get_info``, CPU available RAM); whatever does not
+fit is evicted, and an evicted stream simply prefills in full next time.
+
+Models with sliding-window layers (gemma2) cannot be laid out this way: a sliding layer keeps only its window
+and its window is index-based, so it would count holes. Their batches prefill in full; a single row on its
+stream still reuses its own ``DynamicCache`` (cropped to the common prefix; a crop past the window starts
+fresh). Never in deterministic mode: a reused cache gives logits a few ulps off a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._decode import Row, left_pad, raise_if_cancelled, stop_window
+from ._generation_types import GenerationRequest, GenerationResult
+from ._prefill import BatchPrefill, plain_static
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVReuse", "Kept", "common_prefix", "default_kv_budget"]
+
+#: The share of the device's free memory kept caches may hold by default.
+BUDGET_SHARE = 0.25
+
+
+@dataclass
+class Kept:
+    """One stream's kept KV: the ids it holds and, per layer, (keys, values) shaped [kv heads, tokens, dim]
+    (or, on the single-row sliding-window path, the row's own ``DynamicCache``)."""
+
+    ids: list[int]
+    kv: Any
+    nbytes: int
+
+
+class KVReuse(BatchPrefill):
+    """The reuse paths of ``LocalEngine`` and its table of kept caches (see the module docstring)."""
+
+    kv_reuse_capacity: int  # set by LocalEngine.__init__
+    kv_reuse_budget: int | None  # bytes; None: BUDGET_SHARE of free memory, measured on first use
+    _reuse: OrderedDict[Hashable, Kept]
+    _kept_bytes: int
+    _budget_bytes: int | None
+    _plain_kv: bool | None
+    #: Rows without a kept prefix, longer than the suffixes, prefilled apart (True) or joining the layout
+    #: with a hole (False): the benchmark (``bench_long_debate.py --mixed``) compares the two.
+    _split_fresh_rows = True
+
+    # ------------------------------------------------------------------ the table
+
+    def kept_bytes(self) -> int:
+        """Bytes the kept caches hold now."""
+        return self._kept_bytes
+
+    def _kv_budget(self) -> int:
+        if self._budget_bytes is None:
+            self._budget_bytes = (
+                self.kv_reuse_budget if self.kv_reuse_budget is not None else default_kv_budget(self.device)
+            )
+        return self._budget_bytes
+
+    def _take(self, key: Hashable | None) -> Kept | None:
+        """A stream's entry, taken OUT of the table while in use: put back only after success, so an error
+        or a cancellation never leaves a half-updated cache behind."""
+        entry = self._reuse.pop(key, None) if key is not None else None
+        if entry is not None:
+            self._kept_bytes -= entry.nbytes
+        return entry
+
+    def _keep(self, key: Hashable, entry: Kept) -> None:
+        """Keep ``entry`` as the most recently used, evicting the least recently used over the limits."""
+        self._take(key)
+        budget = self._kv_budget()
+        if entry.nbytes > budget or self.kv_reuse_capacity == 0:
+            return
+        self._reuse[key] = entry
+        self._kept_bytes += entry.nbytes
+        while len(self._reuse) > self.kv_reuse_capacity or self._kept_bytes > budget:
+            _, old = self._reuse.popitem(last=False)
+            self._kept_bytes -= old.nbytes
+
+    def _drop_kept(self, key: Hashable | None = None) -> None:
+        """Forget one stream's kept cache, or every one (``key`` None)."""
+        if key is None:
+            self._reuse.clear()
+            self._kept_bytes = 0
+        else:
+            self._take(key)
+
+    def _plain_kv_layers(self) -> bool:
+        """Whether every layer of this model's cache is plain full attention (rows can be laid out)."""
+        if self._plain_kv is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+
+            layers = DynamicCache(config=self.model.config).layers
+            self._plain_kv = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        return self._plain_kv
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate_reuse_rows(
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+    ) -> list[GenerationResult | Exception]:
+        """A batched (non-deterministic) batch with at least one reuse stream: see the module docstring."""
+        if not self._plain_kv_layers():
+            if len(requests) == 1:
+                return [self._generate_single_dynamic(requests[0], cancelled)]
+            return self._generate_rows(requests, cancelled)
+        started = time.perf_counter()
+        entries = [self._take(r.reuse_key) for r in requests]
+        reused = [_usable(entry, r.prompt_ids) for entry, r in zip(entries, requests, strict=True)]
+        collector = _Collector(self._keep)
+        if not any(reused):
+            done = self._prefill_and_decode(requests, cancelled, on_leave=collector)
+            rows, shared = done.rows, done.shared_tokens
+            del done
+        else:
+            rows = self._decode_laid_out(requests, entries, reused, cancelled, collector)
+            shared = [0] * len(rows)
+        del entries
+        seconds = time.perf_counter() - started
+        return [
+            row.failure
+            if row.failure is not None
+            else self._result(row, seconds=seconds, batch_size=len(rows), shared=s, reused=n)
+            for row, s, n in zip(rows, shared, reused, strict=True)
+        ]
+
+    def _decode_laid_out(
+        self,
+        requests: list[GenerationRequest],
+        entries: list[Kept | None],
+        reused: list[int],
+        cancelled: threading.Event | None,
+        collector: _Collector,
+    ) -> list[Row]:
+        """Lay kept prefixes and new suffixes into one batch cache, prefill the suffixes, decode together.
+
+        A row without a kept prefix that is no longer than the suffixes joins them (a hole where a kept
+        prefix would be). A longer one would widen every row's suffix to its length, costing more prefill
+        than the kept prefixes save, so with a static cache such rows are prefilled apart, left-padded at
+        their own width as a plain batch would, and their KV copied into the batch cache next to the others.
+        """
+        import torch
+
+        device = self.device
+        batch = len(requests)
+        prompts = [r.prompt_ids for r in requests]
+        kept = [i for i in range(batch) if reused[i]]
+        fresh = [i for i in range(batch) if not reused[i]]
+        suffixes = [p[n:] for p, n in zip(prompts, reused, strict=True)]
+        width = max(len(suffixes[i]) for i in kept)  # S: the suffix region's width
+        fresh_width = max((len(prompts[i]) for i in fresh), default=0)
+        split = self._split_fresh_rows and fresh_width > width and self._batch_cache == "static"
+        if split:
+            end = max(max(reused) + width, fresh_width)
+        else:
+            width = max(width, fresh_width)
+            end = max(reused) + width
+        held = end - width  # U: the kept region's width (at least the longest kept prefix)
+        max_new = max(r.max_new_tokens for r in requests)
+        cache, static = self._new_batch_cache(end + max_new)
+        if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
+            self._batch_cache = "dynamic"
+            return self._decode_laid_out(requests, entries, reused, cancelled, collector)
+        together = kept if split else list(range(batch))
+        slots: dict[int, list[int]] = {}  # where each row's prompt KV lies in the batch cache
+        mask = [[0] * (end - len(p)) + [1] * len(p) for p in prompts]  # fresh rows, split: left-padded
+        for i in together:
+            n, s = reused[i], suffixes[i]
+            mask[i] = [0] * (held - n) + [1] * n + [0] * (width - len(s)) + [1] * len(s)
+            slots[i] = list(range(held - n, held)) + list(range(end - len(s), end))
+        for i in fresh if split else []:
+            slots[i] = list(range(end - len(prompts[i]), end))
+        if split:
+            from transformers import StaticCache
+
+            part: Any = StaticCache(config=self.model.config, max_cache_len=end)
+            kept_logits = self._prefill_kept(kept, part, entries, reused, suffixes, mask, held, width)
+            raise_if_cancelled(cancelled)
+            ids, fresh_mask = left_pad([prompts[i] for i in fresh], fresh_width, self._pad_id)
+            small: Any = StaticCache(config=self.model.config, max_cache_len=fresh_width)
+            fresh_logits = self._forward(ids, fresh_mask, small, device)
+            logits = kept_logits.new_empty((batch, kept_logits.shape[-1]))
+            logits[torch.tensor(kept, device=device)] = kept_logits
+            logits[torch.tensor(fresh, device=device)] = fresh_logits
+            _lay_into(cache, [(kept, part, 0), (fresh, small, end - fresh_width)], batch, end)
+            del part, small, kept_logits, fresh_logits
+        else:
+            logits = self._prefill_kept(together, cache, entries, reused, suffixes, mask, held, width)
+        mask_t = torch.tensor(mask, dtype=torch.long, device=device)
+        full = torch.cat([mask_t, torch.ones(batch, max_new, dtype=torch.long, device=device)], dim=1)
+        attn = None if bool(full.all()) else full
+        rows = [
+            Row(r, stop_window=stop_window(r.stop), prompt_slots=slots.get(i)) for i, r in enumerate(requests)
+        ]
+        next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        self._decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
+        return rows
+
+    def _prefill_kept(
+        self,
+        rows: list[int],
+        cache: Any,
+        entries: list[Kept | None],
+        reused: list[int],
+        suffixes: Sequence[Sequence[int]],
+        mask: list[list[int]],
+        held: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Write ``rows``' kept prefixes into ``cache`` (slots ``[U - n, U)``), then prefill their suffixes
+        (slots ``[U + S - len, U + S)``); returns the last position's logits, one row per row."""
+        import torch
+
+        device = self.device
+        donor = next(i for i in rows if reused[i])
+        for index, layer in enumerate(cache.layers):
+            ref_k, ref_v = entries[donor].kv[index]  # type: ignore[union-attr]
+            keys = ref_k.new_zeros((len(rows), ref_k.shape[0], held, ref_k.shape[2]))
+            values = ref_v.new_zeros((len(rows), ref_v.shape[0], held, ref_v.shape[2]))
+            for at, i in enumerate(rows):
+                if reused[i]:
+                    k, v = entries[i].kv[index]  # type: ignore[union-attr]
+                    keys[at, :, held - reused[i] :] = k[:, : reused[i]]
+                    values[at, :, held - reused[i] :] = v[:, : reused[i]]
+            layer.update(keys, values)  # static: written at slots [0, U); dynamic: the first U slots
+            del keys, values
+        ids = [[self._pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
+        mask_t = torch.tensor([mask[i] for i in rows], dtype=torch.long, device=device)
+        positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, held:]
+        out = self.model(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            attention_mask=mask_t,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _generate_single_dynamic(
+        self, request: GenerationRequest, cancelled: threading.Event | None
+    ) -> GenerationResult | Exception:
+        """A single row on its stream of a model with sliding-window layers: its own ``DynamicCache``,
+        cropped to the common prefix (a sliding layer past its window cannot crop: start fresh)."""
+        import torch
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        prompt = list(request.prompt_ids)
+        key = request.reuse_key
+        entry = self._take(key)
+        cache: Any = None
+        reused = 0
+        if entry is not None and not isinstance(entry.kv, list):
+            old_ids, old_cache = entry.ids, entry.kv
+            keep = min(common_prefix(old_ids, prompt), len(prompt) - 1)  # feed >= 1 token to get logits
+            if keep > 0 and old_cache.get_seq_length() == len(old_ids):
+                try:
+                    if len(old_ids) > keep:
+                        old_cache.crop(keep - len(old_ids))
+                    cache, reused = old_cache, keep
+                except (RuntimeError, ValueError):
+                    cache = None  # e.g. a sliding-window layer past its window cannot roll back
+        del entry
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        raise_if_cancelled(cancelled)
+        suffix = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
+        positions = torch.arange(reused, len(prompt), dtype=torch.long, device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=suffix, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        row = Row(request, stop_window=stop_window(request.stop))
+        start_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
+        self._decode(
+            [row], out.logits[:, -1, :], cache, start_pos, None, len(prompt), cancelled, static=False
+        )
+        if row.failure is not None:  # non-finite logits: its error, and no cache kept for the stream
+            return row.failure
+        if key is not None:
+            nbytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+            self._keep(key, Kept(prompt + row.tokens[:-1], cache, nbytes))
+        seconds = time.perf_counter() - started
+        return self._result(row, seconds=seconds, batch_size=1, shared=0, reused=reused)
+
+
+class _Collector:
+    """The decode loop's ``on_leave``: copies each leaving row's real KV slots out for its stream.
+
+    A row's prompt lies at its ``Row.prompt_slots`` (a laid-out batch, a shared prefix) or else at the
+    ``len(prompt)`` slots before the first generated one; its generated tokens but the last follow from
+    ``gen_start``. Finished rows that stayed in the batch were fed ignored tokens after their end: those
+    slots are never copied.
+    """
+
+    def __init__(self, keep: Any) -> None:
+        self._keep = keep
+
+    def __call__(self, indices: list[int], rows: list[Row], cache: Any, gen_start: int) -> None:
+        import torch
+        from transformers.cache_utils import DynamicLayer, StaticLayer
+
+        for j, row in zip(indices, rows, strict=True):
+            key = row.request.reuse_key
+            if key is None or row.failure is not None or not row.tokens:
+                continue
+            layers = cache.layers
+            if not all(type(layer) in (StaticLayer, DynamicLayer) for layer in layers):
+                return
+            prompt = list(row.request.prompt_ids)
+            slots = (
+                row.prompt_slots
+                if row.prompt_slots is not None
+                else list(range(gen_start - len(prompt), gen_start))
+            ) + list(range(gen_start, gen_start + len(row.tokens) - 1))
+            where = torch.tensor(slots, dtype=torch.long, device=layers[0].keys.device)
+            kv = [
+                (layer.keys[j].index_select(1, where), layer.values[j].index_select(1, where))
+                for layer in layers
+            ]
+            nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+            self._keep(key, Kept(prompt + row.tokens[:-1], kv, nbytes))
+
+
+def _lay_into(cache: Any, parts: list[tuple[list[int], Any, int]], batch: int, end: int) -> None:
+    """Copy each part's KV (rows ``index`` of the batch, from slot ``offset``) into a plain static batch
+    cache, which then holds ``end`` slots."""
+    import torch
+
+    for at, layer in enumerate(cache.layers):
+        for index, small, offset in parts:
+            src = small.layers[at]
+            if not layer.is_initialized:
+                layer.lazy_initialization(
+                    src.keys.new_empty((batch, src.keys.shape[1], 1, src.keys.shape[3])),
+                    src.values.new_empty((batch, src.values.shape[1], 1, src.values.shape[3])),
+                )
+            rows = torch.tensor(index, dtype=torch.long, device=src.keys.device)
+            width = src.keys.shape[2]
+            layer.keys[rows, :, offset : offset + width] = src.keys
+            layer.values[rows, :, offset : offset + width] = src.values
+        layer.cumulative_length.fill_(end)
+
+
+def _usable(entry: Kept | None, prompt: Sequence[int]) -> int:
+    """How many prompt tokens a kept entry can give (at least one prompt token must be fed for logits)."""
+    if entry is None or not isinstance(entry.kv, list):
+        return 0
+    return max(0, min(common_prefix(entry.ids, prompt), len(prompt) - 1))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def default_kv_budget(device: str) -> int:
+    """``BUDGET_SHARE`` of the device's free memory, in bytes: CUDA's ``mem_get_info``, else available RAM
+    (psutil if installed, else ``os.sysconf``; 1 GiB when neither can tell)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            with torch.cuda.device(device):
+                free, _ = torch.cuda.mem_get_info()
+            return int(free * BUDGET_SHARE)
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 4 << 30
+    return int(available * BUDGET_SHARE)

@@ -1,0 +1,319 @@
+"""Process-wide cache of loaded local models, keyed by load recipe.
+
+Two participants naming the same model on the same device must share ONE copy of the weights: a debate
+between two instances of one 7B model should cost one 7B model of memory, and the scheduler's batcher can
+only co-step their turns if they are turns of the same engine. So engines are cached by everything that
+changes what gets loaded (path or hub id, device, dtype, revision, trust_remote_code), and loading is guarded
+by a lock per recipe: two threads asking at once load once, while different recipes still load in parallel.
+
+Loading never waits on the network unless asked to: a hub id is looked up in the local Hugging Face cache only
+(``local_files_only``), because a rollout loads models in worker threads and processes where a download
+would stall every conversation, and on an offline machine the hub client retries for most of a minute before
+failing. ``allow_download=True`` lets a miss go to the hub (still never when ``HF_HUB_OFFLINE`` is set).
+Every failure to load becomes a :class:`~interlens._exceptions.ModelLoadError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+from .._core import DeviceError, ModelLoadError
+from ._generation import LocalEngine
+
+__all__ = [
+    "cached_engines",
+    "clear_engine_cache",
+    "forget_engine",
+    "free_device_memory",
+    "load_engine",
+    "recipe_key",
+    "release_kept",
+]
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+#: The share of a GPU's free memory a model split over a group may take (the rest: activations, KV cache).
+_MEMORY_SHARE = 0.85
+
+_guard = threading.Lock()
+_import_lock = threading.Lock()
+_engines: dict[tuple[Any, ...], LocalEngine] = {}
+_loading: dict[tuple[Any, ...], threading.Lock] = {}
+
+
+def load_engine(
+    path_or_id: str,
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    allow_download: bool = False,
+) -> LocalEngine:
+    """Return the engine for this load recipe, loading model + tokenizer on first use (thread-safe).
+
+    ``dtype`` is one of ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the checkpoint's dtype) or
+    None: bfloat16 on CUDA, transformers' default (float32) elsewhere. The weights load straight onto
+    ``device`` (``device_map``, see :func:`load_kwargs`), or split over a group of GPUs written
+    ``"cuda:0,cuda:1"``, and the model is put in eval mode. A hub id must already be in the local Hugging
+    Face cache unless ``allow_download`` is true.
+    """
+    if not isinstance(path_or_id, str) or not path_or_id.strip():
+        raise ModelLoadError(
+            f"load_engine({path_or_id!r}): pass a local model directory or a Hugging Face hub id "
+            "such as 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelLoadError(
+            f"load_engine({path_or_id!r}, dtype={dtype!r}): unknown dtype; use one of {', '.join(_DTYPES)} "
+            "or None."
+        )
+    device = _canonical_device(device)
+    local = os.path.isdir(os.path.expanduser(path_or_id))
+    source = os.path.realpath(os.path.expanduser(path_or_id)) if local else path_or_id
+    key = recipe_key(source, device=device, dtype=dtype, revision=revision, trust=trust_remote_code)
+    engine = _engines.get(key)
+    if engine is not None:
+        return engine
+    with _guard:
+        lock = _loading.setdefault(key, threading.Lock())
+    with lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _load(
+                source,
+                local,
+                device=device,
+                dtype=dtype,
+                revision=revision,
+                trust=trust_remote_code,
+                download=allow_download,
+            )
+            with _guard:
+                _engines[key] = engine
+    return engine
+
+
+def clear_engine_cache() -> None:
+    """Forget every cached engine (tests; freeing memory between runs). Engines in use stay valid."""
+    with _guard:
+        _engines.clear()
+        _loading.clear()
+
+
+def recipe_key(
+    source: str, *, device: str, dtype: str | None, revision: str | None, trust: bool
+) -> tuple[Any, ...]:
+    """What tells two loads apart: the dtype as loaded (None on CUDA is bfloat16, so asking for None and for
+    "bfloat16" shares one copy of the weights instead of holding two)."""
+    return (source, device, dtype or _default_dtype(device), revision, bool(trust))
+
+
+def cached_engines() -> list[LocalEngine]:
+    """The engines this process holds now (for release, eviction and tests)."""
+    with _guard:
+        return list(_engines.values())
+
+
+def release_kept(reuse_keys: Iterable[Hashable]) -> None:
+    """Free the KV caches kept under ``reuse_keys`` in every cached engine (a conversation ended)."""
+    keys = list(reuse_keys)
+    for engine in cached_engines():
+        for key in keys:
+            engine.release(key)
+
+
+def forget_engine(engine: LocalEngine) -> None:
+    """Drop ``engine`` from the cache (the run no longer needs it) and its kept KV caches: a later
+    ``load_engine`` of that recipe loads it afresh; whoever still holds it may keep using it. Drop your own
+    reference, then call :func:`free_device_memory`, for the memory to go back to the device."""
+    with _guard:
+        for key in [k for k, v in _engines.items() if v is engine]:
+            del _engines[key]
+            _loading.pop(key, None)
+    engine.clear_reuse()
+
+
+def free_device_memory(device: str) -> None:
+    """Collect garbage cycles and hand the CUDA allocator's cached blocks back (after an eviction)."""
+    import gc
+
+    gc.collect()
+    if "cuda" in device:
+        import torch
+
+        if torch.cuda.is_available():
+            for member in device.split(","):
+                with torch.cuda.device(member):
+                    torch.cuda.empty_cache()
+
+
+def _canonical_device(device: str) -> str:
+    """Validate ``device`` and name it one way ("cuda" is "cuda:0"), so one device never holds two copies.
+
+    A group of GPUs (one model split over them) is ``"cuda:0,cuda:1"``: each member is checked."""
+    if isinstance(device, str) and "," in device:
+        members = [_canonical_device(m.strip()) for m in device.split(",")]
+        if not all(m.startswith("cuda:") for m in members) or len(set(members)) != len(members):
+            raise DeviceError(
+                f"device={device!r}: a group of devices lists distinct CUDA GPUs, e.g. 'cuda:0,cuda:1'; "
+                "use one device such as 'cpu' otherwise."
+            )
+        return ",".join(members)
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceError(
+            f"device={device!r} is not a device string; use 'cpu', 'cuda', 'cuda:0', ..."
+        ) from exc
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = parsed.index or 0
+        if index >= count:
+            raise DeviceError(
+                f"device={device!r} does not exist here ({count} CUDA device(s) visible); "
+                "use 'cpu' or one of interlens' available devices."
+            )
+        return f"cuda:{index}"
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device={device!r}: MPS is not available on this machine; use 'cpu'.")
+    return str(parsed)
+
+
+def load_kwargs(
+    device: str, dtype: str | None, *, free_memory: Callable[[int], int] | None = None
+) -> dict[str, Any]:
+    """What ``from_pretrained`` gets for ``device`` (canonical) and ``dtype``: where the weights go, and how.
+
+    Straight onto the device (``device_map={"": device}``), never host RAM first: eight workers loading a
+    70B through host RAM would need a terabyte. A group (``"cuda:0,cuda:1"``) gets ``device_map="auto"``
+    limited to its GPUs (``max_memory`` from each one's free memory, ``free_memory(index)`` in bytes). On
+    CUDA, ``dtype=None`` means bfloat16: a checkpoint whose config says float32 would otherwise load in
+    float32, at twice the memory and a fraction of the speed. Elsewhere None keeps transformers' default.
+    """
+    kwargs: dict[str, Any] = {}
+    dtype = dtype or _default_dtype(device)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if "," in device:
+        free = free_memory or _free_cuda_memory
+        indices = [int(m.partition(":")[2]) for m in device.split(",")]
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {i: int(free(i) * _MEMORY_SHARE) for i in indices}
+    else:
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def _default_dtype(device: str) -> str | None:
+    return "bfloat16" if device.startswith("cuda") else None
+
+
+def _free_cuda_memory(index: int) -> int:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(index)
+    return int(free)
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~", "\\")) or os.path.isfile(os.path.expanduser(name))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load(
+    source: str,
+    local: bool,
+    *,
+    device: str,
+    dtype: str | None,
+    revision: str | None,
+    trust: bool,
+    download: bool,
+) -> LocalEngine:
+    if not local and _looks_like_path(source):
+        raise ModelLoadError(
+            f"no model directory at {source!r}; check the path (it must be a directory written by "
+            "save_pretrained, holding config.json and the weights)."
+        )
+    kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
+    kwargs.update(load_kwargs(device, dtype))
+    if not _have_accelerate():  # transformers places weights by device_map only through accelerate
+        placed = kwargs.pop("device_map")
+        kwargs.pop("max_memory", None)
+        if placed == "auto":
+            raise ModelLoadError(
+                f"loading {source!r} over the GPU group {device!r} needs the accelerate package (it splits "
+                "the model over the GPUs): pip install accelerate (or interlens[local])."
+            )
+    if local:
+        return _from_pretrained(source, device, kwargs, local_files_only=True, where="this directory")
+    try:
+        return _from_pretrained(source, device, kwargs, local_files_only=True, where="the local HF cache")
+    except ModelLoadError as exc:
+        if not download or _offline():
+            why = (
+                "HF_HUB_OFFLINE is set" if download else "downloading was not allowed (allow_download=False)"
+            )
+            raise ModelLoadError(
+                f"{source!r} is not in the local Hugging Face cache and {why}; download it first "
+                f"(`hf download {source}`), pass a local directory, or allow the download."
+            ) from exc
+    return _from_pretrained(source, device, kwargs, local_files_only=False, where="the Hugging Face hub")
+
+
+def _from_pretrained(
+    source: str, device: str, kwargs: dict[str, Any], *, local_files_only: bool, where: str
+) -> LocalEngine:
+    AutoModelForCausalLM, AutoTokenizer = _transformers()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
+        )
+        model: Any = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(
+            f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
+            "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
+        ) from exc
+    if "device_map" not in kwargs:  # no accelerate: loaded on the CPU; a GPU gets it from there
+        model = model.to(device)
+    model.eval()
+    # A group's inputs go to its first GPU, where the embedding is; accelerate's hooks bring the logits back
+    # there too, so sampling runs on that device.
+    embedding = model.get_input_embeddings()
+    first = str(embedding.weight.device) if "," in device and embedding is not None else device
+    engine = LocalEngine(model, tokenizer, device=first)
+    engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
+    return engine
+
+
+def _transformers() -> tuple[Any, Any]:
+    """``AutoModelForCausalLM`` and ``AutoTokenizer``, imported under a lock.
+
+    transformers resolves its names lazily, and two threads resolving them at once in a fresh process (a
+    worker loading two models concurrently) make one of them fail with "cannot import name
+    'AutoModelForCausalLM'". The cache classes the engine imports later are resolved here too, so a
+    generation starting while another model loads does not race either."""
+    with _import_lock:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
+
+        del DynamicCache, StaticCache
+    return AutoModelForCausalLM, AutoTokenizer
+
+
+def _have_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def _tok_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in ("dtype", "device_map", "max_memory")}

@@ -1,0 +1,230 @@
+"""Next-token choice for a batch of rows with per-row settings and per-row random streams, and the
+special ids the decode loop needs (which tokens end a turn, which pads a prompt).
+
+Every local turn of a rollout carries a seed (see ``interlens._context.turn_seed``), so a batch of 64 rows is
+64 seeded rows: sampling them one ``torch.multinomial`` call per row (each with its own ``torch.Generator``)
+cost 2.75x the unseeded path per step at a real vocabulary on CPU. Instead each step draws ONE uniform per
+row (from the row's own stream, or from torch's global RNG for an unseeded row) and samples every row at
+once by inverse CDF: ``cumsum`` of the row's probabilities, ``searchsorted`` of ``u * total``. All the work on
+the vocabulary is vectorised and row-wise, so a row's token depends on its own logits and its own uniform
+only: a seeded row draws the same tokens alone or in any batch, as long as its logits are the same.
+
+A seeded row's stream is Python's ``random.Random``: its ``random()`` sequence for a given seed is guaranteed
+stable across Python versions and platforms, and it does not depend on the device, so the same seed gives
+the same uniforms on CPU and GPU (the logits, of course, may differ between them).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._core import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Sampler", "SamplingSettings", "eos_ids", "pad_id"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How one local turn is sampled: the ONE record of these settings from the participant's ``ChatRequest``
+    to the engine's ``GenerationRequest`` (each holds it; none copies its fields).
+
+    Unvalidated on its own: a participant's spent budget is a ``max_new_tokens`` of 0, answered without the
+    engine; :meth:`check` is called by the record that goes to the engine (``GenerationRequest``).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0  # <= 0 means greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # generation of the row ends once its text contains one of these
+    seed: int | None = None  # the row's own random stream: its draws do not depend on its batch mates
+
+    def __post_init__(self) -> None:
+        # Accept any sequence of stop strings (a list is the natural thing to pass), store a tuple; one string
+        # is refused by check() with its fix, so it is kept as given.
+        if not isinstance(self.stop, tuple | str):
+            object.__setattr__(self, "stop", tuple(self.stop))
+
+    def check(self, who: str) -> None:
+        """Raise ConfigurationError naming ``who(setting=value)`` for a setting the decode loop cannot use."""
+        if isinstance(self.stop, str):
+            raise ConfigurationError(
+                f"{who}(stop={self.stop!r}): stop must be a sequence of strings, not one string; "
+                f"write stop=({self.stop!r},)."
+            )
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigurationError(f"{who}(max_new_tokens={self.max_new_tokens!r}): must be an int >= 1.")
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ConfigurationError(
+                f"{who}(temperature={self.temperature!r}): must be a finite number "
+                "(<= 0 means greedy decoding)."
+            )
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigurationError(
+                f"{who}(top_p={self.top_p!r}): must be in (0, 1]; use 1.0 to disable nucleus sampling."
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigurationError(f"{who}(stop={self.stop!r}): stop strings must be non-empty strings.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ConfigurationError(f"{who}(seed={self.seed!r}): seed must be an int or None.")
+
+
+class _Settings(Protocol):
+    """What the sampler reads from a request (``GenerationRequest`` and ``SamplingSettings`` satisfy it)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
+class Sampler:
+    """Picks the next token of every active row; built once per batch composition, not per step.
+
+    Greedy rows (temperature <= 0) take the argmax. Sampling rows are scaled by their temperature, restricted
+    to their nucleus when top_p < 1, and drawn by inverse CDF with one uniform each per step.
+    """
+
+    def __init__(
+        self, requests: list[Any], device: str, streams: list[random.Random | None] | None = None
+    ) -> None:
+        import torch
+
+        self.requests: list[_Settings] = requests
+        self.device = device
+        if streams is None:  # seeded by the seed's text: an int seed would drop its sign (-5 == 5)
+            streams = [
+                random.Random(str(r.seed)) if r.seed is not None and r.temperature > 0 else None
+                for r in requests
+            ]
+        self.streams = streams
+        sampling = [j for j, r in enumerate(requests) if r.temperature > 0]
+        self.all_greedy = not sampling
+        self.all_sampling = len(sampling) == len(requests)
+        if self.all_greedy:
+            return
+        self.sampling_idx = torch.tensor(sampling, dtype=torch.long, device=device)
+        self.temperatures = torch.tensor(
+            [[requests[j].temperature] for j in sampling], dtype=torch.float32, device=device
+        )
+        self.row_streams = [streams[j] for j in sampling]
+        self.n_unseeded = sum(s is None for s in self.row_streams)
+        # Rows with a nucleus (top_p < 1) are sampled in sorted order; the others in vocabulary order.
+        nucleus = [k for k, j in enumerate(sampling) if requests[j].top_p < 1.0]
+        plain = [k for k, j in enumerate(sampling) if requests[j].top_p >= 1.0]
+        self.nucleus_idx = torch.tensor(nucleus, dtype=torch.long, device=device) if nucleus else None
+        self.plain_idx = (
+            torch.tensor(plain, dtype=torch.long, device=device)
+            if plain and len(plain) < len(sampling)
+            else None
+        )
+        self.any_plain = bool(plain)
+        self.top_p = torch.tensor(
+            [[requests[sampling[k]].top_p] for k in nucleus], dtype=torch.float32, device=device
+        )
+
+    def select(self, keep: list[int]) -> Sampler:
+        """The sampler for a batch reduced to rows ``keep`` (each row's stream carries on where it was)."""
+        return Sampler([self.requests[j] for j in keep], self.device, [self.streams[j] for j in keep])
+
+    def uniforms(self) -> torch.Tensor:
+        """One uniform in [0, 1) per sampling row: its own stream's next draw, or the global RNG's."""
+        import torch
+
+        if self.n_unseeded:
+            shared = iter(torch.rand(self.n_unseeded, dtype=torch.float64).tolist())
+            draws = [next(shared) if s is None else s.random() for s in self.row_streams]
+        else:
+            draws = [s.random() for s in self.row_streams if s is not None]
+        return torch.tensor(draws, dtype=torch.float32, device=self.device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
+        scores = logits if self.all_sampling else logits.index_select(0, self.sampling_idx)
+        probs = torch.softmax(scores.float() / self.temperatures, dim=-1)
+        u = self.uniforms()
+        if self.nucleus_idx is None:
+            picked = _inverse_cdf(probs.cumsum(dim=-1), u)
+        else:
+            picked = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+            if self.any_plain:
+                rows = self.plain_idx
+                part = probs if rows is None else probs.index_select(0, rows)
+                draws = u if rows is None else u.index_select(0, rows)
+                picked[slice(None) if rows is None else rows] = _inverse_cdf(part.cumsum(dim=-1), draws)
+            picked[self.nucleus_idx] = _nucleus_sample(
+                probs.index_select(0, self.nucleus_idx), self.top_p, u.index_select(0, self.nucleus_idx)
+            )
+        if self.all_sampling:
+            return picked
+        chosen = logits.argmax(dim=-1)
+        chosen[self.sampling_idx] = picked
+        return chosen
+
+
+def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """For each row, the first index whose cumulative mass exceeds ``u * total`` (total: the row's last cdf).
+
+    The target is kept strictly below ``total``, so the index is always in range, and the first index whose
+    cdf EXCEEDS the target is one where the cdf jumps: a token of zero probability is never chosen.
+    """
+    import torch
+
+    if total is None:
+        total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # clamped for a row whose logits were NaN (its target too): the decode loop fails that row, but an
+    # index past the vocabulary must never reach a gather on the device (a CUDA device-side assert)
+    index = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    return index.clamp_(max=cdf.shape[-1] - 1)
+
+
+def _nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample each row within its smallest set of most likely tokens whose mass reaches its top_p.
+
+    In descending order (a stable sort, so ties are broken the same way in any batch) the kept tokens are a
+    prefix: every token whose cdf is below top_p, plus the one that reaches it. Sampling inside that prefix
+    needs only the cdf up to its end.
+    """
+    import torch
+
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cdf = sorted_probs.cumsum(dim=-1)
+    kept = (torch.searchsorted(cdf, top_p) + 1).clamp(max=cdf.shape[-1])  # top_p: (rows, 1)
+    total = cdf.gather(1, kept - 1).squeeze(1)
+    index = _inverse_cdf(cdf, u, total)
+    return order.gather(1, index.unsqueeze(1)).squeeze(1)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a turn: the generation config's (end-of-turn tokens) and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+            break
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def pad_id(model: Any, tokenizer: Any, eos: frozenset[int]) -> int:
+    """Any valid id works for padding (pads are masked); prefer the declared pad token."""
+    for value in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(getattr(model, "generation_config", None), "pad_token_id", None),
+    ):
+        if isinstance(value, int):
+            return value
+    return min(eos) if eos else 0

@@ -1,0 +1,272 @@
+"""Deterministic rows in a batch-invariant layout: each row's arithmetic is the same alone and in any batch.
+
+A deterministic row samples from its own seeded stream, so its tokens follow from its own logits. If those
+are bitwise the same whatever rows share its batch, deterministic turns can co-step at batched speed and
+still be token-identical to running alone. The plain left-padded batch (``_prefill``) is not that, even on
+CPU with stock kernels (measured with MKL, torch 2.13, AVX-512):
+
+* a matmul of 1-3 rows takes another kernel, with another reduction order, than one of 4 or more, and with
+  several threads the rows each thread gets decide it too: a 1-row decode step and a 6-row one round apart;
+* left padding moves a row's keys to other cache slots, so the attention's reductions over keys put them in
+  other vector lanes and blocks; a longer cache (a batch mate asking for more tokens) moves block edges.
+
+So every deterministic batch, of one row or many, is laid out the same way here:
+
+* all but the last token of each distinct prompt are prefilled in one batch padded on the RIGHT to a width
+  that is a multiple of :data:`PREFILL_BLOCK`: row token *i* is at slot *i* (slot == position), whatever
+  the other rows; rows with the same prompt share its prefill (the same arithmetic);
+* each row's last prompt token, then each generated token, is fed as a decode step and its KV written at
+  the row's own slot (:func:`slot_cache`); the mask covers the slots up to the row's position (and, for a
+  sliding-window layer, back to its window from that position);
+* the cache length is a multiple of :data:`SLOT_BLOCK` slots, so the key reductions' lanes and blocks fall
+  on the same positions whatever the length, and the slots past a row's position add exact zeros;
+* the rows of a step are padded to a multiple of :data:`ROW_BLOCK` with copies of the last row (their
+  logits are dropped), so every matmul has a row count the BLAS serves with one kernel.
+
+That removes the sources measured here; it proves nothing about other kernels (another BLAS, a GPU), so the
+engine co-steps rows on this layout only after its self-test (``_batch_invariance``) ran probe rows alone and
+together through this very path and found every submodule output bitwise equal. Only for models whose
+layers are full or sliding-window attention (:meth:`SlotRows._slots_supported`); others run deterministic
+rows alone through the plain batch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..interp import text_config
+from ._decode import Row, raise_if_cancelled, stop_window
+from ._generation_types import GenerationRequest, GenerationResult
+from ._prefill import BatchPrefill
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PREFILL_BLOCK", "ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
+
+#: Rows of every decode step are padded to a multiple of this (MKL: 1-3 rows take another kernel than 4 or
+#: more; every multiple of 4 measured invariant with 1 to 8 threads). A padding row costs a row of KV cache.
+ROW_BLOCK = 4
+#: Cache lengths are a multiple of this many slots: vector lanes x unrolled accumulators of the reductions.
+SLOT_BLOCK = 64
+#: Prefill widths are a multiple of this many tokens (a smaller block than the cache's: the prefill is most of
+#: a deterministic turn's extra work, and 32 keeps every matmul's rows and attention block edges aligned).
+PREFILL_BLOCK = 32
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+class SlotRows(BatchPrefill):
+    """The deterministic path of ``LocalEngine`` on the batch-invariant layout (see the module docstring)."""
+
+    _slot_layout: bool | None = None  # whether this model's cache layers allow the layout (checked once)
+
+    def _slots_supported(self) -> bool:
+        """Whether every layer of the model is full or sliding-window attention over a plain static cache
+        (the layout keeps both as full-length static layers and builds a sliding layer's window into its
+        mask). Chunked attention, linear attention and state-space layers are not: their masks or states
+        would need their own per-row rules, so such models run deterministic rows alone."""
+        if self._slot_layout is None:
+            from transformers import StaticCache
+            from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+            config = self.model.config
+            types = set(getattr(text_config(config), "layer_types", None) or ("full_attention",))
+            try:
+                probe = StaticCache(config=config, max_cache_len=SLOT_BLOCK)
+            except (TypeError, ValueError, KeyError, NotImplementedError):
+                self._slot_layout = False
+            else:
+                kinds = {type(layer) for layer in probe.layers}
+                self._slot_layout = (
+                    bool(kinds)
+                    and kinds <= {StaticLayer, StaticSlidingWindowLayer}
+                    and types <= {"full_attention", "sliding_attention"}
+                )
+        return self._slot_layout
+
+    def _generate_slotted(
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None
+    ) -> list[GenerationResult | Exception]:
+        """Prefill the distinct prompts in one batch, then decode every row in one slot-cache batch."""
+        import torch
+
+        started = time.perf_counter()
+        raise_if_cancelled(cancelled)
+        prompts = [r.prompt_ids for r in requests]
+        length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        logits, cache = self._slot_prefill(prompts, length)
+        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        self._decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
+        seconds = time.perf_counter() - started
+        uses = {p: prompts.count(p) for p in set(prompts)}
+        return [
+            row.failure
+            if row.failure is not None
+            else self._result(
+                row,
+                seconds=seconds,
+                batch_size=len(rows),
+                shared=len(row.request.prompt_ids) - 1 if uses[row.request.prompt_ids] > 1 else 0,
+                reused=0,
+            )
+            for row in rows
+        ]
+
+    def _slot_prefill(self, prompts: list[tuple[int, ...]], length: int) -> tuple[torch.Tensor, Any]:
+        """A new slot cache holding each row's prompt at slots ``0 .. len-1`` (at least ``length`` slots),
+        and each row's logits after its last prompt token (rows, vocab)."""
+        distinct = list(dict.fromkeys(prompts))
+        cache = self._slot_fill(distinct, length)
+        return self._slot_first(prompts, distinct, cache), cache
+
+    def _slot_fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
+        """Prefill all but the last token of each distinct prompt, in one batch padded on the RIGHT to a
+        multiple of ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows).
+
+        No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
+        queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
+        every pad query attends to something, so the pad slots hold finite values (a fully masked query
+        would leave NaN there, and ``0 * NaN`` in ``probs @ V`` would reach the real rows)."""
+        import torch
+
+        device = self.device
+        width = _round_up(max(len(p) for p in distinct) - 1, PREFILL_BLOCK)
+        cache = slot_cache(
+            self.model.config, rows=len(distinct), length=max(length, width), dtype=self.model.dtype
+        )
+        if width:  # else every prompt is one token: nothing before its last
+            ids = [list(p[:-1]) + [self._pad_id] * (width - len(p) + 1) for p in distinct]
+            positions = torch.arange(width, device=device).expand(len(distinct), width)
+            self.model(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return cache
+
+    def _slot_first(
+        self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any
+    ) -> torch.Tensor:
+        """Give each row its prompt's prefilled slots (rows with one prompt share them: the same arithmetic),
+        then feed each row its last prompt token as a decode step: the logits of its first generated token."""
+        import torch
+
+        device = self.device
+        index = {p: i for i, p in enumerate(distinct)}
+        cache.reorder_cache(torch.tensor([index[p] for p in prompts], dtype=torch.long, device=device))
+        last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=device)
+        positions = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device)
+        return self._step(last, positions, None, cache, 0, True)
+
+
+@functools.cache
+def _slot_cache_class() -> type:
+    """The cache class, built on first use (``import interlens`` does not import transformers)."""
+    import torch
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    from transformers.masking_utils import create_causal_mask
+
+    class SlotCache(StaticCache):
+        """A static cache whose decode steps write each row's token at that row's own slot (its position).
+
+        ``feed`` pads a step's rows to the cache's row count, says where each writes and builds the masks;
+        ``reorder_cache`` keeps the row count a multiple of ``ROW_BLOCK`` when finished rows leave. Every
+        layer is a full-length static layer, sliding-window ones included (their window is in their mask:
+        a ring buffer would put a row's keys at slots that depend on its length).
+        """
+
+        def __init__(self, config: Any, *, rows: int, length: int, dtype: torch.dtype) -> None:
+            self.length = _round_up(length, SLOT_BLOCK)
+            super().__init__(config=config, max_cache_len=self.length)
+            self.slot_layers: list[Any] = [StaticLayer(self.length) for _ in self.layers]
+            self.layers = self.slot_layers
+            self.config, self.dtype = config, dtype
+            text = text_config(config)
+            types = getattr(text, "layer_types", None) or ()
+            self.window = text.sliding_window if "sliding_attention" in types else None
+            self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
+            # per stored row: the slot the current step writes (None until the first step: the prefill)
+            self.slots: torch.Tensor | None = None
+
+        def feed(
+            self, tokens: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+            """Pad one step's ``tokens`` (rows, 1) and ``positions`` (rows,) to the stored rows with copies
+            of the last row; returns them with the attention mask: the 2-D mask of the slots up to each
+            row's position, or for a model with sliding-window layers the model's 4-D masks per layer type
+            (the window counted back from each row's own position, not from the batch's furthest)."""
+            pad = self.rows - tokens.shape[0]
+            if pad:
+                tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)])
+                positions = torch.cat([positions, positions[-1:].expand(pad)])
+            self.slots = positions
+            top = int(positions.max())
+            for layer in self.slot_layers:
+                layer.cumulative_length.fill_(top)  # the causal mask's query offset: the furthest row
+            slots = torch.arange(self.length, device=positions.device)
+            mask = (slots.unsqueeze(0) <= positions.unsqueeze(1)).long()
+            ids = positions.unsqueeze(1)
+            if self.window is None:
+                return tokens, ids, mask
+            window = self.window
+            shape = torch.empty((self.rows, 1, 1), dtype=self.dtype, device=positions.device)
+            masks = {
+                kind: create_causal_mask(
+                    config=self.config,
+                    inputs_embeds=shape,
+                    attention_mask=mask,
+                    cache=self,
+                    position_ids=ids,
+                    and_mask_function=within,
+                )
+                for kind, within in (
+                    ("full_attention", None),
+                    ("sliding_attention", lambda b, h, q, kv: kv > positions[b] - window),
+                )
+            }
+            return tokens, ids, masks
+
+        def update(
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            *args: Any,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.slots is None:  # the prefill, before any step: slots 0 .. width-1 of every row
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            layer = self.slot_layers[layer_idx]
+            if not layer.is_initialized:  # every prompt was one token: nothing was prefilled
+                layer.lazy_initialization(key_states, value_states)
+            device = key_states.device  # a model split over devices keeps each layer's cache on its own
+            rows = torch.arange(key_states.shape[0], device=device)
+            slots = self.slots.to(device)
+            layer.keys[rows, :, slots] = key_states[:, :, 0]
+            layer.values[rows, :, slots] = value_states[:, :, 0]
+            return layer.keys, layer.values
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            keep = beam_idx.tolist()
+            self.rows = _round_up(len(keep), ROW_BLOCK)
+            keep += keep[-1:] * (self.rows - len(keep))
+            index: Any = torch.tensor(keep, dtype=torch.long, device=beam_idx.device)
+            super().reorder_cache(index)
+
+    return SlotCache
+
+
+def slot_cache(config: Any, *, rows: int, length: int, dtype: Any) -> Any:
+    """A new slot cache for ``rows`` rows (stored padded to a multiple of ``ROW_BLOCK``) and at least
+    ``length`` slots (a multiple of ``SLOT_BLOCK``), for a model computing in ``dtype``."""
+    return _slot_cache_class()(config, rows=rows, length=length, dtype=dtype)

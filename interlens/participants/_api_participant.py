@@ -1,0 +1,402 @@
+"""Hosted models as participants: OpenAI, Anthropic and OpenRouter through their official async SDKs.
+
+An :class:`APIParticipant` is plain settings (it pickles to a worker with no key inside): the speaker's view
+becomes a provider-neutral :class:`~interlens._provider_base.APIRequest` where the job runs (folded to what
+the provider accepts), and the request goes to the API gateway in the parent, which holds the one client per
+provider configuration, bounds the requests in flight, retries, and, with ``batch=True``, gathers a round's
+turns from every live conversation into ONE provider batch that a crashed run re-attaches to instead of
+paying for twice. What each provider wants on the wire lives in its own module, found by name through
+``_providers``.
+
+Routing: a rollout job whose context offers ``call_gateway`` sends the request there (the run's gateway);
+otherwise the running event loop's gateway serves it (live use, and jobs in the parent's own loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from interlens.scheduler.gateway import (
+    BatchPolicy,
+    BatchRowError,
+    ProviderCallError,
+    ProviderClient,
+    RetryPolicy,
+)
+
+from .._core import (
+    CURRENT_JOB,
+    MODERATOR,
+    ConfigurationError,
+    ConfigurationTypeError,
+    GenerationError,
+    GenerationOptions,
+    InterpModeError,
+    Message,
+    Template,
+    View,
+    count_tokens,
+    template_from_json,
+)
+from ..providers import PROVIDERS, APIRequest, APIResult, fold_view, open_client, resolve_base_url
+from ..providers import provider as provider_named
+from ._participant import Participant, register_participant_kind
+
+__all__ = ["DEFAULT_MAX_IN_FLIGHT", "DEFAULT_MAX_TOKENS", "DEFAULT_TIMEOUT", "APIParticipant"]
+
+DEFAULT_MAX_IN_FLIGHT = 64
+"""Requests in flight at once per provider configuration, unless ``max_in_flight=`` says otherwise. Providers'
+rate limits are per account and model; 64 keeps a typical tier busy without tripping it, and the adaptive
+limiter halves the window on sustained 429s anyway."""
+
+DEFAULT_MAX_TOKENS = 1024
+"""Output tokens per turn unless ``max_tokens=`` says otherwise (Anthropic requires a value)."""
+
+DEFAULT_TIMEOUT = 120.0
+"""Seconds one request may take before it is abandoned and retried."""
+
+# Interp needs the weights: a hosted model offers none of it through interlens. Refused, never ignored.
+_INTERP_SETTINGS = (
+    "capture",
+    "steering",
+    "steer",
+    "probes",
+    "logprobs",
+    "top_logprobs",
+    "output_hidden_states",
+    "activations",
+)
+
+
+def _interp_error(name: str, setting: str) -> InterpModeError:
+    return InterpModeError(
+        f"APIParticipant({name!r}) cannot do interp ({setting}=): a hosted model exposes no activations, "
+        "steering or logprobs through interlens. Use a local participant "
+        "(AutoModelParticipant.from_pretrained(...), with batched=False in rollouts) for interp, and run "
+        "hosted turns outside a conv.capture() block."
+    )
+
+
+def _number_or_none(name: str, field: str, value: Any, low: float, high: float, *, open_low: bool) -> Any:
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not (low < value <= high if open_low else low <= value <= high):
+        bracket = "(" if open_low else "["
+        error = ConfigurationError if ok else ConfigurationTypeError  # "hot" is a TypeError, 3.0 a ValueError
+        raise error(
+            f"APIParticipant({name!r}): {field} must be None or a number in {bracket}{low}, {high}] (None "
+            f"sends no {field}: the provider's default), got {value!r}"
+        )
+    return float(value)
+
+
+class APIParticipant(Participant):
+    """A hosted chat model. Keys and endpoints come from the environment (see below), at first use.
+
+    ``provider``: "openai" | "anthropic" | "openrouter". ``model_id``: the provider's model name.
+    ``max_tokens`` (default 1024) is the output cap per turn, lowered per turn by a TokenBudget.
+    ``temperature``/``top_p``/``stop``: sent when set, else the provider's defaults. ``batch=True`` (openai,
+    anthropic) routes each round through the provider's batch API (about half the price, minutes to hours
+    of latency).
+
+    Credentials: ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``, ``OPENROUTER_API_KEY``; endpoints
+    ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL``, ``OPENROUTER_BASE_URL`` unless ``base_url=`` is given. A
+    recipe builds offline; a missing key fails the first turn with an error naming the variable. Keys never
+    reach a pickle, the ledger, a checkpoint or a log line.
+
+    OpenAI-compatible servers (vLLM, SGLang, llama.cpp): ``provider="openai", base_url="http://host:8000/v1"``.
+    ``auth``: None (default) sends the key when ``OPENAI_API_KEY`` is set; when it is not, an endpoint on a
+    local or private host (localhost, 127.0.0.0/8, ::1, 10/8, 172.16/12, 192.168/16) is called without
+    one, and any other endpoint is refused for want of a key. ``auth=False`` never sends a key (a server
+    elsewhere without auth; provider "openai" only); ``auth=True`` always requires one.
+
+    Prompt caching (``prompt_cache``, default True): a multi-turn conversation resends its growing history,
+    and the provider's cache makes the repeated prefix cost a fraction. Anthropic caches only where asked:
+    the system block and the last message get cache breakpoints (writes cost 25% over the input price,
+    reads 10% of it, so a speaker's second turn already repays the first; False for one-turn rollouts).
+    OpenAI caches long prefixes by itself, for free: the body keeps the history as a stable prefix (system
+    first, then the messages as they were), nothing is sent. Cache reads and writes are in the turn's usage.
+
+    Scheduling: ``max_in_flight`` (default 64) bounds concurrent requests per (provider, endpoint, limit),
+    shared by every participant with the same three; ``timeout`` (120 s) per request; ``retry`` a
+    :class:`RetryPolicy` (429/5xx/timeouts, honouring retry-after); ``batch_policy`` a :class:`BatchPolicy`.
+    """
+
+    kind = "api"
+    needs_device = False
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        provider: str,
+        model_id: str,
+        system_prompt: Template = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | str = (),
+        batch: bool = False,
+        base_url: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        retry: RetryPolicy | None = None,
+        batch_policy: BatchPolicy | None = None,
+        auth: bool | None = None,
+        prompt_cache: bool = True,
+        **unsupported: Any,
+    ) -> None:
+        super().__init__(name=name, system_prompt=system_prompt)
+        for setting in unsupported:
+            if setting in _INTERP_SETTINGS:
+                raise _interp_error(name, setting)
+        if unsupported:
+            raise ConfigurationError(
+                f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
+                "provider, model_id, system_prompt, temperature, top_p, max_tokens, stop, batch, base_url, "
+                "timeout, max_in_flight, retry, batch_policy, auth, prompt_cache"
+            )
+        if provider not in PROVIDERS:
+            raise ConfigurationError(
+                f"{name}: provider must be one of {', '.join(PROVIDERS)}, got {provider!r}"
+            )
+        if not isinstance(model_id, str) or not model_id.strip():
+            raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
+        if not isinstance(batch, bool):
+            raise ConfigurationError(f"{name}: batch must be True or False, got {batch!r}")
+        if batch and not provider_named(provider).batch:
+            batching = "/".join(p for p in PROVIDERS if provider_named(p).batch)
+            raise ConfigurationError(
+                f"{name}: {provider_named(provider).title} has no batch API, so batch=True cannot work "
+                f"with provider={provider!r} (interlens never falls back to serial calls silently). Use "
+                f"batch=False, or {batching}."
+            )
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ConfigurationError(f"{name}: max_tokens must be a positive int, got {max_tokens!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ConfigurationError(f"{name}: stop must be a str or a list of non-empty str, got {stop!r}")
+        if base_url is not None and not (
+            isinstance(base_url, str) and base_url.startswith(("http://", "https://"))
+        ):
+            raise ConfigurationError(f"{name}: base_url must be an http(s) URL or None, got {base_url!r}")
+        ok_timeout = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
+        if not ok_timeout:
+            raise ConfigurationError(f"{name}: timeout must be a number of seconds > 0, got {timeout!r}")
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
+            raise ConfigurationError(f"{name}: max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigurationError(f"{name}: retry must be a RetryPolicy, got {type(retry).__name__}")
+        if batch_policy is not None and not isinstance(batch_policy, BatchPolicy):
+            raise ConfigurationError(
+                f"{name}: batch_policy must be a BatchPolicy, got {type(batch_policy).__name__}"
+            )
+        if auth is not None and not isinstance(auth, bool):
+            raise ConfigurationError(
+                f"{name}: auth must be None (a key when one is set; none needed by a local server), True or "
+                f"False, got {auth!r}"
+            )
+        if auth is False and provider != "openai":
+            raise ConfigurationError(
+                f"{name}: auth=False is for OpenAI-compatible servers without a key (provider='openai' with "
+                f"their base_url); {provider_named(provider).title} always needs a key"
+            )
+        if not isinstance(prompt_cache, bool):
+            raise ConfigurationError(f"{name}: prompt_cache must be True or False, got {prompt_cache!r}")
+        self.prompt_cache = prompt_cache
+        self.auth = auth
+        self.provider = provider
+        self.model_id = model_id
+        self.temperature = _number_or_none(name, "temperature", temperature, 0, 2, open_low=False)
+        self.top_p = _number_or_none(name, "top_p", top_p, 0, 1, open_low=True)
+        problem = provider_named(provider).settings_problem(
+            {"temperature": self.temperature, "top_p": self.top_p}
+        )
+        if problem is not None:
+            raise ConfigurationError(f"APIParticipant({name!r}, provider={provider!r}): {problem}")
+        self.max_tokens = max_tokens
+        self.stop = tuple(stop)
+        self.batch = batch
+        self.base_url = base_url
+        self.timeout = float(timeout)
+        self.max_in_flight = max_in_flight
+        self.retry_policy = retry or RetryPolicy()
+        self.batch_policy = batch_policy or BatchPolicy()
+
+    # ---------------------------------------------------------------- the gateway's APISpec
+    @property
+    def client_key(self) -> Hashable:
+        url = resolve_base_url(self.provider, self.base_url)
+        return ("api", self.provider, url, self.max_in_flight, self.auth)
+
+    @property
+    def batch_key(self) -> Hashable | None:
+        if not self.batch:
+            return None
+        return (self.client_key, self.model_id, self.temperature, self.top_p, self.stop, self.batch_policy)
+
+    def open_client(self) -> ProviderClient:
+        """The provider's client for the gateway; reads the key from the environment (parent, first use)."""
+        return open_client(
+            self.provider,
+            base_url=self.base_url,
+            max_in_flight=self.max_in_flight,
+            who=f"APIParticipant({self.name!r})",
+            auth=self.auth,
+        )
+
+    # ---------------------------------------------------------------- generation
+    def request(self, view: View, options: GenerationOptions) -> APIRequest:
+        """The provider request for ``view``: the output cap lowered to the turn's budget, the turn index."""
+        cap = (
+            self.max_tokens
+            if options.max_new_tokens is None
+            else min(self.max_tokens, options.max_new_tokens)
+        )
+        turn = None if options.ephemeral else sum(1 for m in view.messages if m.author != MODERATOR)
+        return APIRequest(
+            provider=self.provider,
+            model=self.model_id,
+            system=view.system,
+            messages=fold_view(view, self.provider),
+            max_tokens=cap,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            timeout=self.timeout,
+            turn=turn,
+            cache=self.prompt_cache,
+        )
+
+    async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
+        options = options or GenerationOptions()
+        for setting in _INTERP_SETTINGS:
+            if getattr(options, setting, None):
+                raise _interp_error(self.name, setting)
+        request = self.request(view, options)
+        if request.max_tokens <= 0:  # a spent budget: an empty turn, no request sent
+            return Message(
+                self.name,
+                "",
+                {"n_tokens": 0, "finish_reason": "length", "provider": self.provider, "model": self.model_id},
+            )
+        job = CURRENT_JOB.get()
+        hook = getattr(job, "call_gateway", None) if job is not None else None
+        start = time.perf_counter()
+        try:
+            if hook is not None:
+                result = await hook(self, request)
+            else:
+                from ._api_loop import loop_gateway
+
+                gateway = await loop_gateway()
+                result = await gateway.call(self, request, owner=getattr(job, "job_id", None))
+            if isinstance(result, BaseException):
+                raise result
+        except (ProviderCallError, BatchRowError) as exc:
+            raise GenerationError(f"{self.name} ({self.provider} model {self.model_id!r}): {exc}") from exc
+        return self.message(result, time.perf_counter() - start)
+
+    def message(self, result: APIResult, seconds: float) -> Message:
+        """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata.
+
+        ``metadata["usage"]`` is what the turn cost, from the provider's usage fields (never re-tokenized):
+        provider, model, ``mode`` ("live" or "batch"), input tokens (all of them, cached or not), output,
+        cache-read and cache-write tokens. It is stored with the turn, so the ledger is the account.
+        """
+        n_tokens = result.output_tokens if result.output_tokens is not None else count_tokens(result.text)
+        metadata: dict[str, Any] = {
+            "n_tokens": n_tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "finish_reason": result.finish_reason,
+            "provider": self.provider,
+            "model": self.model_id,
+            "seconds": round(seconds, 6),
+            "at": time.time(),
+        }
+        metadata["usage"] = {
+            "provider": self.provider,
+            "model": self.model_id,
+            "mode": "batch" if result.batch_id else "live",
+            "input_tokens": result.prompt_tokens or 0,
+            "output_tokens": result.output_tokens if result.output_tokens is not None else n_tokens,
+            "cache_read_tokens": result.cache_read_tokens,
+            "cache_write_tokens": result.cache_write_tokens,
+        }
+        if result.model and result.model != self.model_id:
+            metadata["provider_model"] = result.model
+        if result.request_id:
+            metadata["request_id"] = result.request_id
+        if result.batch_id:
+            metadata["batch_id"] = result.batch_id
+        return Message(self.name, result.text, metadata)
+
+    # ---------------------------------------------------------------- JSON / pickling
+    def to_json(self) -> dict[str, Any]:
+        from .._core import template_to_json
+
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "provider": self.provider,
+            "model_id": self.model_id,
+            "system_prompt": template_to_json(self.system_prompt, field=f"{self.name}.system_prompt"),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+            "batch": self.batch,
+            "base_url": self.base_url,
+            "timeout": self.timeout,
+            "max_in_flight": self.max_in_flight,
+            "retry": dataclasses.asdict(self.retry_policy),
+            "batch_policy": dataclasses.asdict(self.batch_policy),
+            "auth": self.auth,
+            "prompt_cache": self.prompt_cache,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """What shapes the outputs, not how they are fetched (endpoint, batching, limits, retries)."""
+        from .._core import describe_template
+
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "provider": self.provider,
+            "model_id": self.model_id,
+            "system_prompt": describe_template(self.system_prompt),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> APIParticipant:
+        settings = {
+            k: v for k, v in data.items() if k not in ("kind", "system_prompt", "retry", "batch_policy")
+        }
+        retry = data.get("retry")
+        policy = data.get("batch_policy")
+        return cls(
+            system_prompt=template_from_json(data.get("system_prompt")),
+            retry=RetryPolicy(**retry) if retry else None,
+            batch_policy=BatchPolicy(**policy) if policy else None,
+            **settings,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # settings only: the key lives in the parent's environment and SDK client
+
+    def __repr__(self) -> str:
+        batch = ", batch=True" if self.batch else ""
+        settings = f"name={self.name!r}, provider={self.provider!r}, model_id={self.model_id!r}{batch}"
+        return f"APIParticipant({settings})"
+
+
+register_participant_kind(APIParticipant.kind, APIParticipant.from_json)

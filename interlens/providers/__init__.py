@@ -1,0 +1,16 @@
+"""Hosted model providers: the provider-neutral request and result, one module per provider (its request,
+parsing and batch code) and the registry.
+"""
+
+from ._base import APIRequest, APIResult
+from ._registry import PROVIDERS, fold_view, open_client, provider, resolve_base_url
+
+__all__ = [
+    "PROVIDERS",
+    "APIRequest",
+    "APIResult",
+    "fold_view",
+    "open_client",
+    "provider",
+    "resolve_base_url",
+]

@@ -1,0 +1,19 @@
+"""What a run produced: RunReport/RunResult (lazy over the ledger), usage and cost, export tables and the HTML
+report.
+"""
+
+from ._export import ledger_rows, write_export
+from ._report import RunReport, RunResult
+from ._usage import SAMPLES_KEY, check_prices, recorded_metadata, summarize, turn_cost
+
+__all__ = [
+    "SAMPLES_KEY",
+    "RunReport",
+    "RunResult",
+    "check_prices",
+    "ledger_rows",
+    "recorded_metadata",
+    "summarize",
+    "turn_cost",
+    "write_export",
+]

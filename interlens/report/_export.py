@@ -1,0 +1,299 @@
+"""A run as tables, one row per job: ``RunReport.to_pandas()``/``to_dataset()`` and ``interlens export``.
+
+Why one module: a notebook (a ``RunReport`` over its outcomes) and a shell (``interlens export`` over a
+ledger) must agree on what a job looks like as a table row, so both flatten a job here. Nested values would
+not fit a CSV cell or a typed parquet column, so: the transcript and the data row travel as JSON text (plus
+the final message on its own, the usual thing to analyse), and a dict analysis is flattened into
+``analysis.<key>.<subkey>`` columns. A column whose values have different types across jobs (an int here, a
+string there) becomes JSON text, so Arrow (parquet, ``datasets``) can type it.
+
+pandas, pyarrow and datasets (extra ``export``) are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from interlens.store import JOB_STATES, LedgerReader
+
+from .._core import ConfigurationError
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas
+
+    from interlens.scheduler import JobOutcome
+
+    from ._report import RunReport
+
+__all__ = [
+    "BASE_COLUMNS",
+    "EXPORT_FORMATS",
+    "ledger_rows",
+    "outcome_rows",
+    "summary_html",
+    "to_dataset",
+    "to_pandas",
+    "write_export",
+]
+
+#: Every row has these columns, in this order; ``analysis.*`` columns follow, in first-seen order.
+BASE_COLUMNS: tuple[str, ...] = (
+    "job_id",
+    "lineup",
+    "state",
+    "row_index",
+    "seed",
+    "attempts",
+    "device",
+    "tokens_generated",
+    "n_messages",
+    "error_type",
+    "error",
+    "final_author",
+    "final_message",
+    "transcript",
+    "row",
+)
+
+EXPORT_FORMATS: tuple[str, ...] = ("jsonl", "csv", "parquet")
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def flatten_analysis(analysis: Any, prefix: str = "analysis") -> dict[str, Any]:
+    """``{"score": {"len": 3}}`` → ``{"analysis.score.len": 3}``; a scalar → ``{"analysis": value}``; lists
+    and other values → JSON text. ``None`` (no analyzer, or it failed) gives no columns."""
+    if analysis is None and prefix == "analysis":
+        return {}
+    if isinstance(analysis, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in analysis.items():
+            out.update(flatten_analysis(value, f"{prefix}.{key}"))
+        return out
+    if isinstance(analysis, _SCALARS):
+        return {prefix: analysis}
+    return {prefix: _json_text(analysis)}
+
+
+def job_row(
+    *,
+    job_id: str,
+    lineup: str,
+    state: str,
+    row_index: int | None,
+    seed: int,
+    attempts: int,
+    device: str | None,
+    tokens_generated: int,
+    error_type: str | None,
+    error: str | None,
+    conversation: Mapping[str, Any] | None,
+    analysis: Any,
+) -> dict[str, Any]:
+    """One job as a flat row (see the module docstring for the columns)."""
+    transcript = list((conversation or {}).get("transcript") or [])
+    final = transcript[-1] if transcript else None
+    row: dict[str, Any] = {
+        "job_id": job_id,
+        "lineup": lineup,
+        "state": state,
+        "row_index": row_index,
+        "seed": seed,
+        "attempts": attempts,
+        "device": device,
+        "tokens_generated": tokens_generated,
+        "n_messages": len(transcript),
+        "error_type": error_type,
+        "error": error,
+        "final_author": final.get("author") if final else None,
+        "final_message": final.get("content") if final else None,
+        "transcript": _json_text(transcript) if conversation is not None else None,
+        "row": None
+        if conversation is None or conversation.get("row") is None
+        else _json_text(conversation["row"]),
+    }
+    row.update(flatten_analysis(analysis))
+    return row
+
+
+def outcome_rows(outcomes: Iterable[JobOutcome]) -> Iterator[dict[str, Any]]:
+    """Rows of a ``RunReport``'s job outcomes (plus ``skipped``: done by an earlier run of the ledger)."""
+    for o in outcomes:
+        row = job_row(
+            job_id=o.job_id,
+            lineup=o.lineup,
+            state=o.state,
+            row_index=o.row_index,
+            seed=o.seed,
+            attempts=o.attempts,
+            device=o.device,
+            tokens_generated=o.tokens_generated,
+            error_type=o.error.type if o.error is not None else None,
+            error=o.error.message if o.error is not None else None,
+            conversation=o.conversation,
+            analysis=o.analysis,
+        )
+        row["skipped"] = o.skipped
+        yield row
+
+
+def ledger_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Rows of every job in a ledger, in job order, any state (pending and running jobs have no result yet).
+
+    Streams page by page (``LedgerReader.iter_results``), read-only: safe while a run is live.
+    """
+    with LedgerReader(out_dir) as reader:
+        for job, result in reader.iter_results(states=JOB_STATES):
+            yield job_row(
+                job_id=job.job_id,
+                lineup=job.lineup,
+                state=job.state,
+                row_index=job.row_index,
+                seed=job.seed,
+                attempts=job.attempts,
+                device=job.device,
+                tokens_generated=job.tokens_generated,
+                error_type=job.error_type,
+                error=job.error_message,
+                conversation=result["conversation"] if result else None,
+                analysis=result["analysis"] if result else None,
+            )
+
+
+def _columns(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    seen: dict[str, None] = dict.fromkeys(BASE_COLUMNS)
+    for row in rows:
+        seen.update(dict.fromkeys(row))
+    return list(seen)
+
+
+def _uniform(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Make every column hold one type (ints and floats mix): other mixtures become JSON text, in place."""
+    for column in columns:
+        kinds = {type(r[column]) for r in rows if r.get(column) is not None}
+        if len(kinds) > 1 and not kinds <= {int, float}:
+            for r in rows:
+                if r.get(column) is not None:
+                    r[column] = _json_text(r[column])
+
+
+def to_pandas(rows: Iterable[dict[str, Any]]) -> pandas.DataFrame:
+    """A DataFrame of ``rows``: one row per job, ``BASE_COLUMNS`` then the ``analysis.*`` columns."""
+    try:
+        import pandas as pd
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigurationError(
+            "to_pandas() needs pandas: pip install 'interlens[export]' (pandas, pyarrow, datasets)"
+        ) from exc
+    materialised = list(rows)
+    columns = _columns(materialised)
+    _uniform(materialised, columns)
+    return pd.DataFrame.from_records(materialised, columns=columns)
+
+
+def to_dataset(rows: Iterable[dict[str, Any]]) -> datasets.Dataset:
+    """A ``datasets.Dataset`` of ``rows`` (the same columns as :func:`to_pandas`)."""
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigurationError(
+            "to_dataset() needs datasets: pip install 'interlens[export]' (pandas, pyarrow, datasets)"
+        ) from exc
+    return datasets.Dataset.from_pandas(to_pandas(rows), preserve_index=False)
+
+
+def write_export(
+    rows: Callable[[], Iterator[dict[str, Any]]], *, fmt: str, output: str | Path | None, stdout: IO[str]
+) -> int:
+    """Write the rows as ``fmt`` to ``output`` (a path) or ``stdout``; returns the number of rows.
+
+    ``rows`` is called afresh for each pass: CSV needs every column before its header (two passes, memory
+    flat), JSONL streams in one, parquet is built in memory (pandas + pyarrow) and needs a file.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigurationError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
+    if fmt == "parquet":
+        if output is None:
+            raise ConfigurationError(
+                "--format parquet needs a file: parquet is binary, so it is not written to the terminal; "
+                "pass -o FILE.parquet"
+            )
+        frame = to_pandas(rows())
+        frame.to_parquet(Path(output), index=False)
+        return len(frame)
+    handle: IO[str] = stdout if output is None else Path(output).open("w", encoding="utf-8", newline="")
+    try:
+        if fmt == "jsonl":
+            count = 0
+            for row in rows():
+                handle.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+                count += 1
+            return count
+        writer = csv.DictWriter(handle, fieldnames=_columns(rows()), lineterminator="\n")
+        writer.writeheader()
+        count = 0
+        for row in rows():
+            writer.writerow(row)
+            count += 1
+        return count
+    finally:
+        if output is not None:
+            handle.close()
+
+
+def summary_html(report: RunReport) -> str:
+    """The small table a notebook shows for a ``RunReport`` (``_repr_html_``): counts, tokens, where the
+    ledger is, and the first failures with their error type and first line.
+
+    Cheap on any run size: counts come with the report, tokens from one ledger query (or the in-memory
+    outcomes), and only the first few failures are read.
+    """
+    counts = report.counts
+    out_dir = report.out_dir
+    if out_dir is not None:
+        with LedgerReader(out_dir) as reader:
+            tokens = f"{reader.summary()['tokens_generated']:,} (whole ledger)"
+    else:
+        tokens = f"{sum(r.tokens_generated for r in report.results.values()):,}"
+    cells = [
+        ("jobs", f"{len(report.results):,}"),
+        ("done", f"{counts.get('done', 0):,}"),
+        ("failed", f"{counts.get('failed', 0):,}"),
+        ("skipped (resumed)", f"{counts.get('skipped', 0):,}"),
+        ("tokens generated", tokens),
+        ("ledger", str(out_dir) if out_dir is not None else "in memory (no out_dir)"),
+    ]
+    body = "".join(f"<tr><th style='text-align:left'>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in cells)
+    failed = report.failed
+    fail_rows = ""
+    for job_id in failed[:5]:
+        error = report.results[job_id].error
+        first = (error.message.splitlines() or [""])[0] if error is not None else ""
+        kind = error.type if error is not None else "?"
+        fail_rows += f"<tr><td>{_e(job_id)}</td><td>{_e(kind)}</td><td>{_e(first[:200])}</td></tr>"
+    failures = ""
+    if failed:
+        more = (
+            f"<p>… and {len(failed) - 5:,} more in <code>report.failed</code></p>" if len(failed) > 5 else ""
+        )
+        failures = (
+            "<table><tr><th>failed job</th><th>error</th><th>first line</th></tr>"
+            + fail_rows
+            + "</table>"
+            + more
+        )
+    return f"<div><strong>RunReport</strong><table>{body}</table>{failures}</div>"
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)

@@ -1,0 +1,246 @@
+"""``RunReport`` and ``RunResult``: what a rollout hands back.
+
+With an ``out_dir`` every per-job read goes to the ledger on demand, so a report over a million jobs holds no
+million conversations in memory; without one, the results live in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._core import Transcript
+from . import _export
+from ._usage import UsageReport, conversation_metadata, recorded_metadata, summarize
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas
+
+    from interlens.scheduler import ErrorInfo, JobOutcome, RunOutcome
+
+    from ..conversation import Conversation
+
+__all__ = ["RunReport", "RunResult"]
+
+
+@dataclass(frozen=True, repr=False)
+class RunResult:
+    """One job's result: its finished conversation (``None`` if it failed before finishing) and facts.
+
+    It wraps the scheduler's :class:`~interlens.scheduler.JobOutcome` (one record per job, never copied
+    field by field) and adds what only ``interlens`` knows: the live ``conversation`` and the ``transcript``.
+    """
+
+    _outcome: JobOutcome
+    _recipe: Conversation | None
+
+    @property
+    def job_id(self) -> str:
+        return self._outcome.job_id
+
+    @property
+    def error(self) -> ErrorInfo | None:
+        """``None`` when the job succeeded."""
+        return self._outcome.error
+
+    @property
+    def analysis(self) -> Any:
+        return self._outcome.analysis
+
+    @property
+    def device(self) -> str | None:
+        return self._outcome.device
+
+    @property
+    def tokens_generated(self) -> int:
+        return self._outcome.tokens_generated
+
+    @property
+    def attempts(self) -> int:
+        return self._outcome.attempts
+
+    @property
+    def skipped(self) -> bool:
+        """Done by an earlier run of the same out_dir, loaded from its ledger."""
+        return self._outcome.skipped
+
+    @property
+    def row_index(self) -> int | None:
+        return self._outcome.row_index
+
+    @property
+    def seed(self) -> int:
+        return self._outcome.seed
+
+    @property
+    def _state(self) -> Mapping[str, Any] | None:
+        return self._outcome.conversation
+
+    @functools.cached_property
+    def conversation(self) -> Conversation | None:
+        """The finished conversation, live: ``sample()`` and ``run()`` work on it."""
+        if self._state is None or self._recipe is None:
+            return None
+        conv = self._recipe.data(None).for_row(self._state.get("row"), index=self.row_index, seed=self.seed)
+        return conv.with_state(self._state)
+
+    @property
+    def transcript(self) -> Transcript | None:
+        if self._state is None:
+            return None
+        return Transcript.from_json(self._state.get("transcript", []))
+
+    def __repr__(self) -> str:
+        status = "ok" if self.error is None else f"error={self.error.type}"
+        return f"RunResult({self.job_id!r}, {status}, tokens={self.tokens_generated}, device={self.device!r})"
+
+
+class _Results(Mapping[str, RunResult]):
+    """``report.results``: job id → RunResult, read on demand."""
+
+    def __init__(self, report: RunReport) -> None:
+        self._report = report
+
+    def __getitem__(self, job_id: str) -> RunResult:
+        return self._report._result(self._report._outcome.outcome(job_id))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._report._outcome.job_ids)
+
+    def __len__(self) -> int:
+        return len(self._report._outcome.job_ids)
+
+    def items(self) -> Iterator[tuple[str, RunResult]]:  # type: ignore[override]
+        """One ledger read per job, streamed in job order."""
+        for outcome in self._report._outcome.outcomes():
+            yield outcome.job_id, self._report._result(outcome)
+
+    def values(self) -> Iterator[RunResult]:  # type: ignore[override]
+        for _, result in self.items():
+            yield result
+
+
+class RunReport:
+    """Results of ``rollout``/``run``: ``.results``, ``.failed``, ``.skipped`` and bulk accessors."""
+
+    def __init__(self, outcome: RunOutcome, lineups: Mapping[str, Conversation]) -> None:
+        self._outcome = outcome
+        self._lineups = dict(lineups)
+        self.results: Mapping[str, RunResult] = _Results(self)
+
+    def _result(self, outcome: JobOutcome) -> RunResult:
+        return RunResult(_outcome=outcome, _recipe=self._lineups.get(outcome.lineup))
+
+    @property
+    def failed(self) -> list[str]:
+        """Ids of jobs that failed (their ``RunResult.error`` says why)."""
+        return self._outcome.failed
+
+    @property
+    def skipped(self) -> list[str]:
+        """Ids of jobs found done in the ledger and not run again (their results are loaded)."""
+        return self._outcome.skipped
+
+    @property
+    def out_dir(self) -> Path | None:
+        path = self._outcome.ledger_path
+        return path.parent if path is not None else None
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        return self._outcome.counts
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the run ended before every job ran (its API budget was reached: what was spent and how to
+        continue), else None; ``counts["pending"]`` is then how many jobs a rerun will finish."""
+        return self._outcome.stopped
+
+    @property
+    def api_stats(self) -> Mapping[str, Any]:
+        """How the run's API calls went: per provider client (``clients``) its in-flight limit, peak, lowest
+        limit reached, rate-limited calls, retries, failures; ``batches_submitted``, ``rows_reattached``."""
+        return self._outcome.api
+
+    def usage(self, prices: Mapping[str, tuple[float, ...]] | None = None) -> UsageReport:
+        """What the run spent: API requests and tokens (input, output, cache read, cache write) per provider,
+        model and mode (live or batch), and local tokens per model, from the turns' recorded usage.
+
+        With an ``out_dir``: every message the ledger holds (failed and pending jobs' turns, earlier runs of
+        the same ``out_dir`` included: what a spend guard counts); without one: the results in memory.
+        ``prices={"model-id": (usd_per_mtok_in, usd_per_mtok_out)}`` (optionally a cache-read and a
+        cache-write price after them; otherwise cached tokens are priced as input) gives a cost estimate
+        (``.usd``, per row and in total); batch turns get the discount their provider documents: OpenAI's
+        and Anthropic's batch APIs cost half the live price. There is no built-in price table.
+        """
+        if self.out_dir is not None:
+            from interlens.store import LedgerReader
+
+            with LedgerReader(self.out_dir) as reader:
+                return summarize(recorded_metadata(reader), prices, where="RunReport.usage()")
+        metadata = (
+            meta
+            for outcome in self._outcome.outcomes()
+            if outcome.conversation is not None
+            for meta in conversation_metadata(outcome.conversation)
+        )
+        return summarize(metadata, prices, where="RunReport.usage()")
+
+    def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
+        """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
+        ``path`` and return it; ``max_jobs`` transcripts are embedded. Needs the run's ``out_dir``."""
+        from .._core import ConfigurationError
+        from ._html_report import write_report
+
+        if self.out_dir is None:
+            raise ConfigurationError(
+                "RunReport.to_html(): this run kept no ledger, and the page is read from one: run it with "
+                "out_dir=... (e.g. conv.rollout(n, out_dir='runs/x')), then call to_html again"
+            )
+        return write_report(self.out_dir, path, max_jobs=max_jobs)
+
+    def transcripts(self) -> dict[str, Transcript]:
+        """Job id → transcript, for every job that has one."""
+        return {jid: r.transcript for jid, r in self.results.items() if r.transcript is not None}
+
+    def analyses(self) -> dict[str, Any]:
+        """Job id → analyzer value, for jobs whose analyzer succeeded."""
+        return {
+            jid: r.analysis for jid, r in self.results.items() if r.error is None and r._state is not None
+        }
+
+    def conversations(self) -> dict[str, Conversation]:
+        """Job id → finished Conversation (live: ``sample()`` works on it)."""
+        out = {}
+        for jid, r in self.results.items():
+            conv = r.conversation
+            if conv is not None:
+                out[jid] = conv
+        return out
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """One row per job (``job_id``, ``lineup``, ``state``, ``seed``, tokens, error, the transcript as JSON
+        text and its final message, ``skipped``...), a dict analysis flattened into ``analysis.<key>``
+        columns. Needs pandas (``pip install 'interlens[export]'``)."""
+        return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
+
+    def to_dataset(self) -> datasets.Dataset:
+        """The rows of :meth:`to_pandas` as a ``datasets.Dataset``."""
+        return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
+
+    def _repr_html_(self) -> str:
+        return _export.summary_html(self)
+
+    def __repr__(self) -> str:
+        c = self._outcome.counts
+        where = f" out_dir={str(self.out_dir)!r}" if self.out_dir is not None else ""
+        stopped = f" pending={c.get('pending', 0)} (stopped early)" if self.stopped is not None else ""
+        return (
+            f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
+            f"skipped={c.get('skipped', 0)}{stopped}{where}>"
+        )

@@ -1,0 +1,308 @@
+"""The options of ``rollout``/``run`` and their async twins, checked in the user's call before anything runs.
+
+Every option is checked here, in the caller's thread, before a job is expanded, a worker started or a ledger
+file created: a typo (``outdir=``), a wrong type (``seed="a"``, ``n=True``, ``resume="no"``) or a directory
+that cannot be written fails at once with an error naming the call, the option and the fix, instead of a
+raw ``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The defaults live here too, in
+one place for all four entry points.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+from .._core import ConfigurationError, ConfigurationTypeError, check_bool, check_int, check_number, type_name
+
+if TYPE_CHECKING:
+    from interlens.scheduler import ExecutionMode
+
+    from ._api_budget import APIBudget
+
+__all__ = ["OPTION_DEFAULTS", "Options", "RunOptions", "check_n", "parse_options", "prepare_out_dir"]
+
+
+class RunOptions(TypedDict, total=False):
+    """The keyword options of ``rollout``/``run`` (for type checkers and IDEs: ``**options: Unpack[...]``)."""
+
+    devices: Sequence[str | Sequence[str]] | None  # an inner list: a group of GPUs for one worker
+    out_dir: str | os.PathLike[str] | None
+    seed: int
+    batched: bool | None
+    mode: ExecutionMode | str | None
+    resume: bool
+    max_batch_size: int
+    max_concurrency: int
+    max_attempts: int
+    progress: bool | None
+    max_batch_wait: float
+    worker_start_timeout: float
+    api_budget: APIBudget | None
+    cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
+
+
+#: Each option and its default, in the order the error for an unknown option lists them.
+OPTION_DEFAULTS: Mapping[str, Any] = {
+    "devices": None,
+    "out_dir": None,
+    "seed": 0,
+    "batched": None,  # True unless mode=ExecutionMode.DETERMINISTIC
+    "mode": None,
+    "resume": True,
+    "max_batch_size": 64,
+    "max_concurrency": 256,
+    "max_attempts": 3,
+    "progress": None,
+    "max_batch_wait": 0.05,
+    "worker_start_timeout": 300.0,
+    "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
+    "cluster": None,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local instance)
+}
+
+#: The values ``cluster=`` accepts.
+CLUSTERS = (None, "ray")
+
+#: Options people reach for that do not exist, and what to write instead.
+_INSTEAD: Mapping[str, str] = {
+    "fresh": "to start over in an existing out_dir pass resume=False (the old ledger is moved aside, not "
+    "deleted)",
+    "device": "pass devices=[...] (a list, e.g. devices=['cuda:0'])",
+    "deterministic": "pass mode=ExecutionMode.DETERMINISTIC (or batched=False)",
+}
+
+_SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Checked options of one run call."""
+
+    caller: str  # "rollout", "arollout", "run", "arun": named in every message
+    devices: list[str | Sequence[str]] | None
+    out_dir: Path | None
+    seed: int
+    resume: bool
+    mode: ExecutionMode
+    progress: bool | None
+    scheduler: dict[str, Any] = field(default_factory=dict)  # passed to run_jobs as they are
+    api_budget: APIBudget | None = None
+    cluster: str | None = None
+
+
+def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
+    """Check ``options`` given to ``caller()``; raise naming the option and the fix, else return them."""
+    unknown = [name for name in options if name not in OPTION_DEFAULTS]
+    if unknown:
+        raise _unknown_option(caller, unknown[0])
+    given = {**OPTION_DEFAULTS, **options}
+    where = f"{caller}()"
+    scheduler = {
+        "max_batch_size": check_int(given["max_batch_size"], what=f"{where}: max_batch_size", low=1),
+        "max_concurrency": check_int(given["max_concurrency"], what=f"{where}: max_concurrency", low=1),
+        "max_attempts": check_int(given["max_attempts"], what=f"{where}: max_attempts", low=1),
+        "max_batch_wait": check_number(
+            given["max_batch_wait"], what=f"{where}: max_batch_wait (seconds)", low=0
+        ),
+        "worker_start_timeout": check_number(
+            given["worker_start_timeout"],
+            what=f"{where}: worker_start_timeout (seconds)",
+            low=0,
+            open_low=True,
+        ),
+    }
+    seed = check_int(
+        given["seed"], what=f"{where}: seed", low=0, fix="per-rollout seeds are seed, seed+1, ... e.g. seed=0"
+    )
+    if seed >= _SEED_LIMIT:
+        raise ConfigurationError(f"{where}: seed must be below 2**63 (a 64-bit integer), got {seed}")
+    return Options(
+        caller=caller,
+        devices=_devices(where, given["devices"]),
+        out_dir=_out_dir(where, given["out_dir"]),
+        seed=seed,
+        resume=bool(
+            check_bool(
+                given["resume"],
+                what=f"{where}: resume",
+                fix="resume=False starts a fresh ledger (the old one is moved aside)",
+            )
+        ),
+        mode=_mode(where, given["mode"], given["batched"]),
+        progress=check_bool(
+            given["progress"],
+            what=f"{where}: progress",
+            allow_none=True,
+            fix="None shows a bar when interactive",
+        ),
+        scheduler=scheduler,
+        api_budget=_api_budget(where, given["api_budget"]),
+        cluster=_cluster(where, given["cluster"]),
+    )
+
+
+def _cluster(where: str, cluster: Any) -> str | None:
+    if cluster is None:
+        return None
+    if isinstance(cluster, str) and cluster in CLUSTERS:
+        if not _installed(cluster):
+            raise ConfigurationError(
+                f"{where}: cluster={cluster!r} needs Ray, which is not installed here; install it with "
+                "`pip install 'interlens[ray]'` (the same Ray version as the cluster's), or leave "
+                "cluster=None to run on this machine"
+            )
+        return cluster
+    raise ConfigurationError(
+        f"{where}: cluster must be None (this machine) or 'ray' (a Ray cluster: RAY_ADDRESS, else a private "
+        f"local Ray instance; see docs/ray.md), got {cluster!r}"
+    )
+
+
+def _api_budget(where: str, budget: Any) -> APIBudget | None:
+    from ._api_budget import APIBudget, ambient_budget
+
+    if budget is None:
+        return ambient_budget()
+    if not isinstance(budget, APIBudget):
+        raise ConfigurationTypeError(
+            f"{where}: api_budget must be an APIBudget (e.g. api_budget=APIBudget(tokens=2_000_000)) or "
+            f"None, got {type_name(budget)}"
+        )
+    return budget
+
+
+def check_n(caller: str, n: Any) -> int | None:
+    """``n`` of ``rollout``: None (one job, or one per data row) or a count."""
+    if n is None:
+        return None
+    return check_int(n, what=f"{caller}(): n", low=0, fix="n is the number of rollouts, e.g. n=64")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (``import interlens`` stays cheap)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:
+    valid = ", ".join(OPTION_DEFAULTS)
+    if caller in ("rollout", "arollout"):
+        valid = f"n, {valid}"
+    hint = _INSTEAD.get(name)
+    if hint is None:
+        close = difflib.get_close_matches(name, list(OPTION_DEFAULTS), n=1)
+        hint = f"did you mean {close[0]}=...?" if close else ""
+    hint = f"; {hint}{'' if hint.endswith('?') else '.'}" if hint else "."
+    return ConfigurationTypeError(
+        f"{caller}() has no option {name!r}{hint} Its options are: {valid} (see help(interlens.run))."
+    )
+
+
+def _devices(where: str, devices: Any) -> list[str | Sequence[str]] | None:
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        raise ConfigurationTypeError(
+            f"{where}: devices must be a list of device strings, got the string {devices!r}; write "
+            f"devices=[{devices!r}]"
+        )
+    if not isinstance(devices, Sequence):
+        raise ConfigurationTypeError(
+            f"{where}: devices must be None (every visible GPU) or a list of device strings such as "
+            f"['cuda:0', 'cuda:1'], got {type_name(devices)}"
+        )
+    return list(devices)  # each entry is checked by the scheduler's validate_devices, before anything runs
+
+
+def _out_dir(where: str, out_dir: Any) -> Path | None:
+    if out_dir is None:
+        return None
+    if not isinstance(out_dir, str | os.PathLike) or not isinstance(os.fspath(out_dir), str):
+        raise ConfigurationTypeError(
+            f"{where}: out_dir must be a directory path (str or pathlib.Path) or None, got "
+            f"{type_name(out_dir)}"
+        )
+    text = os.fspath(out_dir)
+    if not text.strip():
+        raise ConfigurationError(
+            f"{where}: out_dir must name a directory, got {text!r}; pass a path such as out_dir='runs/x' "
+            "for a resumable run, or leave out_dir=None to keep results in memory"
+        )
+    return Path(text)
+
+
+def _mode(where: str, mode: Any, batched: Any) -> ExecutionMode:
+    from interlens.scheduler import ExecutionMode
+
+    batched = check_bool(
+        batched,
+        what=f"{where}: batched",
+        allow_none=True,
+        fix="batched=False is the deterministic escape hatch (mode=ExecutionMode.DETERMINISTIC)",
+    )
+    if mode is None:
+        return ExecutionMode.DETERMINISTIC if batched is False else ExecutionMode.BATCHED
+    choices = (
+        "ExecutionMode.BATCHED or ExecutionMode.DETERMINISTIC (or the strings 'batched', 'deterministic')"
+    )
+    if isinstance(mode, str) and not isinstance(mode, ExecutionMode):
+        try:
+            mode = ExecutionMode(mode.lower())
+        except ValueError:
+            raise ConfigurationError(f"{where}: mode must be {choices}, got {mode!r}") from None
+    if not isinstance(mode, ExecutionMode):
+        raise ConfigurationTypeError(f"{where}: mode must be {choices}, got {type_name(mode)}")
+    if batched is not None and batched != (mode is ExecutionMode.BATCHED):
+        raise ConfigurationError(
+            f"{where}: batched={batched} contradicts mode=ExecutionMode.{mode.name}: deterministic mode "
+            "generates every turn alone (it is batched=False), batched mode co-steps them. Pass one of the "
+            "two: mode=ExecutionMode.DETERMINISTIC alone, or batched=True/False alone"
+        )
+    return mode
+
+
+def prepare_out_dir(options: Options) -> None:
+    """Create ``out_dir`` and prove it writable, or raise naming it; a refused path leaves nothing behind.
+
+    Runs after every other check and before the run opens its ledger, so a path under a regular file, in a
+    read-only or virtual filesystem (``/proc/...``) or without permission fails here, not half-way through.
+    """
+    path = options.out_dir
+    if path is None:
+        return
+    what = f"{options.caller}(): out_dir={str(path)!r}"
+    fix = "choose a directory you can write to, or out_dir=None to keep results in memory"
+    missing: list[Path] = []
+    existing = path.absolute()
+    try:
+        while not existing.exists():
+            missing.append(existing)
+            existing = existing.parent
+    except OSError as exc:
+        raise ConfigurationError(f"{what} cannot be inspected ({exc}); {fix}") from None
+    if not existing.is_dir():
+        where = "is a file" if not missing else f"lies under {str(existing)!r}, which is a file"
+        raise ConfigurationError(f"{what} {where}, not a directory; {fix}")
+    created: list[Path] = []
+    try:
+        for directory in reversed(missing):
+            directory.mkdir()
+            created.append(directory)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".interlens-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+        reason = exc.strerror or str(exc)
+        raise ConfigurationError(f"{what} cannot be created or written to ({reason}); {fix}") from None

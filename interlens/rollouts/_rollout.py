@@ -1,0 +1,393 @@
+"""From conversations to scheduler jobs and back: ``Conversation.rollout`` and the pool ``run`` shares.
+
+A lineup (one Conversation) expands lazily into jobs: one per sample (``rollout_0000``...) or per data row
+(``row_00000``...), each an independent copy made by ``Conversation.for_row`` (templates resolved for its row,
+its own seed), with the fingerprint of what it is asked (``_inputs``), which a rerun compares. The scheduler
+runs them (:class:`ConversationJob`); :func:`execute` runs a run's lineups and wraps the outcome in a
+``RunReport``. This module only translates between the two worlds.
+
+It imports ``Conversation`` for type checking only: ``Conversation.rollout`` imports this module (the one lazy
+import of the package), so imports run one way, rollout → report → conversation → context.
+``interlens.run``, which must check it was given Conversations, lives in ``_run``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Unpack
+
+from .._core import (
+    ConfigurationError,
+    DatasetField,
+    InterlensError,
+    InterpModeError,
+    Message,
+    MissingColumnError,
+    TemplateError,
+    ambient_conditions,
+    collecting_samples,
+    in_job,
+    is_templated,
+    translate,
+)
+from ..report import SAMPLES_KEY, RunReport
+from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
+from ._inputs import explain_change, input_fingerprint
+from ._options import Options, RunOptions, check_n, parse_options, prepare_out_dir
+
+if TYPE_CHECKING:
+    from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
+
+    from ..conversation import Conversation
+
+__all__ = ["arollout", "execute", "lineup_spec", "rollout"]
+
+log = logging.getLogger("interlens")
+
+
+@dataclass
+class ConversationJob:
+    """One expanded conversation, run by the scheduler (satisfies ``interlens.scheduler.Job``).
+
+    A thin adapter: it replays what an earlier attempt committed, runs the conversation's own turn loop
+    (``Conversation.advance``, the one live ``run`` uses) as this job, recording each turn as it ends, then
+    runs the analyzer while the models are still resident.
+
+    Its result is ``conversation.to_json()`` with the LINEUP's recipe (``recipe``, templates as written, the
+    object every job of the lineup shares) in place of the expanded one: the job's row and seed are in the
+    result, and ``for_row`` resolves the templates from them (as ``RunResult.conversation`` does), so the
+    ledger stores the recipe once per lineup instead of once per job (it is the lineup's ``describe``).
+    """
+
+    conversation: Conversation
+    needs_device: bool
+    recipe: Mapping[str, Any] | None = None  # the lineup's recipe JSON; None: the expanded conversation's
+    error: BaseException | None = None  # a row that could not be expanded fails its own job only
+
+    async def run(self, ctx: JobContext) -> JobResult:
+        from interlens.scheduler import JobResult
+
+        if self.error is not None:
+            raise self.error
+        conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
+
+        async def record(index: int, message: Message) -> None:
+            await ctx.record_turn(index, message.to_json())
+
+        try:
+            with in_job(ctx):
+                await conv.advance(on_turn=record)
+                analysis, analysis_error = None, None
+                with collecting_samples() as samples:
+                    if conv.analyzer_fn is not None:
+                        try:
+                            analysis = await run_analyzer(conv.analyzer_fn, conv)
+                        except Exception as exc:
+                            analysis_error = exc
+        except Exception:
+            await _release_kept(conv, ctx.job_id)
+            raise
+        await _release_kept(conv, ctx.job_id)  # the conversation is over: its kept KV caches can go
+        state = conv.to_json()
+        if samples:  # the analyzer's samples are no turns: their metadata (usage) is kept with the result
+            state[SAMPLES_KEY] = samples
+        if self.recipe is not None:
+            state["recipe"] = self.recipe
+        return JobResult(
+            conversation=state,
+            tokens_generated=conv.tokens_generated,
+            analysis=analysis,
+            analysis_error=analysis_error,
+        )
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
+
+
+async def _release_kept(conv: Conversation, stream_id: str) -> None:
+    """Free the KV caches this job's participants kept between turns (keyed ``(stream_id, name)``).
+
+    In a thread: the engine's lock may be held by another job's batch."""
+    import anyio
+
+    from ..engine import release_kept
+
+    keys = [(stream_id, p.name) for p in conv.participants if getattr(p, "kv_reuse", False)]
+    if keys:
+        await anyio.to_thread.run_sync(release_kept, keys)
+
+
+class _Jobs:
+    """A lineup's jobs, expanded afresh on every iteration.
+
+    On a resumed run the scheduler reads a lineup twice: once before anything starts, to compare what the
+    jobs already in the ledger are asked now with what they were asked, then to run. Rows from a one-shot
+    iterator cannot be read twice; their lineup hands the scheduler a plain generator instead.
+    """
+
+    def __init__(self, expand: Callable[[], Iterator[JobSpec]]) -> None:
+        self._expand = expand
+
+    def __iter__(self) -> Iterator[JobSpec]:
+        return self._expand()
+
+
+def _template_columns(conv: Conversation) -> set[str]:
+    columns: set[str] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, DatasetField):
+            columns.add(value.column)
+        elif isinstance(value, tuple):
+            for part in value:
+                visit(part)
+        elif hasattr(value, "interpolations") and not isinstance(value, str):
+            for interp in value.interpolations:
+                visit(interp.value)
+
+    for value in (
+        conv.shared_context,
+        conv.shared_system_prompt,
+        *(p.system_prompt for p in conv.participants),
+    ):
+        visit(value)
+    return columns
+
+
+def lineup_spec(
+    conv: Conversation,
+    n: int | None,
+    *,
+    seed: int,
+    mode: ExecutionMode,
+    prefix: str | None,
+    single_job_id: str | None,
+    lineup: str,
+) -> LineupSpec:
+    """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked."""
+    from interlens.scheduler import ExecutionMode, JobSpec, LineupSpec
+
+    ambient = ambient_conditions()
+    if ambient:
+        conv = conv.run_until(*ambient)
+    if conv.turns() is None and not conv.stop_conditions:
+        raise ConfigurationError(
+            f"lineup {lineup!r} would never stop: set .turns(n) or add a stop condition with .run_until(...)"
+        )
+    check_analyzer(conv.analyzer_fn)
+    steered = [p.name for p in conv.participants if getattr(p, "steering", ())]
+    if steered and mode is not ExecutionMode.DETERMINISTIC:
+        raise InterpModeError(
+            f"lineup {lineup!r}: participant(s) {steered} hold a steering= spec, which needs the "
+            "deterministic path (the batched path generates many conversations in one forward pass, which "
+            "a steered turn cannot share); pass batched=False (mode=ExecutionMode.DETERMINISTIC)"
+        )
+    needs_device = any(p.needs_device for p in conv.participants)
+    engine_keys = _engine_keys(conv.participants)
+    settings = conv.fingerprint()
+    recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
+
+    def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
+        expanded: Conversation | None = None
+        try:
+            expanded = base.for_row(row, index=row_index, seed=seed + i)
+            job = ConversationJob(expanded, needs_device, recipe)
+        except InterlensError as exc:  # a row that cannot be expanded fails its own job only
+            job = ConversationJob(base, needs_device, error=exc)
+        fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
+        return JobSpec(
+            job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=row_index, input_fp=fingerprint
+        )
+
+    if conv.data_source is not None:
+        columns = getattr(conv.data_source, "column_names", None)
+        missing = sorted(_template_columns(conv) - set(columns)) if isinstance(columns, list) else []
+        if missing:
+            raise MissingColumnError(
+                f"lineup {lineup!r} uses dataset_field({missing[0]!r}) but the data has no column "
+                f"{missing[0]!r}; available columns: {sorted(columns or [])}"
+            )
+        rows = conv.read_rows(n, lineup=lineup)
+        base = conv.data(None)
+
+        def jobs() -> Iterator[JobSpec]:
+            for i, row in enumerate(rows.read()):
+                yield job_spec(base, f"{prefix}row_{i:05d}", i, row, i)
+
+        return LineupSpec(
+            name=lineup,
+            fingerprint=settings,
+            jobs=_Jobs(jobs) if rows.again else jobs(),
+            n_jobs=rows.total,
+            describe=recipe,
+            explain_input=explain_change,
+            engine_keys=engine_keys,
+        )
+    if any(
+        is_templated(v)
+        for v in (
+            conv.shared_context,
+            conv.shared_system_prompt,
+            *(p.system_prompt for p in conv.participants),
+        )
+    ):
+        raise TemplateError(
+            f"lineup {lineup!r} is templated with dataset_field/callables but has no data: "
+            "attach rows with .data(...)"
+        )
+    count = 1 if n is None else n
+    if not isinstance(count, int) or count < 0:
+        raise ConfigurationError(f"n must be a non-negative int, got {n!r}")
+
+    def samples() -> Iterator[JobSpec]:
+        for i in range(count):
+            job_id = single_job_id if single_job_id is not None and count == 1 else f"{prefix}rollout_{i:04d}"
+            yield job_spec(conv, job_id, i, None, None)
+
+    return LineupSpec(
+        name=lineup,
+        fingerprint=settings,
+        jobs=_Jobs(samples),
+        n_jobs=count,
+        describe=recipe,
+        explain_input=explain_change,
+        engine_keys=engine_keys,
+    )
+
+
+def _engine_keys(participants: Sequence[Any]) -> frozenset[Hashable] | None:
+    """The scheduler engines a lineup's turns use (an engine no remaining lineup needs is evicted); None when
+    a participant needs a device but names no engine (its jobs may use any)."""
+    keys: set[Hashable] = set()
+    for p in participants:
+        if not p.needs_device:
+            continue
+        key = getattr(p, "engine_key", None)
+        if key is None:
+            return None
+        keys.add(key)
+    return frozenset(keys)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("interlens", "torch", "transformers", "datasets", "openai", "anthropic"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: Options) -> RunReport:
+    """Run the expanded lineups; every option was checked by ``parse_options`` in the user's call."""
+    from interlens.scheduler import available_devices, check_ray_devices, run_jobs, validate_devices
+
+    devices = options.devices
+    if options.cluster is not None:  # the cluster's devices: Ray reports them once it is joined
+        try:
+            devices = check_ray_devices(devices)
+        except Exception as exc:
+            raise translate(exc) from None
+    else:
+        if devices is None:  # only local models need a device: don't import torch for scripted or API jobs
+            local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
+            devices = available_devices() if local else ["cpu"]
+        try:
+            devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
+        except Exception as exc:
+            raise translate(exc) from None
+    if options.cluster is not None or len(devices or ()) > 1:  # local-model jobs run in other processes
+        for conv, spec in lineups:
+            if any(p.needs_device for p in conv.participants):
+                check_shippable(conv.analyzer_fn, lineup=spec.name)
+    spend = None
+    if options.api_budget is not None:
+        participants = [p for conv, _ in lineups for p in conv.participants if p.kind == "api"]
+        models = {str(getattr(p, "model_id", "")) for p in participants}
+        options.api_budget.check_models(models, where=f"{options.caller}()")
+    prepare_out_dir(options)
+    if options.api_budget is not None:
+        spend = options.api_budget.guard(options.out_dir, resume=options.resume)
+    try:
+        outcome = await run_jobs(
+            [spec for _, spec in lineups],
+            devices=devices,
+            out_dir=options.out_dir,
+            resume=options.resume,
+            mode=options.mode,
+            progress=options.progress,
+            versions=_versions(),
+            worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
+            spend_guard=spend,
+            cluster=options.cluster,
+            **options.scheduler,
+        )
+    except Exception as exc:
+        raise translate(exc) from exc.__cause__
+    report = RunReport(outcome, {spec.name: conv for conv, spec in lineups})
+    _warn_failures(report, options.caller)
+    if report.stopped is not None:
+        where = f" (out_dir={str(report.out_dir)!r})" if report.out_dir is not None else ""
+        log.warning(
+            "%s() stopped early%s: %s. %d jobs did not finish.",
+            options.caller,
+            where,
+            report.stopped,
+            report.counts.get("pending", 0),
+        )
+    return report
+
+
+def _warn_failures(report: RunReport, caller: str) -> None:
+    """Say at the end of a run that jobs failed: a run whose every job failed must not look like success."""
+    failed = report.failed
+    if not failed:
+        return
+    total = len(report.results)
+    first = report.results[failed[0]].error
+    why = f"{first.type}: {first.message}" if first is not None else "no error recorded"
+    if total == 1:
+        how_many = "its only job"
+    elif len(failed) == total:
+        how_many = f"all {total} jobs"
+    else:
+        how_many = f"{len(failed)} of {total} jobs"
+    where = f"; they are kept in the ledger in {report.out_dir}" if report.out_dir is not None else ""
+    log.warning(
+        "%s() finished but %s failed. The first, %s, failed with %s. The failed ids are in report.failed and "
+        "each error in report.results[job_id].error%s",
+        caller,
+        how_many,
+        failed[0],
+        _shorten(why),
+        where,
+    )
+
+
+def _shorten(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunReport:
+    lineup = conv.name() or "rollout"
+    spec = lineup_spec(
+        conv, n, seed=options.seed, mode=options.mode, prefix="", single_job_id=None, lineup=lineup
+    )
+    return await execute([(conv, spec)], options)
+
+
+async def arollout(conv: Conversation, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
+    """Async twin of :func:`rollout` (works under top-level await)."""
+    return await _arollout(conv, check_n("arollout", n), parse_options("arollout", options))
+
+
+def rollout(conv: Conversation, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
+    """Run ``n`` independent copies of ``conv`` (default one, or one per data row); options as :func:`run`."""
+    from interlens.scheduler import run_sync
+
+    return run_sync(_arollout, conv, check_n("rollout", n), parse_options("rollout", options))
