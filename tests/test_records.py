@@ -90,7 +90,7 @@ def test_a_turns_sampling_settings_travel_as_one_record(qwen2_path):
     )
     options = GenerationOptions(max_new_tokens=5, seed=3, stream_id="job-1")
     request = participant.request(View("a", None, ()), options)
-    assert request.sampling == SamplingSettings(5, 0.7, 0.9, ("###",), 3)
+    assert request.sampling == SamplingSettings(max_new_tokens=5, temperature=0.7, top_p=0.9, stop=("###",), seed=3)
     assert request.reuse_key == ("job-1", "a")
 
     handed_on = GenerationRequest((1, 2), sampling=request.sampling, reuse_key=request.reuse_key)
@@ -112,9 +112,9 @@ def test_a_turns_sampling_settings_travel_as_one_record(qwen2_path):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (SamplingSettings(0), "GenerationRequest(max_new_tokens=0)"),
-        (SamplingSettings(4, top_p=0.0), "GenerationRequest(top_p=0.0)"),
-        (SamplingSettings(4, stop="###"), "stop=('###',)"),  # type: ignore[arg-type]
+        (SamplingSettings(max_new_tokens=0), "GenerationRequest(max_new_tokens=0)"),
+        (SamplingSettings(max_new_tokens=4, top_p=0.0), "GenerationRequest(top_p=0.0)"),
+        (SamplingSettings(max_new_tokens=4, stop="###"), "stop=('###',)"),  # type: ignore[arg-type]
     ],
 )
 def test_settings_handed_to_the_engine_are_checked_there(settings: SamplingSettings, message: str) -> None:

@@ -49,7 +49,13 @@ class GenerationRequest:
         steering: Sequence[SteeringSpec] = (),
     ) -> None:
         if sampling is None:  # a missing max_new_tokens fails check() below: it must be an int >= 1
-            sampling = SamplingSettings(max_new_tokens, temperature, top_p, stop, seed)  # type: ignore[arg-type]
+            sampling = SamplingSettings(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                seed=seed,  # type: ignore[arg-type]
+            )
         # Accept any sequence of prompt ids (a list is the natural thing to pass), store a tuple.
         object.__setattr__(self, "prompt_ids", tuple(prompt_ids))
         object.__setattr__(self, "sampling", sampling)

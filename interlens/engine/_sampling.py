@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._core import ConfigurationError
@@ -29,13 +29,17 @@ if TYPE_CHECKING:
 __all__ = ["Sampler", "SamplingSettings", "eos_ids", "pad_id"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-    """How one local turn is sampled: the ONE record of these settings from the participant's ``ChatRequest``
-    to the engine's ``GenerationRequest`` (each holds it; none copies its fields).
+    """How one local turn is sampled: the ONE record of these settings, from the participant that holds its
+    own (``ModelParticipant.sampling``) through its ``ChatRequest`` to the engine's ``GenerationRequest``
+    (each holds it; none copies its fields). Keyword-only, so a new field never shifts another's place.
 
     Unvalidated on its own: a participant's spent budget is a ``max_new_tokens`` of 0, answered without the
     engine; :meth:`check` is called by the record that goes to the engine (``GenerationRequest``).
+
+    A new field needs a default that leaves sampling as it was: recipes written before it keep their
+    fingerprints (:meth:`to_json` writes it only when set), and tests/test_fingerprints.py pins one.
     """
 
     max_new_tokens: int
@@ -49,6 +53,23 @@ class SamplingSettings:
         # is refused by check() with its fix, so it is kept as given.
         if not isinstance(self.stop, tuple | str):
             object.__setattr__(self, "stop", tuple(self.stop))
+
+    def settings(self) -> dict[str, Any]:
+        """The participant-level settings by name (every field but the per-turn ``seed``): what
+        ``ModelParticipant`` passes back to its constructor when copied (``set``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PER_TURN}
+
+    def to_json(self) -> dict[str, Any]:
+        """The participant's settings as recipe JSON (saved and fingerprinted). The fields of the first
+        release are always written; a field added since only when it is set away from its default, so a
+        recipe that does not use it keeps the fingerprint it had (a rerun of an old ledger resumes)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _PER_TURN or (f.name not in _ALWAYS_WRITTEN and value == f.default):
+                continue
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     def check(self, who: str) -> None:
         """Raise ConfigurationError naming ``who(setting=value)`` for a setting the decode loop cannot use."""
@@ -72,6 +93,12 @@ class SamplingSettings:
             raise ConfigurationError(f"{who}(stop={self.stop!r}): stop strings must be non-empty strings.")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigurationError(f"{who}(seed={self.seed!r}): seed must be an int or None.")
+
+
+#: Set per turn by the conversation (``turn_seed``), not a participant's setting: never in its JSON.
+_PER_TURN = frozenset({"seed"})
+#: The settings every recipe has written since the first release, at their defaults too.
+_ALWAYS_WRITTEN = frozenset({"max_new_tokens", "temperature", "top_p", "stop"})
 
 
 class _Settings(Protocol):

@@ -16,7 +16,9 @@ importable from this module as deprecated aliases (see ``__getattr__``).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import json
 import time
 import warnings
@@ -60,7 +62,7 @@ def _register_family(model_type: str) -> Any:
 def __getattr__(name: str) -> Any:
     if name in _DEPRECATED_CLASSES:
         warnings.warn(
-            f"interlens._model_participant.{name} is deprecated: every family is a ModelParticipant (chat "
+            f"{__name__}.{name} is deprecated: every family is a ModelParticipant (chat "
             "templates are probed from the tokenizer); use AutoModelParticipant.from_pretrained or "
             "ModelParticipant",
             DeprecationWarning,
@@ -141,10 +143,10 @@ class ModelParticipant(Participant):
                     f"{who}: {setting} must be a str or None, got {value!r} ({type(value).__name__})"
                 )
         self.model_id = model_id
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.max_new_tokens = max_new_tokens
-        self.stop = tuple(stop)
+        self.sampling = SamplingSettings(
+            max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p), stop=tuple(stop)
+        )
+        """How each turn is sampled (the turn's cap and seed are set per turn, in :meth:`request`)."""
         self.seed = seed
         self.kv_reuse = kv_reuse
         self.family: str | None = None
@@ -155,6 +157,22 @@ class ModelParticipant(Participant):
         self.steering: tuple[SteeringSpec, ...] = steering_from(steering, where=f"{who}")
         """Applied to every turn of this participant (needs ``batched=False`` in a rollout); ``()``: none."""
 
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop
+
     def set(self, **settings: Any) -> ModelParticipant:
         """A copy with some settings changed and validated like the constructor's, e.g.
         ``debater.set(steering=spec)`` or ``debater.set(temperature=0)``; this participant is unchanged."""
@@ -163,7 +181,9 @@ class ModelParticipant(Participant):
             raise ConfigurationTypeError(
                 f"{self!r}.set(): no setting {unknown}; its settings are: {', '.join(_SETTINGS)}"
             )
-        current = {key: getattr(self, key) for key in _SETTINGS} | {"name": self.name}
+        sampling = self.sampling.settings()
+        current = {key: getattr(self, key) for key in _SETTINGS if key not in sampling}
+        current |= sampling | {"name": self.name}
         clone = type(self)(self.model_id, **(current | settings))
         clone.family = self.family
         return clone
@@ -198,7 +218,7 @@ class ModelParticipant(Participant):
         reuse = None
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None and not steering:
             reuse = (options.stream_id, self.name)  # (the engine runs captured/steered rows from scratch)
-        sampling = SamplingSettings(cap, self.temperature, self.top_p, self.stop, options.seed)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=cap, seed=options.seed)
         return ChatRequest(view=view, sampling=sampling, reuse_key=reuse, capture=capture, steering=steering)
 
     def _interp(
@@ -294,10 +314,7 @@ class ModelParticipant(Participant):
             "model_id": self.model_id,
             "name": self.name,
             "system_prompt": template_to_json(self.system_prompt, field=f"{self.name}.system_prompt"),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_new_tokens": self.max_new_tokens,
-            "stop": list(self.stop),
+            **self.sampling.to_json(),
             "seed": self.seed,
             "kv_reuse": self.kv_reuse,
             "device": self.device,
@@ -363,20 +380,9 @@ def _read_model_type(id_or_path: str, revision: str | None) -> str | None:
         return None  # offline or not yet downloaded: resolve the family at load time instead
 
 
-#: The keyword settings of ModelParticipant (and so of from_pretrained), in the order messages list them.
-_SETTINGS = (
-    "system_prompt",
-    "temperature",
-    "top_p",
-    "max_new_tokens",
-    "stop",
-    "seed",
-    "kv_reuse",
-    "device",
-    "dtype",
-    "revision",
-    "steering",
-)
+#: The keyword settings of ModelParticipant (and so of from_pretrained), in the order messages list them:
+#: read from the constructor, so a new setting is listed (and accepted by ``set``) where it is added.
+_SETTINGS = tuple(inspect.signature(ModelParticipant.__init__).parameters)[3:]  # after self, model_id, name
 
 
 def _unknown_setting(settings: Mapping[str, Any], *, allowed: Sequence[str]) -> str | None:
