@@ -14,7 +14,7 @@ DETERMINISTIC mode batches the same way and hands the mode to ``generate_batch``
 a forward pass is the engine's to know (a local engine co-steps them only where its batch-invariance
 self-test passed, and runs them alone otherwise), so the batcher never decides what a row's tokens are.
 
-How many rows a batch takes is also bounded by the engine's :class:`~._budget.TokenBudget` (rows × the
+How many rows a batch takes is also bounded by the engine's :class:`~._batch_budget.BatchBudget` (rows × the
 longest row's prompt + max_new tokens, counted by the engine's optional ``request_tokens(payload)``): it
 shrinks when a batch runs out of memory and grows back slowly, so later rounds stop paying for failed
 prefills, and a size that failed is not tried again. A queue whose next request would exceed the budget
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from ._budget import TokenBudget
+from ._batch_budget import BatchBudget
 from ._errors import BatchResultError
 from ._protocols import BatchCancelled, Engine, ExecutionMode
 from ._signals import Notifier
@@ -83,7 +83,7 @@ class _Request:
 class _Queue:
     __slots__ = ("budget", "engine", "requests")
 
-    def __init__(self, engine: Engine, budget: TokenBudget) -> None:
+    def __init__(self, engine: Engine, budget: BatchBudget) -> None:
         self.engine = engine
         self.budget = budget
         self.requests: deque[_Request] = deque()
@@ -141,7 +141,7 @@ class Batcher:
         """Queue one request for ``engine`` and wait for its result (or its own error)."""
         queue = self._queues.get(key)
         if queue is None:
-            budget = TokenBudget(grow_after=self._grow_after, limit=_first_budget(engine))
+            budget = BatchBudget(grow_after=self._grow_after, limit=_first_budget(engine))
             queue = self._queues[key] = _Queue(engine, budget)
         req = _Request(owner, payload, anyio.current_time(), _request_tokens(engine, payload))
         queue.requests.append(req)

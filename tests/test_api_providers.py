@@ -20,8 +20,9 @@ import httpx2
 import pytest
 
 import interlens.scheduler.gateway as gateway
-from interlens import Conversation, _provider_base
+from interlens import Conversation
 from interlens.participants._api_participant import APIParticipant
+from interlens.providers import _base as _provider_base
 from interlens.providers._base import APIRequest
 from interlens.providers._registry import PROVIDERS, open_client
 from interlens.testing._fake_provider import FakeProviderServer

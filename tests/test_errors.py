@@ -563,3 +563,27 @@ def test_a_run_without_failures_warns_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="interlens"):
         assert conv.rollout(n=2).failed == []
     assert _warnings(caplog) == []
+
+
+def test_foreign_errors_leave_the_package_boundary_as_interlens_errors():
+    """``as_interlens_errors``: a store or scheduler error becomes its interlens twin (both ``except``s
+    catch it, same message), chained to what the foreign error was chained to; anything else passes."""
+    import interlens.scheduler as scheduler
+    import interlens.store as store
+    from interlens._core import as_interlens_errors
+
+    cause = OSError("disk")
+    with pytest.raises(interlens.LedgerLockedError) as locked:
+        with as_interlens_errors():
+            raise store.LedgerLockedError("runs/x is written by pid 7") from cause
+    assert isinstance(locked.value, store.LedgerLockedError)
+    assert str(locked.value) == "runs/x is written by pid 7"
+    assert locked.value.__cause__ is cause
+    with pytest.raises(interlens.ConfigurationError, match="max_batch_size"):
+        with as_interlens_errors():
+            raise scheduler.SchedulerConfigError("max_batch_size must be an int >= 1")
+    plain = KeyError("row")
+    with pytest.raises(KeyError) as passed:
+        with as_interlens_errors():
+            raise plain
+    assert passed.value is plain

@@ -30,10 +30,10 @@ from interlens import (
     RunReport,
     ScriptedParticipant,
     WorkerStartError,
-    _analyzers,
     register_analyzer,
     register_worker_init,
 )
+from interlens.rollouts import _analyzers
 from interlens.store import LedgerReader
 from interlens.testing import FakeProviderServer
 

@@ -90,7 +90,9 @@ def test_a_turns_sampling_settings_travel_as_one_record(qwen2_path):
     )
     options = GenerationOptions(max_new_tokens=5, seed=3, stream_id="job-1")
     request = participant.request(View("a", None, ()), options)
-    assert request.sampling == SamplingSettings(max_new_tokens=5, temperature=0.7, top_p=0.9, stop=("###",), seed=3)
+    assert request.sampling == SamplingSettings(
+        max_new_tokens=5, temperature=0.7, top_p=0.9, stop=("###",), seed=3
+    )
     assert request.reuse_key == ("job-1", "a")
 
     handed_on = GenerationRequest((1, 2), sampling=request.sampling, reuse_key=request.reuse_key)

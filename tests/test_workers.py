@@ -29,10 +29,10 @@ from interlens import (
     DeviceError,
     RunReport,
     ScriptedParticipant,
-    _analyzers,
     register_analyzer,
     register_worker_init,
 )
+from interlens.rollouts import _analyzers
 from interlens.store import LedgerReader
 
 CHILD = Path(__file__).parent / "scripts" / "workers_child.py"

@@ -24,6 +24,7 @@ from ._exceptions import (
     UnknownParticipantError,
     UnrunConversationError,
     WorkerStartError,
+    as_interlens_errors,
     translate,
 )
 from ._message import MODERATOR, Message, Transcript
@@ -51,7 +52,7 @@ from ._templating import (
     template_from_json,
     template_to_json,
 )
-from ._validate import check_bool, check_int, check_number, type_name
+from ._validate import check_bool, check_int, check_number, closest_name, type_name
 from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tokens
 
 __all__ = [
@@ -91,11 +92,13 @@ __all__ = [
     "ViewMessage",
     "WorkerStartError",
     "ambient_conditions",
+    "as_interlens_errors",
     "callable_path",
     "check_bool",
     "check_int",
     "check_number",
     "check_template",
+    "closest_name",
     "collecting_samples",
     "condition_from_json",
     "count_tokens",

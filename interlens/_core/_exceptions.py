@@ -24,13 +24,17 @@ The hierarchy::
         └── LedgerCorruptError          the file is not a readable SQLite ledger (left untouched)
 
 Errors from the ledger (``interlens.store``) and the engine (``interlens.scheduler``) are raised there as
-their own classes, because those packages import nothing from interlens; :func:`translate` turns them into
-the classes above at the boundary (a scheduler configuration error becomes a ``ConfigurationError``), and
+their own classes, because those packages import nothing from interlens; at the boundary, inside
+``with as_interlens_errors():``, they leave as the classes above (a scheduler configuration error becomes a
+``ConfigurationError``; :func:`translate` maps one error), and
 the classes above also inherit from the foreign ones where they correspond, so
 ``except interlens.store.LedgerLockedError`` keeps working on a translated error.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import interlens.scheduler as _scheduler_errors  # the packages' public faces export their errors
 import interlens.store as _store_errors
@@ -165,6 +169,23 @@ _TRANSLATION: dict[type[BaseException], type[InterlensError]] = {
     _store_errors.LedgerCorruptError: LedgerCorruptError,
     _store_errors.StoreError: LedgerError,
 }
+
+
+@contextlib.contextmanager
+def as_interlens_errors() -> Iterator[None]:
+    """The package boundary: a scheduler or store error raised inside leaves as its interlens twin.
+
+    The twin has the same message and inherits from both classes (either ``except`` works); it is chained to
+    what the foreign error was chained to, so a traceback does not show the same message twice. An interlens
+    error, or any other exception, passes unchanged.
+    """
+    try:
+        yield
+    except Exception as exc:
+        ours = translate(exc)
+        if ours is exc:
+            raise
+        raise ours from exc.__cause__
 
 
 def translate(exc: BaseException) -> BaseException:

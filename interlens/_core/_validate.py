@@ -8,12 +8,14 @@ never a count.
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
 
-__all__ = ["check_bool", "check_int", "check_number", "type_name"]
+__all__ = ["check_bool", "check_int", "check_number", "closest_name", "type_name"]
 
 
 def type_name(value: Any) -> str:
@@ -61,3 +63,10 @@ def check_bool(value: Any, *, what: str, allow_none: bool = False, fix: str = ""
         hint = f"; {fix}" if fix else ""
         raise ConfigurationTypeError(f"{what} must be {allowed}, got {type_name(value)}{hint}")
     return value
+
+
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The known option or setting a typo most likely meant (``outdir`` -> ``out_dir``), or None: the one
+    "did you mean" rule for every message that refuses an unknown name."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return close[0] if close else None

@@ -28,12 +28,15 @@ from rich.console import Console
 import interlens.store as store
 
 from .._core import InterlensError
+from ..providers import PROVIDERS
 
 __all__ = ["app", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED_JOBS = 1
 EXIT_USAGE = 2
+
+_PROVIDER_NAMES = f"{', '.join(PROVIDERS[:-1])} or {PROVIDERS[-1]}"
 
 app = typer.Typer(
     name="interlens",
@@ -89,7 +92,7 @@ def demo(
         str | None, typer.Option(help="A local model: hub id or path (default: a tiny random-weight model).")
     ] = None,
     provider: Annotated[
-        str | None, typer.Option(help="A hosted model's provider: openai, anthropic or openrouter.")
+        str | None, typer.Option(help=f"A hosted model's provider: {_PROVIDER_NAMES}.")
     ] = None,
     model_id: Annotated[str | None, typer.Option(help="The provider's model name (with --provider).")] = None,
     seed: Annotated[int, typer.Option(help="Rollout seed.")] = 0,

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._core import ConfigurationError
+from ..providers import PROVIDERS, key_optional, provider
 from ..rollouts import RunOptions
 from ._runs import duration, first_line, render_messages
 
@@ -54,7 +55,6 @@ class DemoSettings:
 
     def check(self) -> None:
         """Refuse contradictory or incomplete options before anything is built or run."""
-        from ..providers import PROVIDERS, provider
 
         for name, value, low in (
             ("--n", self.n, 1),
@@ -87,7 +87,7 @@ class DemoSettings:
             if self.device is not None:
                 raise ConfigurationError("--device is for a local model; a hosted model runs at its provider")
             key = provider(self.provider).key_variable
-            if not os.environ.get(key):
+            if not os.environ.get(key) and not key_optional(self.provider):
                 raise ConfigurationError(
                     f"--provider {self.provider} reads its key from the environment: set {key} (and "
                     f"{provider(self.provider).url_variable} for another endpoint), e.g. {key}=... interlens "
@@ -173,7 +173,7 @@ def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
                 (REAL_MODEL_HINT, "bold"),
                 " (a hub id or a local path), or a hosted one: ",
                 (API_MODEL_HINT, "bold"),
-                " (also anthropic, openrouter).",
+                f" (also {', '.join(p for p in PROVIDERS if p != 'openai')}).",
             )
         )
     options: RunOptions = {

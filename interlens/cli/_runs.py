@@ -28,7 +28,7 @@ from rich.text import Text
 import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
-from .._core import ConfigurationError, translate
+from .._core import ConfigurationError, as_interlens_errors
 from ..report import recorded_metadata, summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
@@ -46,12 +46,11 @@ def open_reader(out_dir: str | os.PathLike[str]) -> LedgerReader:
     )
     if not path.exists():
         raise ConfigurationError(f"{path} does not exist. {what}.")
-    try:
-        return LedgerReader(path)
-    except store.LedgerNotFoundError as exc:
-        raise ConfigurationError(f"{path} is not a run directory: {exc}. {what}.") from exc
-    except store.StoreError as exc:
-        raise translate(exc) from exc
+    with as_interlens_errors():
+        try:
+            return LedgerReader(path)
+        except store.LedgerNotFoundError as exc:
+            raise ConfigurationError(f"{path} is not a run directory: {exc}. {what}.") from exc
 
 
 def clean(text: str) -> str:

@@ -201,9 +201,10 @@ class APIParticipant(Participant):
                 f"{name}: auth must be None (a key when one is set; none needed by a local server), True or "
                 f"False, got {auth!r}"
             )
-        if auth is False and provider != "openai":
+        if auth is False and not provider_named(provider).keyless_local:
+            keyless = " or ".join(f"provider={p!r}" for p in PROVIDERS if provider_named(p).keyless_local)
             raise ConfigurationError(
-                f"{name}: auth=False is for OpenAI-compatible servers without a key (provider='openai' with "
+                f"{name}: auth=False is for OpenAI-compatible servers without a key ({keyless} with "
                 f"their base_url); {provider_named(provider).title} always needs a key"
             )
         if not isinstance(prompt_cache, bool):

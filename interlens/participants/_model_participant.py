@@ -17,7 +17,6 @@ importable from this module as deprecated aliases (see ``__getattr__``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import time
@@ -38,6 +37,7 @@ from .._core import (
     View,
     check_int,
     check_number,
+    closest_name,
     template_from_json,
 )
 from ..engine import ChatEngine, ChatRequest, ChatScoreRequest, SamplingSettings
@@ -144,7 +144,10 @@ class ModelParticipant(Participant):
                 )
         self.model_id = model_id
         self.sampling = SamplingSettings(
-            max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p), stop=tuple(stop)
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            stop=tuple(stop),
         )
         """How each turn is sampled (the turn's cap and seed are set per turn, in :meth:`request`)."""
         self.seed = seed
@@ -391,8 +394,8 @@ def _unknown_setting(settings: Mapping[str, Any], *, allowed: Sequence[str]) -> 
     unknown = sorted(set(settings) - set(allowed))
     if not unknown:
         return None
-    close = difflib.get_close_matches(unknown[0], _SETTINGS, n=1)
-    return repr(unknown[0]) + (f" (did you mean {close[0]}=?)" if close else "")
+    close = closest_name(unknown[0], _SETTINGS)
+    return repr(unknown[0]) + (f" (did you mean {close}=?)" if close else "")
 
 
 class AutoModelParticipant:

@@ -129,6 +129,11 @@ class Provider:
     (1.0: no documented discount), applied by cost estimates to batch turns. ``settings_problem``: what is
     wrong with a participant's sampling settings for this provider as the installed SDK talks to it (None:
     nothing), so a setting every request would be refused for fails at construction, not on every turn.
+
+    Capabilities, read by the participant, the registry and the CLI instead of comparing provider names:
+    ``batch`` (above), ``keyless_local`` (an endpoint on a local or private host is called without a key
+    when none is set: OpenAI-compatible servers such as vLLM or ``transformers serve``), ``accepts_seed``
+    (a request can carry a sampling seed, chat completions' ``seed``).
     """
 
     name: str
@@ -142,6 +147,8 @@ class Provider:
     client: Callable[..., ProviderClient]
     batch_price: float = 1.0
     settings_problem: Callable[[dict[str, Any]], str | None] = lambda settings: None
+    keyless_local: bool = False
+    accepts_seed: bool = False
 
 
 _SHARD_SIZE = 8

@@ -160,7 +160,7 @@ class OpenAIClient:
         return request_digest(self.provider, self._base_url, _BATCH_ENDPOINT, body(request))
 
     async def submit_batch(self, rows: Sequence[tuple[str, APIRequest]]) -> SubmittedBatch:
-        if self.provider != "openai":
+        if not _PROVIDERS[self.provider].batch:
             raise ConfigurationError(f"{self.provider} has no batch API; use batch=False")
         content = "".join(_json_line(cid, request) + "\n" for cid, request in rows).encode()
         upload = await self._sdk.files.create(
@@ -235,6 +235,8 @@ OPENAI = Provider(
     body=body,
     client=OpenAIClient,
     batch_price=0.5,  # "50% lower costs" than the synchronous API (platform.openai.com/docs/guides/batch)
+    keyless_local=True,  # the OpenAI-compatible servers (vLLM, SGLang, llama.cpp, transformers serve)
+    accepts_seed=True,
 )
 
 OPENROUTER = Provider(
@@ -247,4 +249,8 @@ OPENROUTER = Provider(
     fold=fold,
     body=body,
     client=OpenAIClient,
+    accepts_seed=True,  # passed through to the models that take one
 )
+
+#: The providers this module speaks for, by name (what a client built for one of them is).
+_PROVIDERS = {p.name: p for p in (OPENAI, OPENROUTER)}

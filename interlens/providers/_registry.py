@@ -1,11 +1,12 @@
 """Which providers there are, and the few things interlens asks of a provider by name.
 
-Each provider module (``_provider_openai``: OpenAI and OpenRouter; ``_provider_anthropic``) owns its request
-body, response parsing, batch submission and result mapping around the provider-neutral
-:class:`~interlens._provider_base.APIRequest`, and describes itself with a
-:class:`~interlens._provider_base.Provider`. This registry looks them up: the view folded for a provider, a
-request's body, a provider's endpoint and key (read from the environment in the parent, at first use, never
-stored), and its client for the gateway. Adding a provider is one module and one line here.
+Each provider module (``_openai``: OpenAI and OpenRouter; ``_anthropic``) owns its request body, response
+parsing, batch submission and result mapping around the provider-neutral :class:`~._base.APIRequest`, and
+describes itself with a :class:`~._base.Provider` record, capabilities included (a batch API, keyless local
+endpoints, seeds). This registry looks them up: the view folded for a provider, a request's body, a
+provider's endpoint and key (read from the environment in the parent, at first use, never stored), and its
+client for the gateway. Adding a provider is one module and one line here (ARCHITECTURE.md, "add a
+provider"); nothing else compares provider names.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "PROVIDERS",
     "fold_view",
     "is_local_endpoint",
+    "key_optional",
     "open_client",
     "provider",
     "read_api_key",
@@ -74,6 +76,12 @@ def is_local_endpoint(url: str) -> bool:
     return address.is_loopback or address.is_private
 
 
+def key_optional(name: str, base_url: str | None = None) -> bool:
+    """Whether provider ``name`` at ``base_url`` (or its ``*_BASE_URL``) is called without a key when none
+    is set: a provider that serves keyless local endpoints, on a local or private host."""
+    return _REGISTRY[name].keyless_local and is_local_endpoint(resolve_base_url(name, base_url))
+
+
 def read_api_key(name: str, *, who: str, auth: bool | None = None, base_url: str | None = None) -> str | None:
     """The key for provider ``name``, or None where the endpoint is called without one.
 
@@ -88,12 +96,12 @@ def read_api_key(name: str, *, who: str, auth: bool | None = None, base_url: str
     if key:
         return key
     url = resolve_base_url(name, base_url)
-    if auth is None and name == "openai" and is_local_endpoint(url):
+    if auth is None and key_optional(name, base_url):
         return None
     local = (
-        " For an OpenAI-compatible server that needs no key (vLLM, SGLang, llama.cpp), use provider='openai' "
-        "with its base_url (a local or private host needs no key) or pass auth=False."
-        if name == "openai"
+        " For an OpenAI-compatible server that needs no key (vLLM, SGLang, llama.cpp), use "
+        f"provider='{name}' with its base_url (a local or private host needs no key) or pass auth=False."
+        if _REGISTRY[name].keyless_local
         else ""
     )
     raise ConfigurationError(

@@ -27,9 +27,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from interlens.store import JOB_STATES, LEDGER_FILENAME, LedgerReader, StoreError
+from interlens.store import JOB_STATES, LEDGER_FILENAME, LedgerReader
 
-from .._core import ConfigurationError, ConfigurationTypeError, LedgerError, check_int, translate, type_name
+from .._core import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    LedgerError,
+    as_interlens_errors,
+    check_int,
+    type_name,
+)
 
 __all__ = ["write_report"]
 
@@ -68,11 +75,8 @@ def write_report(
     out = _output_path(output)
     check_int(max_jobs, what="write_report(): max_jobs", low=0, fix="e.g. max_jobs=1000")
     check_int(max_chars, what="write_report(): max_chars", low=1, fix="e.g. max_chars=20000")
-    try:
-        with LedgerReader(run_dir) as reader:
-            facts = _collect(reader, max_jobs=max_jobs, max_chars=max_chars)
-    except StoreError as exc:
-        raise translate(exc) from exc
+    with as_interlens_errors(), LedgerReader(run_dir) as reader:
+        facts = _collect(reader, max_jobs=max_jobs, max_chars=max_chars)
     html = _render_html(facts, run_dir=run_dir)
     out.write_text(html, encoding="utf-8")
     return out

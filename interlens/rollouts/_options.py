@@ -9,7 +9,6 @@ one place for all four entry points.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import sys
@@ -19,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from .._core import ConfigurationError, ConfigurationTypeError, check_bool, check_int, check_number, type_name
+from .._core import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    check_bool,
+    check_int,
+    check_number,
+    closest_name,
+    type_name,
+)
 
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode
@@ -197,8 +204,8 @@ def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:
         valid = f"n, {valid}"
     hint = _INSTEAD.get(name)
     if hint is None:
-        close = difflib.get_close_matches(name, list(OPTION_DEFAULTS), n=1)
-        hint = f"did you mean {close[0]}=...?" if close else ""
+        close = closest_name(name, OPTION_DEFAULTS)
+        hint = f"did you mean {close}=...?" if close else ""
     hint = f"; {hint}{'' if hint.endswith('?') else '.'}" if hint else "."
     return ConfigurationTypeError(
         f"{caller}() has no option {name!r}{hint} Its options are: {valid} (see help(interlens.run))."

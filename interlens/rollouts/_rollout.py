@@ -27,10 +27,10 @@ from .._core import (
     MissingColumnError,
     TemplateError,
     ambient_conditions,
+    as_interlens_errors,
     collecting_samples,
     in_job,
     is_templated,
-    translate,
 )
 from ..report import SAMPLES_KEY, RunReport
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
@@ -289,18 +289,14 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
 
     devices = options.devices
     if options.cluster is not None:  # the cluster's devices: Ray reports them once it is joined
-        try:
+        with as_interlens_errors():
             devices = check_ray_devices(devices)
-        except Exception as exc:
-            raise translate(exc) from None
     else:
         if devices is None:  # only local models need a device: don't import torch for scripted or API jobs
             local = any(p.needs_device for conv, _ in lineups for p in conv.participants)
             devices = available_devices() if local else ["cpu"]
-        try:
+        with as_interlens_errors():
             devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
-        except Exception as exc:
-            raise translate(exc) from None
     if options.cluster is not None or len(devices or ()) > 1:  # local-model jobs run in other processes
         for conv, spec in lineups:
             if any(p.needs_device for p in conv.participants):
@@ -313,7 +309,7 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
     prepare_out_dir(options)
     if options.api_budget is not None:
         spend = options.api_budget.guard(options.out_dir, resume=options.resume)
-    try:
+    with as_interlens_errors():
         outcome = await run_jobs(
             [spec for _, spec in lineups],
             devices=devices,
@@ -327,8 +323,6 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
             cluster=options.cluster,
             **options.scheduler,
         )
-    except Exception as exc:
-        raise translate(exc) from exc.__cause__
     report = RunReport(outcome, {spec.name: conv for conv, spec in lineups})
     _warn_failures(report, options.caller)
     if report.stopped is not None:

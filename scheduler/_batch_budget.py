@@ -1,7 +1,7 @@
 """How much one engine may take in one batch: a budget in tokens that adapts to out-of-memory errors.
 
 Without it the batcher asks for up to ``max_batch_size`` rows every round; when prompts grow turn by turn,
-every round can pay for failed prefills before the halving finds a size that fits. A :class:`TokenBudget`
+every round can pay for failed prefills before the halving finds a size that fits. A :class:`BatchBudget`
 is kept per engine and learns from what happened:
 
 * a batch's cost is ``rows × max(prompt + max_new)`` over its rows (a left-padded batch), in tokens when the
@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["TokenBudget"]
+__all__ = ["BatchBudget"]
 
 
-class TokenBudget:
+class BatchBudget:
     """The adaptive per-engine batch budget (see the module docstring). ``limit`` None: no limit."""
 
     def __init__(self, *, grow_after: int = 4, limit: int | None = None) -> None:
         if grow_after < 1:
-            raise ValueError(f"TokenBudget(grow_after={grow_after}): must be >= 1")
+            raise ValueError(f"BatchBudget(grow_after={grow_after}): must be >= 1")
         self.grow_after = grow_after
         self.limit = limit
         self._failed: list[int] = []  # sorted costs of multi-row batches that ran out of memory
