@@ -1,6 +1,7 @@
 """The async rollout engine (installed as ``interlens.scheduler``). Never imports interlens' user modules."""
 
 from ._bridge import run_sync
+from ._config import RunConfig
 from ._devices import available_devices, check_ray_devices, validate_devices
 from ._errors import (
     BatchResultError,
@@ -69,6 +70,7 @@ __all__ = [
     "ProviderCallError",
     "ProviderClient",
     "RetryPolicy",
+    "RunConfig",
     "RunOutcome",
     "SchedulerConfigError",
     "SchedulerError",

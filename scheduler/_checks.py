@@ -1,32 +1,22 @@
 """Refusing bad input to ``run_jobs`` early, with an error that names the problem and the fix.
 
-Run-level arguments are checked before anything is opened or started; each pulled ``JobSpec`` is checked
-as it is pulled, before it is recorded.
+The lineups are checked before anything is opened or started (the rest of the run's input by
+``RunConfig.check``); each pulled ``JobSpec`` is checked as it is pulled, before it is recorded.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ._errors import DuplicateJobError, SchedulerConfigError
-from ._protocols import ExecutionMode, JobSpec, LineupSpec
+from ._protocols import JobSpec, LineupSpec
 
-__all__ = ["check_arguments", "check_spec", "needs_device"]
+__all__ = ["check_lineups", "check_spec", "needs_device"]
 
 
-def check_arguments(
-    lineups: Sequence[LineupSpec],
-    *,
-    mode: ExecutionMode,
-    max_batch_size: int,
-    max_concurrency: int,
-    max_attempts: int,
-    max_batch_wait: float,
-    versions: Mapping[str, str] | None,
-    out_dir: object,
-) -> None:
-    """Refuse bad input before anything is opened or run, naming the problem and the fix."""
+def check_lineups(lineups: Sequence[LineupSpec]) -> None:
+    """Refuse a bad list of lineups before anything is opened or run, naming the problem and the fix (the
+    run's other arguments are :meth:`RunConfig.check`'s)."""
     if isinstance(lineups, LineupSpec):
         raise SchedulerConfigError("run_jobs takes a list of LineupSpec; wrap the single lineup: [lineup]")
     if not isinstance(lineups, Sequence) or isinstance(lineups, str):
@@ -45,24 +35,6 @@ def check_arguments(
         seen.add(lineup.name)
         if not isinstance(lineup.fingerprint, str):
             raise SchedulerConfigError(f"lineup {lineup.name!r}: fingerprint must be a str")
-    if not isinstance(mode, ExecutionMode):
-        raise SchedulerConfigError(f"mode must be an ExecutionMode, got {mode!r}")
-    for name, value in (
-        ("max_batch_size", max_batch_size),
-        ("max_concurrency", max_concurrency),
-        ("max_attempts", max_attempts),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SchedulerConfigError(f"{name} must be an int >= 1, got {value!r}")
-    if not isinstance(max_batch_wait, int | float) or isinstance(max_batch_wait, bool) or max_batch_wait < 0:
-        raise SchedulerConfigError(f"max_batch_wait must be a number of seconds >= 0, got {max_batch_wait!r}")
-    if versions is not None and not (
-        isinstance(versions, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items())
-    ):
-        raise SchedulerConfigError(f"versions must map str to str (package → version), got {versions!r}")
-    if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
-        raise SchedulerConfigError(f"out_dir must be a path (str or os.PathLike) or None, got {out_dir!r}")
 
 
 def check_spec(spec: object, lineup: LineupSpec) -> None:

@@ -8,7 +8,6 @@ the ledger; a job's failure is recorded on that job and never cancels another.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -22,19 +21,20 @@ from anyio.abc import TaskGroup
 
 from interlens.store import RecordedJobs
 
-from ._checks import check_arguments, check_spec, needs_device
+from ._checks import check_lineups, check_spec, needs_device
+from ._config import RunConfig
 from ._devices import check_ray_devices, validate_devices
 from ._errors import DuplicateJobError, SchedulerConfigError
 from ._eviction import EngineNeeds
 from ._memory import MemoryRecorder
 from ._outcome import AttemptOutcome, ErrorInfo, RunOutcome
-from ._pool import WorkerInit, open_workers, refuse_while_bootstrapping
+from ._pool import open_workers, refuse_while_bootstrapping
 from ._progress import Progress, progress_wanted
-from ._protocols import ExecutionMode, JobSpec, LineupSpec
+from ._protocols import JobSpec, LineupSpec
 from ._resume import InputRefusal, input_changed, verify_recorded_inputs
 from ._signals import Notifier
 from ._worker import Worker
-from .gateway import BatchStore, Blocker, Gateway, SpendGuard, SpendLimitReached
+from .gateway import BatchStore, Blocker, Gateway, SpendLimitReached
 
 __all__ = ["run_jobs"]
 
@@ -79,84 +79,30 @@ class Recorder(Protocol):
     def outcome(self, *, counts: Mapping[str, int], skipped: list[str]) -> RunOutcome: ...
 
 
-async def run_jobs(
-    lineups: Sequence[LineupSpec],
-    *,
-    devices: Sequence[str] | None,
-    out_dir: str | os.PathLike[str] | None,
-    resume: bool = True,
-    mode: ExecutionMode = ExecutionMode.BATCHED,
-    max_batch_size: int = 64,
-    max_concurrency: int = 256,
-    max_attempts: int = 3,
-    progress: bool | None = None,
-    versions: Mapping[str, str] | None = None,
-    max_batch_wait: float = 0.05,
-    worker_init: Sequence[WorkerInit] = (),
-    worker_start_timeout: float = 300.0,
-    spend_guard: SpendGuard | None = None,
-    cluster: str | None = None,
-) -> RunOutcome:
-    """Run every job of ``lineups`` and return how each ended.
+async def run_jobs(lineups: Sequence[LineupSpec], config: RunConfig) -> RunOutcome:
+    """Run every job of ``lineups`` as ``config`` says (see :class:`RunConfig`) and return how each ended.
 
-    ``devices``: one worker per entry (a repeated entry means two workers sharing a device): in this process
-    for a single device, else one spawned worker process per entry. Jobs with ``needs_device`` take one of
-    ``max_batch_size`` slots on the least-loaded device worker and stay pinned to it; jobs without run in the
-    host worker (in this process), at most ``max_concurrency`` at once. ``out_dir``: the ledger directory
-    (resumable: done jobs are skipped on a rerun unless ``resume=False``; a rerun that would ask a recorded
-    job something else, by its ``input_fp``, is refused before any job starts, see ``_resume``); None keeps
-    everything in memory.
-    ``max_attempts``: attempts per job in this run when ``job.is_transient`` says a failure may pass; also
-    how many times a job may lose its worker process before it is failed as the one that kills it.
-    ``worker_init``: picklable callables run once in each worker before its first job.
-    ``worker_start_timeout``: seconds a worker process has to report ready.
-    ``max_batch_wait``: seconds a queued generation waits for more company when some live job is busy with
-    something the scheduler cannot see. ``spend_guard``: the run's API budget, asked by the gateway before
-    each request or provider batch is sent; once it refuses one, no new job starts, a job whose request
+    Jobs with ``needs_device`` take one of ``max_batch_size`` slots on the least-loaded device worker and stay
+    pinned to it; jobs without run in the host worker (in this process), at most ``max_concurrency`` at once.
+    A rerun that would ask a recorded job something else, by its ``input_fp``, is refused before any job
+    starts (see ``_resume``). Once the spend guard refuses a request no new job starts, a job whose request
     was refused goes back to pending (not failed), jobs in flight finish, and ``RunOutcome.stopped`` says why.
-    ``cluster``: None (this machine) or ``"ray"``: the device workers are Ray actors (``_ray_worker``), and
-    ``devices`` is None (one per GPU of the cluster, else one CPU worker) or ``"cpu"``/``"cuda"`` entries.
     Cancelling this coroutine stops within seconds and leaves the ledger consistent (the run is marked
     interrupted; running jobs are requeued by the next run).
     """
-    check_arguments(
-        lineups,
-        mode=mode,
-        max_batch_size=max_batch_size,
-        max_concurrency=max_concurrency,
-        max_attempts=max_attempts,
-        max_batch_wait=max_batch_wait,
-        versions=versions,
-        out_dir=out_dir,
-    )
-    if not isinstance(worker_start_timeout, int | float) or not worker_start_timeout > 0:
-        raise SchedulerConfigError(f"worker_start_timeout must be seconds > 0, got {worker_start_timeout!r}")
+    check_lineups(lineups)
+    if not isinstance(config, RunConfig):
+        raise SchedulerConfigError(
+            f"run_jobs takes a RunConfig, got {type(config).__name__}; e.g. run_jobs(lineups, "
+            "RunConfig(devices=['cpu'], out_dir=None))"
+        )
+    config.check()
     refuse_while_bootstrapping()
-    checked: list[str] | None
-    if cluster is None:
-        if devices is None:
-            raise SchedulerConfigError("devices must be a list of devices (None only with cluster='ray')")
-        checked = validate_devices(devices)
-    elif cluster == "ray":
-        checked = check_ray_devices(devices)
-    else:
-        raise SchedulerConfigError(f"cluster must be None (this machine) or 'ray', got {cluster!r}")
-    recorder = await _open_recorder(lineups, out_dir=out_dir, resume=resume, versions=versions or {})
-    run = _Run(
-        lineups,
-        recorder=recorder,
-        devices=checked,
-        cluster=cluster,
-        mode=mode,
-        max_batch_size=max_batch_size,
-        max_concurrency=max_concurrency,
-        max_attempts=max_attempts,
-        max_batch_wait=max_batch_wait,
-        progress=progress_wanted(progress),
-        worker_init=tuple(worker_init),
-        worker_start_timeout=float(worker_start_timeout),
-        spend_guard=spend_guard,
+    devices = (
+        validate_devices(config.devices) if config.cluster is None else check_ray_devices(config.devices)
     )
+    recorder = await _open_recorder(lineups, config)
+    run = _Run(lineups, recorder=recorder, config=config, devices=devices)
     status = "failed"
     try:
         await run.execute()
@@ -179,19 +125,16 @@ async def run_jobs(
     return replace(outcome, api=run.api_stats, stopped=run.stopped)
 
 
-async def _open_recorder(
-    lineups: Sequence[LineupSpec],
-    *,
-    out_dir: str | os.PathLike[str] | None,
-    resume: bool,
-    versions: Mapping[str, str],
-) -> Recorder:
+async def _open_recorder(lineups: Sequence[LineupSpec], config: RunConfig) -> Recorder:
+    out_dir = config.out_dir
     if out_dir is None:
         return MemoryRecorder()
     # The store (aiosqlite) is imported only when a ledger is used.
     from ._ledger_recorder import LedgerRecorder
 
-    return await LedgerRecorder.open(out_dir, lineups=lineups, resume=resume, versions=versions)
+    return await LedgerRecorder.open(
+        out_dir, lineups=lineups, resume=config.resume, versions=dict(config.versions)
+    )
 
 
 class _Run:
@@ -200,42 +143,27 @@ class _Run:
         lineups: Sequence[LineupSpec],
         *,
         recorder: Recorder,
+        config: RunConfig,
         devices: list[str] | None,
-        mode: ExecutionMode,
-        max_batch_size: int,
-        max_concurrency: int,
-        max_attempts: int,
-        max_batch_wait: float,
-        progress: bool,
-        worker_init: Sequence[WorkerInit] = (),
-        worker_start_timeout: float = 300.0,
-        spend_guard: SpendGuard | None = None,
-        cluster: str | None = None,
     ) -> None:
         self._lineups = lineups
-        self._cluster = cluster
-        self._spend = spend_guard
+        self._config = config
+        self._spend = config.spend_guard
         self._poisoned: str | None = None  # why the run stopped: a device in this process is poisoned
         self._left_pending = 0  # jobs whose API request the spend guard refused, back to pending
-        self._worker_init = worker_init
-        self._worker_start_timeout = worker_start_timeout
+        self._worker_init = tuple(config.worker_init)
         self._rec = recorder
-        self._devices = devices
-        self._mode = mode
-        self._max_batch_size = max_batch_size
-        self._max_concurrency = max_concurrency
-        self._max_attempts = max_attempts
-        self._max_batch_wait = max_batch_wait
+        self._devices = devices  # checked: the run's own list (a Ray cluster's, when config.devices is None)
         total = None
         if all(lineup.n_jobs is not None for lineup in lineups):
             total = sum(lineup.n_jobs or 0 for lineup in lineups)
-        self._progress = Progress(enabled=progress, total=total)
+        self._progress = Progress(enabled=progress_wanted(config.progress), total=total)
         self._refill = Notifier()  # the buffer fell to its low-water mark
         self._refilled = Notifier()  # the pull loop added a chunk to the buffer (or found the end)
         self._buffer: deque[JobSpec] = deque()  # recorded as pending, not started yet
         # No more than the pools hold at once, so the specs held ahead of their start stay O(concurrency); as
         # many as that, so the runners of a full pool rarely find the buffer empty.
-        self._chunk = min(_ADD_CHUNK, max_concurrency + len(devices or "1") * max_batch_size)
+        self._chunk = min(_ADD_CHUNK, config.max_concurrency + len(devices or "1") * config.max_batch_size)
         self._exhausted = False
         self._pools: tuple[list[Worker], list[Worker]] = ([], [])  # (device workers, host workers)
         self._skipped: dict[str, None] = {}  # ordered set
@@ -302,15 +230,15 @@ class _Run:
                 device_workers, host_workers = await open_workers(
                     stack,
                     devices=self._devices,
-                    mode=self._mode,
-                    max_batch_size=self._max_batch_size,
-                    max_concurrency=self._max_concurrency,
-                    max_batch_wait=self._max_batch_wait,
+                    mode=self._config.mode,
+                    max_batch_size=self._config.max_batch_size,
+                    max_concurrency=self._config.max_concurrency,
+                    max_batch_wait=self._config.max_batch_wait,
                     worker_init=self._worker_init,
-                    start_timeout=self._worker_start_timeout,
+                    start_timeout=self._config.worker_start_timeout,
                     call_gateway=self._call_gateway,
                     on_poisoned=self._poison,
-                    cluster=self._cluster,
+                    cluster=self._config.cluster,
                 )
                 async with anyio.create_task_group() as tg:
                     self._tg = tg
@@ -513,7 +441,7 @@ class _Run:
                 # Every job the worker was running lost it, so a death alone blames no one; the retry runs
                 # alone on a fresh worker. A job that still loses it then, each time, is the one killing it.
                 deaths += 1
-                if deaths < self._max_attempts:
+                if deaths < self._config.max_attempts:
                     await rec.retry(job_id)
                     continue
                 await self._fail(job_id, _killer(outcome, deaths))
@@ -527,7 +455,7 @@ class _Run:
                 self._left_pending += 1
                 return
             failures += 1
-            if outcome.transient and outcome.conversation is None and failures < self._max_attempts:
+            if outcome.transient and outcome.conversation is None and failures < self._config.max_attempts:
                 await rec.retry(job_id)
                 continue
             await self._fail(job_id, outcome)

@@ -17,7 +17,7 @@ from api_wiring_testkit import MixedJob, ask, lineup
 
 from interlens.participants._api_participant import APIParticipant
 from interlens.providers._registry import request_body
-from interlens.scheduler import run_jobs
+from interlens.scheduler import RunConfig, run_jobs
 from interlens.scheduler.gateway import BatchPolicy
 from interlens.store import Ledger
 from interlens.testing._fake_provider import FakeProviderServer, default_reply
@@ -52,7 +52,7 @@ async def test_workers_share_the_parents_gateway_batches_and_ledger(
     ]
     with anyio.fail_after(30):  # the batcher's fallback alone would take 100 s per local round
         outcome = await run_jobs(
-            [lineup("mixed", jobs)], devices=devices, out_dir=tmp_path, max_batch_wait=100
+            [lineup("mixed", jobs)], RunConfig(devices=devices, out_dir=tmp_path, max_batch_wait=100)
         )
     cursed = "mixed/0004"
     assert outcome.failed == [cursed]
@@ -90,7 +90,7 @@ async def test_a_rerun_reattaches_to_a_batch_left_open_and_pays_nothing_twice(
     server.timeout_next(1, seconds=60, path="/v1/batches/*")  # the first poll hangs: the run is cancelled
 
     async def first_run() -> None:
-        await run_jobs([lineup("api", jobs)], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs([lineup("api", jobs)], RunConfig(devices=["cpu"], out_dir=tmp_path))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(first_run)
@@ -101,7 +101,7 @@ async def test_a_rerun_reattaches_to_a_batch_left_open_and_pays_nothing_twice(
         tg.cancel_scope.cancel()
     [batch_id] = server.batches
     with anyio.fail_after(30):
-        outcome = await run_jobs([lineup("api", jobs)], devices=["cpu"], out_dir=tmp_path)
+        outcome = await run_jobs([lineup("api", jobs)], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert outcome.failed == [] and server.batch_count("openai") == 1  # no second batch
     assert outcome.api["rows_reattached"] == 3 and outcome.api["batches_submitted"] == 0
     for i in range(3):

@@ -55,3 +55,31 @@ def test_exceptions_share_one_root():
         obj = getattr(interlens, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, interlens.InterlensError), name
+
+
+def test_the_run_options_are_one_record_named_once():
+    """``rollout``/``run`` options: the TypedDict type checkers read names exactly the options accepted, and
+    each option the scheduler runs with takes its default from the scheduler's ``RunConfig``."""
+    import dataclasses
+
+    from interlens.rollouts._options import OPTION_DEFAULTS, RunOptions
+    from interlens.scheduler import RunConfig
+
+    assert set(RunOptions.__optional_keys__) == set(OPTION_DEFAULTS)
+    config = RunConfig()
+    shared = {f.name for f in dataclasses.fields(RunConfig)} & set(OPTION_DEFAULTS)
+    assert shared == {
+        "devices",
+        "out_dir",
+        "resume",
+        "mode",
+        "max_batch_size",
+        "max_concurrency",
+        "max_attempts",
+        "progress",
+        "max_batch_wait",
+        "worker_start_timeout",
+        "cluster",
+    }
+    for name in shared - {"mode"}:  # mode: None (decided with batched=), the scheduler's default BATCHED
+        assert OPTION_DEFAULTS[name] == getattr(config, name), name

@@ -14,7 +14,6 @@ Exit codes, for scripts:
 """
 
 import contextlib
-import importlib
 import json
 import sys
 from collections.abc import Iterator
@@ -201,9 +200,9 @@ def report(
 ) -> None:
     """One self-contained HTML page of the run: counts, charts, failures, a transcript browser."""
     with _errors():
-        # Imported by name: the page is built by interlens._html_report (its own module and template).
-        module = importlib.import_module("interlens._html_report")
-        written = module.write_report(out_dir, output)
+        from ..report import write_report  # the page's module imports jinja2 when it writes one
+
+        written = write_report(out_dir, output)
     _stderr().print(f"wrote {written}", markup=False)
 
 

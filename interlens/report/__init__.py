@@ -3,6 +3,7 @@ report.
 """
 
 from ._export import ledger_rows, write_export
+from ._html_report import write_report
 from ._report import RunReport, RunResult
 from ._usage import SAMPLES_KEY, check_prices, recorded_metadata, summarize, turn_cost
 
@@ -16,4 +17,5 @@ __all__ = [
     "summarize",
     "turn_cost",
     "write_export",
+    "write_report",
 ]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from .._core import ConfigurationError
@@ -113,7 +113,7 @@ class APIBudget:
                 "usd_per_mtok_out)} (or a tokens= budget)"
             )
 
-    def guard(self, out_dir: Path | None, *, resume: bool) -> Spend:
+    def guard(self, out_dir: str | os.PathLike[str] | None, *, resume: bool) -> Spend:
         """The run's spend guard, counting what the ledger in ``out_dir`` already recorded (when resuming)."""
         spend = Spend(self)
         if out_dir is not None and resume:

@@ -3,8 +3,10 @@
 Every option is checked here, in the caller's thread, before a job is expanded, a worker started or a ledger
 file created: a typo (``outdir=``), a wrong type (``seed="a"``, ``n=True``, ``resume="no"``) or a directory
 that cannot be written fails at once with an error naming the call, the option and the fix, instead of a
-raw ``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The defaults live here too, in
-one place for all four entry points.
+raw ``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The checked options are one
+record, :class:`Options`: the run's own settings are the scheduler's :class:`~interlens.scheduler.RunConfig`
+(whose defaults are the defaults here), passed on whole; only ``seed`` and ``api_budget`` are interlens'.
+``RunOptions`` is the same names for type checkers (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+from interlens.scheduler import RunConfig
 
 from .._core import (
     ConfigurationError,
@@ -55,22 +59,24 @@ class RunOptions(TypedDict, total=False):
     cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
 
 
+_RUN = RunConfig()  # the scheduler's defaults, stated once there
+
 #: Each option and its default, in the order the error for an unknown option lists them.
 OPTION_DEFAULTS: Mapping[str, Any] = {
-    "devices": None,
+    "devices": None,  # every visible GPU, else the CPU (only local models need a device)
     "out_dir": None,
     "seed": 0,
     "batched": None,  # True unless mode=ExecutionMode.DETERMINISTIC
     "mode": None,
-    "resume": True,
-    "max_batch_size": 64,
-    "max_concurrency": 256,
-    "max_attempts": 3,
-    "progress": None,
-    "max_batch_wait": 0.05,
-    "worker_start_timeout": 300.0,
+    "resume": _RUN.resume,
+    "max_batch_size": _RUN.max_batch_size,
+    "max_concurrency": _RUN.max_concurrency,
+    "max_attempts": _RUN.max_attempts,
+    "progress": _RUN.progress,
+    "max_batch_wait": _RUN.max_batch_wait,
+    "worker_start_timeout": _RUN.worker_start_timeout,
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
-    "cluster": None,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local instance)
+    "cluster": _RUN.cluster,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local one)
 }
 
 #: The values ``cluster=`` accepts.
@@ -89,18 +95,12 @@ _SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
 
 @dataclass(frozen=True)
 class Options:
-    """Checked options of one run call."""
+    """The checked options of one run call: the scheduler's record of the run, and what interlens adds."""
 
     caller: str  # "rollout", "arollout", "run", "arun": named in every message
-    devices: list[str | Sequence[str]] | None
-    out_dir: Path | None
     seed: int
-    resume: bool
-    mode: ExecutionMode
-    progress: bool | None
-    scheduler: dict[str, Any] = field(default_factory=dict)  # passed to run_jobs as they are
+    run: RunConfig  # devices, out_dir (a Path), resume, mode, limits, progress, cluster: passed on whole
     api_budget: APIBudget | None = None
-    cluster: str | None = None
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -110,30 +110,14 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         raise _unknown_option(caller, unknown[0])
     given = {**OPTION_DEFAULTS, **options}
     where = f"{caller}()"
-    scheduler = {
-        "max_batch_size": check_int(given["max_batch_size"], what=f"{where}: max_batch_size", low=1),
-        "max_concurrency": check_int(given["max_concurrency"], what=f"{where}: max_concurrency", low=1),
-        "max_attempts": check_int(given["max_attempts"], what=f"{where}: max_attempts", low=1),
-        "max_batch_wait": check_number(
-            given["max_batch_wait"], what=f"{where}: max_batch_wait (seconds)", low=0
-        ),
-        "worker_start_timeout": check_number(
-            given["worker_start_timeout"],
-            what=f"{where}: worker_start_timeout (seconds)",
-            low=0,
-            open_low=True,
-        ),
-    }
     seed = check_int(
         given["seed"], what=f"{where}: seed", low=0, fix="per-rollout seeds are seed, seed+1, ... e.g. seed=0"
     )
     if seed >= _SEED_LIMIT:
         raise ConfigurationError(f"{where}: seed must be below 2**63 (a 64-bit integer), got {seed}")
-    return Options(
-        caller=caller,
+    run = RunConfig(
         devices=_devices(where, given["devices"]),
         out_dir=_out_dir(where, given["out_dir"]),
-        seed=seed,
         resume=bool(
             check_bool(
                 given["resume"],
@@ -142,16 +126,27 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
             )
         ),
         mode=_mode(where, given["mode"], given["batched"]),
+        max_batch_size=check_int(given["max_batch_size"], what=f"{where}: max_batch_size", low=1),
+        max_concurrency=check_int(given["max_concurrency"], what=f"{where}: max_concurrency", low=1),
+        max_attempts=check_int(given["max_attempts"], what=f"{where}: max_attempts", low=1),
         progress=check_bool(
             given["progress"],
             what=f"{where}: progress",
             allow_none=True,
             fix="None shows a bar when interactive",
         ),
-        scheduler=scheduler,
-        api_budget=_api_budget(where, given["api_budget"]),
+        max_batch_wait=check_number(
+            given["max_batch_wait"], what=f"{where}: max_batch_wait (seconds)", low=0
+        ),
+        worker_start_timeout=check_number(
+            given["worker_start_timeout"],
+            what=f"{where}: worker_start_timeout (seconds)",
+            low=0,
+            open_low=True,
+        ),
         cluster=_cluster(where, given["cluster"]),
     )
+    return Options(caller=caller, seed=seed, run=run, api_budget=_api_budget(where, given["api_budget"]))
 
 
 def _cluster(where: str, cluster: Any) -> str | None:
@@ -281,7 +276,7 @@ def prepare_out_dir(options: Options) -> None:
     Runs after every other check and before the run opens its ledger, so a path under a regular file, in a
     read-only or virtual filesystem (``/proc/...``) or without permission fails here, not half-way through.
     """
-    path = options.out_dir
+    path = None if options.run.out_dir is None else Path(options.run.out_dir)
     if path is None:
         return
     what = f"{options.caller}(): out_dir={str(path)!r}"

@@ -13,6 +13,7 @@ import of the package), so imports run one way, rollout → report → conversat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -287,8 +288,9 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
     """Run the expanded lineups; every option was checked by ``parse_options`` in the user's call."""
     from interlens.scheduler import available_devices, check_ray_devices, run_jobs, validate_devices
 
-    devices = options.devices
-    if options.cluster is not None:  # the cluster's devices: Ray reports them once it is joined
+    run = options.run
+    devices = run.devices
+    if run.cluster is not None:  # the cluster's devices: Ray reports them once it is joined
         with as_interlens_errors():
             devices = check_ray_devices(devices)
     else:
@@ -297,7 +299,7 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
             devices = available_devices() if local else ["cpu"]
         with as_interlens_errors():
             devices = validate_devices(devices)  # before out_dir is created: a refused call leaves nothing
-    if options.cluster is not None or len(devices or ()) > 1:  # local-model jobs run in other processes
+    if run.cluster is not None or len(devices or ()) > 1:  # local-model jobs run in other processes
         for conv, spec in lineups:
             if any(p.needs_device for p in conv.participants):
                 check_shippable(conv.analyzer_fn, lineup=spec.name)
@@ -308,21 +310,16 @@ async def execute(lineups: Sequence[tuple[Conversation, LineupSpec]], options: O
         options.api_budget.check_models(models, where=f"{options.caller}()")
     prepare_out_dir(options)
     if options.api_budget is not None:
-        spend = options.api_budget.guard(options.out_dir, resume=options.resume)
+        spend = options.api_budget.guard(run.out_dir, resume=run.resume)
+    config = dataclasses.replace(
+        run,
+        devices=devices,
+        versions=_versions(),
+        worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
+        spend_guard=spend,
+    )
     with as_interlens_errors():
-        outcome = await run_jobs(
-            [spec for _, spec in lineups],
-            devices=devices,
-            out_dir=options.out_dir,
-            resume=options.resume,
-            mode=options.mode,
-            progress=options.progress,
-            versions=_versions(),
-            worker_init=worker_hooks(conv.analyzer_fn for conv, _ in lineups),
-            spend_guard=spend,
-            cluster=options.cluster,
-            **options.scheduler,
-        )
+        outcome = await run_jobs([spec for _, spec in lineups], config)
     report = RunReport(outcome, {spec.name: conv for conv, spec in lineups})
     _warn_failures(report, options.caller)
     if report.stopped is not None:
@@ -370,7 +367,7 @@ def _shorten(text: str, limit: int = 500) -> str:
 async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunReport:
     lineup = conv.name() or "rollout"
     spec = lineup_spec(
-        conv, n, seed=options.seed, mode=options.mode, prefix="", single_job_id=None, lineup=lineup
+        conv, n, seed=options.seed, mode=options.run.mode, prefix="", single_job_id=None, lineup=lineup
     )
     return await execute([(conv, spec)], options)
 

@@ -63,7 +63,7 @@ async def _arun(conversations: Iterable[Conversation], options: Options) -> RunR
             f"{options.caller}() takes a list of Conversation objects (one per lineup), got "
             f"{type(conversations).__name__}; e.g. {options.caller}([pair, solo], out_dir='runs/x')"
         )
-    return await execute(_lineups(conversations, options.seed, options.mode), options)
+    return await execute(_lineups(conversations, options.seed, options.run.mode), options)
 
 
 async def arun(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:

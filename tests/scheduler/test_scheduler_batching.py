@@ -11,7 +11,15 @@ import anyio
 import torch
 from scheduler_testkit import Device, EchoEngine, EchoSpec, OutOfMemoryError, TurnsJob, lineup
 
-from interlens.scheduler import EngineLoadError, ExecutionMode, JobContext, JobResult, NoDeviceError, run_jobs
+from interlens.scheduler import (
+    EngineLoadError,
+    ExecutionMode,
+    JobContext,
+    JobResult,
+    NoDeviceError,
+    RunConfig,
+    run_jobs,
+)
 
 # Quiescence alone must form the batches: with a huge fallback delay, a batch that waited for the timer
 # instead of dispatching when every live job is blocked would make these tests time out.
@@ -22,7 +30,9 @@ async def test_64_jobs_by_3_turns_co_step_in_batches_of_64() -> None:
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=3) for _ in range(64)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert spec.engine.sizes == [64, 64, 64]
     assert spec.loads == ["cpu"]
     assert out.counts == {"total": 64, "done": 64, "failed": 0, "skipped": 0}
@@ -37,7 +47,8 @@ async def test_more_jobs_than_slots_keep_batches_full() -> None:
     jobs = [TurnsJob([spec], turns=2) for _ in range(48)]
     with anyio.fail_after(20):
         out = await run_jobs(
-            [lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_size=16, max_batch_wait=NO_TIMER
+            [lineup("a", jobs)],
+            RunConfig(devices=["cpu"], out_dir=None, max_batch_size=16, max_batch_wait=NO_TIMER),
         )
     assert len(out.done) == 48
     assert max(spec.engine.sizes) == 16 and sum(spec.engine.sizes) == 96
@@ -50,7 +61,9 @@ async def test_two_engines_share_the_device_one_batch_at_a_time() -> None:
     # A debate between two models: turns alternate a, b, a, b. Half the jobs speak b first.
     jobs = [TurnsJob([a, b], turns=4) for _ in range(16)] + [TurnsJob([b, a], turns=4) for _ in range(16)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("debate", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("debate", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 32
     assert device.overlaps == 0
     assert sum(a.engine.sizes) == sum(b.engine.sizes) == 64
@@ -73,7 +86,9 @@ async def test_deterministic_mode_coalesces_and_leaves_co_stepping_to_the_engine
     rows may share a forward pass is the engine's to know (LocalEngine's batch-invariance self-test)."""
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=2) for _ in range(8)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, mode=ExecutionMode.DETERMINISTIC)
+    out = await run_jobs(
+        [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, mode=ExecutionMode.DETERMINISTIC)
+    )
     assert spec.engine.sizes == [8, 8]
     assert spec.engine.modes == {ExecutionMode.DETERMINISTIC}
     assert {j.seen[0]["mode"] for j in jobs} == {ExecutionMode.DETERMINISTIC}
@@ -88,7 +103,9 @@ async def test_out_of_memory_batch_is_halved_until_only_the_poisoned_row_fails()
 
     jobs = [TurnsJob([spec], turns=1, request=request) for _ in range(16)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 15 and out.failed == ["a/0005"]
     err = out.outcome("a/0005").error
     assert err is not None and err.type == "OutOfMemoryError" and "out of memory" in err.message
@@ -136,7 +153,9 @@ async def test_out_of_memory_retry_starts_after_the_failed_batch_is_freed() -> N
     spec = EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
     jobs = [TurnsJob([spec], turns=1) for _ in range(8)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 8
     assert out.outcome("a/0003").conversation["turns"][0]["text"] == "ok(a/0003:0)"
     # 8 fails → freed, released → 4 fails → freed, released → 2, 2 → the other 4 (a size that just
@@ -160,7 +179,9 @@ async def test_a_row_that_fails_alone_keeps_no_tensor_alive_and_memory_is_releas
     spec = EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
     jobs = [TurnsJob([spec], turns=1) for _ in range(2)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert out.failed == ["a/0000", "a/0001"]
     assert out.outcome("a/0001").error.type == "OutOfMemoryError"
     # 2 fails → released → 1 fails → released → 1 fails → released: the error each row keeps (and its
@@ -182,7 +203,7 @@ async def test_other_batch_exception_fails_every_caller_of_that_batch_only() -> 
     )
     other = EchoSpec("ok")
     jobs = [TurnsJob([spec], turns=1) for _ in range(4)] + [TurnsJob([other], turns=1) for _ in range(4)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None)
+    out = await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None))
     assert out.failed == [f"a/{i:04d}" for i in range(4)]
     assert spec.engine.sizes == [4]  # not split: only out-of-memory is retried
     assert {out.outcome(j).error.message for j in out.failed} == {"CUDA kernel broke"}
@@ -196,7 +217,7 @@ async def test_exception_returned_in_place_reaches_only_its_caller() -> None:
         return "bad-row" if ctx.job_id == "a/0002" else f"ok:{i}"
 
     jobs = [TurnsJob([spec], turns=1, request=request) for _ in range(6)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None)
+    out = await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None))
     assert out.failed == ["a/0002"] and len(out.done) == 5
     assert out.outcome("a/0002").error.type == "ValueError"
     assert spec.engine.sizes == [6]
@@ -208,7 +229,9 @@ async def test_engine_loads_once_however_many_jobs_ask_at_once() -> None:
     jobs = [TurnsJob([spec], turns=1) for _ in range(20)]
     async with anyio.create_task_group() as tg:
         tg.start_soon(
-            lambda: run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+            lambda: run_jobs(
+                [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+            )
         )
         await anyio.wait_all_tasks_blocked()  # every job is now waiting on the one load in flight
         gate.set()
@@ -219,7 +242,7 @@ async def test_engine_load_failure_fails_only_the_jobs_that_need_it() -> None:
     broken = EchoSpec("broken", fail_load=OSError("weights not found: /nowhere"))
     fine = EchoSpec("fine")
     jobs = [TurnsJob([broken]) for _ in range(3)] + [TurnsJob([fine]) for _ in range(3)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None)
+    out = await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None))
     assert out.failed == ["a/0000", "a/0001", "a/0002"] and len(out.done) == 3
     err = out.outcome("a/0001").error
     assert err is not None and err.type == EngineLoadError.__qualname__
@@ -244,13 +267,17 @@ async def test_fallback_timer_dispatches_when_a_job_waits_on_something_unseen() 
 
     jobs = [Waiter([spec], turns=1), Releaser([spec], turns=1)]
     with anyio.fail_after(10):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=0.05)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=0.05)
+        )
     assert len(out.done) == 2 and spec.engine.sizes == [1, 1]
 
 
 async def test_job_without_device_that_generates_gets_a_clear_error() -> None:
     spec = EchoSpec("m")
-    out = await run_jobs([lineup("a", [TurnsJob([spec], needs_device=False)])], devices=["cpu"], out_dir=None)
+    out = await run_jobs(
+        [lineup("a", [TurnsJob([spec], needs_device=False)])], RunConfig(devices=["cpu"], out_dir=None)
+    )
     err = out.outcome("a/0000").error
     assert err is not None and err.type == NoDeviceError.__qualname__ and "needs_device=True" in err.message
     assert spec.loads == []
@@ -273,6 +300,8 @@ async def test_jobs_holding_every_shared_worker_thread_do_not_starve_the_engine(
             return JobResult(conversation={"text": text})
 
     with anyio.fail_after(30):
-        out = await run_jobs([lineup("a", [SyncAnalyzer() for _ in range(n)])], devices=["cpu"], out_dir=None)
+        out = await run_jobs(
+            [lineup("a", [SyncAnalyzer() for _ in range(n)])], RunConfig(devices=["cpu"], out_dir=None)
+        )
     assert len(out.done) == n and sum(spec.engine.sizes) == n
     assert out.outcome("a/0003").conversation == {"text": "m(a/0003:sync)"}

@@ -66,7 +66,7 @@ CHILD = """
 import asyncio, sys, threading
 sys.path.insert(0, {testdir!r})
 from scheduler_testkit import EchoEngine, EchoSpec, TurnsJob, lineup
-from interlens.scheduler import run_jobs, run_sync
+from interlens.scheduler import RunConfig, run_jobs, run_sync
 
 entered = threading.Event()
 
@@ -77,9 +77,10 @@ class Announcing(EchoEngine):
 
 spec = EchoSpec("m", make=lambda n, d: Announcing(n, d, block_until_cancelled=entered))
 jobs = [TurnsJob([spec], turns=2) for _ in range(3)]
+CONFIG = RunConfig(devices=["cpu"], out_dir={out_dir!r}, max_batch_wait=60.0)
 
 def rollout():
-    return run_sync(run_jobs, [lineup("a", jobs)], devices=["cpu"], out_dir={out_dir!r}, max_batch_wait=60.0)
+    return run_sync(run_jobs, [lineup("a", jobs)], CONFIG)
 
 try:
     if {how!r} == "inside-running-loop":
@@ -87,7 +88,7 @@ try:
             rollout()
         asyncio.new_event_loop().run_until_complete(cell())
     elif {how!r} == "asyncio.run":  # an async app awaiting the async API under asyncio's own Ctrl-C handling
-        asyncio.run(run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir={out_dir!r}, max_batch_wait=60.0))
+        asyncio.run(run_jobs([lineup("a", jobs)], CONFIG))
     else:
         rollout()
 except KeyboardInterrupt:

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 from scheduler_testkit import EchoSpec, OutOfMemoryError, TurnsJob, lineup
 
-from interlens.scheduler import ExecutionMode, JobContext, run_jobs
+from interlens.scheduler import ExecutionMode, JobContext, RunConfig, run_jobs
 from interlens.scheduler._budget import TokenBudget
 
 NO_TIMER = 60.0  # quiescence alone forms the batches
@@ -62,7 +62,8 @@ async def test_batcher_settles_on_a_size_that_fits_and_stops_running_out_of_memo
     jobs = [TurnsJob([spec], turns=8, request=request) for _ in range(32)]
     with anyio.fail_after(30):
         out = await run_jobs(
-            [lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=32
+            [lineup("a", jobs)],
+            RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=32),
         )
     assert len(out.done) == 32 and out.failed == []
     for job in ("a/0000", "a/0017", "a/0031"):
@@ -88,7 +89,9 @@ async def test_the_twin_of_a_failed_half_is_split_without_being_tried() -> None:
 
     jobs = [TurnsJob([spec], turns=1, request=request) for _ in range(8)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 8
     # 8 fails → 4 fails → 2, 2; the other 4 costs as much as the half that just failed: split unasked
     assert [(rows, ok) for _, rows, _, ok in engine.calls] == [
@@ -111,7 +114,9 @@ async def test_a_wide_row_takes_a_batch_of_its_own_under_a_token_budget() -> Non
 
     jobs = [TurnsJob([spec], turns=3, request=request) for _ in range(4)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 4
     # the first round learns (4 × 400 fails, 2 × 100 and 2 × 400...); later rounds never fail again
     assert {turn for turn, *_ in engine.ooms()} == {0}
@@ -173,7 +178,9 @@ async def test_an_engine_estimate_bounds_the_first_batch_and_then_grows() -> Non
 
     jobs = [TurnsJob([spec], turns=16, request=request) for _ in range(12)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER)
+        )
     assert len(out.done) == 12
     sizes = [rows for _, rows, _, _ in engine.calls]
     assert sizes[:4] == [3, 3, 3, 3]  # the estimate, not max_batch_size: no failed prefill to learn from

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from interlens.scheduler import DeviceError, LineupSpec, available_devices, run_jobs, validate_devices
+from interlens.scheduler import (
+    DeviceError,
+    LineupSpec,
+    RunConfig,
+    available_devices,
+    run_jobs,
+    validate_devices,
+)
 
 torch = pytest.importorskip("torch")
 NO_ACCELERATOR = not torch.cuda.is_available() and not torch.backends.mps.is_available()
@@ -56,5 +63,7 @@ async def test_run_refuses_a_bad_device_before_touching_the_ledger_or_the_data(t
         yield
 
     with pytest.raises(DeviceError, match="cuda:7"):
-        await run_jobs([LineupSpec("a", "fp", jobs=untouched())], devices=["cuda:7"], out_dir=tmp_path)
+        await run_jobs(
+            [LineupSpec("a", "fp", jobs=untouched())], RunConfig(devices=["cuda:7"], out_dir=tmp_path)
+        )
     assert not (tmp_path / "ledger.sqlite").exists()

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from workers_testkit import EVICTED, EvictableSpec, WorkerJob, one_slot_worker
 
-from interlens.scheduler import JobSpec, LineupSpec, run_jobs
+from interlens.scheduler import JobSpec, LineupSpec, RunConfig, run_jobs
 from interlens.scheduler._eviction import EngineNeeds
 
 
@@ -35,7 +35,7 @@ def _lineup(
 async def test_a_model_is_evicted_once_no_remaining_lineup_needs_it() -> None:
     lineups = [_lineup("a", "m1", 2), _lineup("b", "m2", 2), _lineup("c", "m2", 2), _lineup("d", "m3", 1)]
     with anyio.fail_after(30):
-        out = await run_jobs(lineups, devices=["cpu"], out_dir=None, max_batch_size=1)
+        out = await run_jobs(lineups, RunConfig(devices=["cpu"], out_dir=None, max_batch_size=1))
     assert len(out.done) == 7
     # m1 goes when "a" ends, m2 when "c" ends (not when "b" does); m3 is kept: the run has nothing left.
     assert EVICTED == ["m1", "m2"]
@@ -44,7 +44,7 @@ async def test_a_model_is_evicted_once_no_remaining_lineup_needs_it() -> None:
 async def test_nothing_is_evicted_while_a_lineup_that_names_no_engines_remains() -> None:
     lineups = [_lineup("a", "m1", 2), _lineup("x", "m2", 2, keys=None), _lineup("y", "m3", 1)]
     with anyio.fail_after(30):
-        out = await run_jobs(lineups, devices=["cpu"], out_dir=None, max_batch_size=1)
+        out = await run_jobs(lineups, RunConfig(devices=["cpu"], out_dir=None, max_batch_size=1))
     assert len(out.done) == 5
     assert EVICTED == ["m1"]  # evicted only once "x", which could use any engine, is over
 
@@ -53,7 +53,7 @@ async def test_an_evicted_engine_a_later_job_asks_for_is_loaded_afresh() -> None
     # "b" does not declare m1 but uses it (as an analyzer could): it gets a fresh engine, not the evicted one.
     lineups = [_lineup("a", "m1", 1), _lineup("b", "m1", 1, keys=frozenset({"m2"})), _lineup("c", "m2", 1)]
     with anyio.fail_after(30):
-        out = await run_jobs(lineups, devices=["cpu"], out_dir=None, max_batch_size=1)
+        out = await run_jobs(lineups, RunConfig(devices=["cpu"], out_dir=None, max_batch_size=1))
     assert len(out.done) == 3 and EVICTED == ["m1"]
     assert [t["text"] for t in out.outcome("b/0").conversation["turns"]] == ["m1(b/0:0)", "m1(b/0:1)"]
 
@@ -104,7 +104,7 @@ async def test_a_failed_load_keeps_no_half_loaded_weights_alive_for_the_rest_of_
     ]
     lineup = LineupSpec(name="h", fingerprint="h", jobs=iter(specs), n_jobs=2)
     with anyio.fail_after(30):
-        out = await run_jobs([lineup], devices=["cpu"], out_dir=None, max_batch_size=1)
+        out = await run_jobs([lineup], RunConfig(devices=["cpu"], out_dir=None, max_batch_size=1))
     error = out.outcome("h/0").error
     assert error is not None and "ran out of memory loading huge" in error.message  # the error is kept ...
     assert out.outcome("h/1").analysis == {"alive": [False]}  # ... its frames' weights are not

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from scheduler_testkit import EchoSpec, TransientError, TurnsJob, lineup
 
-from interlens.scheduler import run_jobs
+from interlens.scheduler import RunConfig, run_jobs
 from interlens.store import LedgerReader
 
 
@@ -20,7 +20,7 @@ def out_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path | None:
 async def test_a_job_exception_fails_that_job_only(out_dir: Path | None) -> None:
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=3) for _ in range(7)] + [TurnsJob([spec], turns=3, raise_on_turn=1)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=out_dir)
+    out = await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=out_dir))
     assert out.failed == ["a/0007"] and len(out.done) == 7
     res = out.outcome("a/0007")
     assert res.state == "failed" and res.conversation is None and res.attempts == 1
@@ -39,7 +39,7 @@ async def test_transient_failure_is_retried_and_resumes_from_committed_turns(out
     spec = EchoSpec("m")
     flaky = TurnsJob([spec], turns=3, transient_failures=2, transient_at_turn=2)
     out = await run_jobs(
-        [lineup("a", [flaky, TurnsJob([spec])])], devices=["cpu"], out_dir=out_dir, max_attempts=3
+        [lineup("a", [flaky, TurnsJob([spec])])], RunConfig(devices=["cpu"], out_dir=out_dir, max_attempts=3)
     )
     assert out.failed == [] and len(out.done) == 2
     assert [s["attempt"] for s in flaky.seen] == [1, 2, 3]
@@ -56,7 +56,7 @@ async def test_transient_failure_is_retried_and_resumes_from_committed_turns(out
 
 async def test_retries_stop_at_max_attempts(out_dir: Path | None) -> None:
     always = TurnsJob(turns=1, needs_device=False, transient_failures=99)
-    out = await run_jobs([lineup("a", [always])], devices=["cpu"], out_dir=out_dir, max_attempts=2)
+    out = await run_jobs([lineup("a", [always])], RunConfig(devices=["cpu"], out_dir=out_dir, max_attempts=2))
     res = out.outcome("a/0000")
     assert res.state == "failed" and res.attempts == 2 and len(always.seen) == 2
     assert res.error is not None and res.error.type == TransientError.__qualname__
@@ -64,14 +64,16 @@ async def test_retries_stop_at_max_attempts(out_dir: Path | None) -> None:
 
 async def test_a_permanent_failure_is_not_retried(out_dir: Path | None) -> None:
     job = TurnsJob(turns=2, needs_device=False, raise_on_turn=0)
-    out = await run_jobs([lineup("a", [job])], devices=["cpu"], out_dir=out_dir, max_attempts=5)
+    out = await run_jobs([lineup("a", [job])], RunConfig(devices=["cpu"], out_dir=out_dir, max_attempts=5))
     assert out.outcome("a/0000").attempts == 1 and len(job.seen) == 1
 
 
 async def test_failed_analyzer_is_recorded_as_failed_with_its_conversation(out_dir: Path | None) -> None:
     spec = EchoSpec("m")
     job = TurnsJob([spec], turns=2, analysis_error=ZeroDivisionError("analyzer divided by zero"))
-    out = await run_jobs([lineup("a", [job, TurnsJob([spec], turns=2)])], devices=["cpu"], out_dir=out_dir)
+    out = await run_jobs(
+        [lineup("a", [job, TurnsJob([spec], turns=2)])], RunConfig(devices=["cpu"], out_dir=out_dir)
+    )
     assert out.failed == ["a/0000"] and out.done == ["a/0001"]
     res = out.outcome("a/0000")
     assert res.error is not None and res.error.type == "ZeroDivisionError"
@@ -88,10 +90,10 @@ async def test_rerun_after_a_failed_analyzer_replays_the_conversation_without_ge
 ) -> None:
     spec = EchoSpec("m")
     broken = TurnsJob([spec], turns=2, analysis_error=ValueError("bad analyzer"))
-    await run_jobs([lineup("a", [broken])], devices=["cpu"], out_dir=tmp_path)
+    await run_jobs([lineup("a", [broken])], RunConfig(devices=["cpu"], out_dir=tmp_path))
     fixed = EchoSpec("m")
     job = TurnsJob([fixed], turns=2)
-    out = await run_jobs([lineup("a", [job])], devices=["cpu"], out_dir=tmp_path)
+    out = await run_jobs([lineup("a", [job])], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert out.done == ["a/0000"] and out.outcome("a/0000").analysis == {"n_turns": 2}
     assert len(job.seen[0]["committed"]) == 2 and fixed.loads == []  # nothing regenerated
 
@@ -99,7 +101,8 @@ async def test_rerun_after_a_failed_analyzer_replays_the_conversation_without_ge
 async def test_unstorable_result_fails_that_job_only(out_dir: Path | None) -> None:
     bad = TurnsJob(turns=1, needs_device=False, conversation_extra={"when": object()})
     out = await run_jobs(
-        [lineup("a", [bad, TurnsJob(turns=1, needs_device=False)])], devices=["cpu"], out_dir=out_dir
+        [lineup("a", [bad, TurnsJob(turns=1, needs_device=False)])],
+        RunConfig(devices=["cpu"], out_dir=out_dir),
     )
     assert out.failed == ["a/0000"] and out.done == ["a/0001"]
     err = out.outcome("a/0000").error
@@ -111,7 +114,9 @@ async def test_run_returning_something_else_than_a_jobresult_is_a_clear_failure(
         async def run(self, ctx):
             return {"turns": []}
 
-    out = await run_jobs([lineup("a", [Sloppy(needs_device=False)])], devices=["cpu"], out_dir=out_dir)
+    out = await run_jobs(
+        [lineup("a", [Sloppy(needs_device=False)])], RunConfig(devices=["cpu"], out_dir=out_dir)
+    )
     err = out.outcome("a/0000").error
     assert err is not None and err.type == "TypeError" and "must return a JobResult" in err.message
 
@@ -122,14 +127,14 @@ async def test_a_broken_is_transient_means_no_retry(out_dir: Path | None) -> Non
             raise RuntimeError("classifier bug")
 
     job = Confused(needs_device=False, transient_failures=5)
-    out = await run_jobs([lineup("a", [job])], devices=["cpu"], out_dir=out_dir)
+    out = await run_jobs([lineup("a", [job])], RunConfig(devices=["cpu"], out_dir=out_dir))
     res = out.outcome("a/0000")
     assert res.state == "failed" and res.attempts == 1 and res.error.type == "TransientError"
 
 
 async def test_scripted_jobs_run_on_the_host_worker(out_dir: Path | None) -> None:
     jobs = [TurnsJob(turns=2, needs_device=False) for _ in range(3)]
-    out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=out_dir)
+    out = await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=out_dir))
     assert out.done == ["a/0000", "a/0001", "a/0002"]
     assert {j.seen[0]["device"] for j in jobs} == {"host"} and out.outcome("a/0002").device == "host"
     assert out.outcome("a/0002").conversation == {

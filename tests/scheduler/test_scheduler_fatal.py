@@ -12,7 +12,7 @@ import anyio
 import pytest
 from workers_testkit import FaultyEngineSpec, WorkerJob, children, exited, lineup
 
-from interlens.scheduler import WorkerLostError, run_jobs
+from interlens.scheduler import RunConfig, WorkerLostError, run_jobs
 from interlens.scheduler._worker import is_fatal_device_error
 
 TWO = ["cpu", "cpu"]
@@ -35,7 +35,9 @@ async def test_a_worker_hit_by_a_device_side_assert_exits_and_is_replaced(tmp_pa
     bad = FaultyEngineSpec("bad", error=ASSERT, log=str(log))
     jobs = [WorkerJob(turns=2) for _ in range(4)] + [WorkerJob(turns=2, engine=bad)]
     with anyio.fail_after(120):
-        out = await run_jobs([lineup("f", jobs)], devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        out = await run_jobs(
+            [lineup("f", jobs)], RunConfig(devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        )
     assert out.failed == ["f/0004"] and len(out.done) == 4  # the other jobs completed
     poison = out.outcome("f/0004")
     assert poison.attempts == 3 and poison.error is not None and poison.error.type == WorkerLostError.__name__
@@ -54,7 +56,9 @@ async def test_an_out_of_memory_fails_its_job_and_keeps_the_worker(tmp_path: Pat
     oom = FaultyEngineSpec("big", error="CUDA out of memory. Tried to allocate 2.00 GiB", log=str(log))
     jobs = [WorkerJob(turns=2) for _ in range(4)] + [WorkerJob(turns=2, engine=oom)]
     with anyio.fail_after(120):
-        out = await run_jobs([lineup("o", jobs)], devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        out = await run_jobs(
+            [lineup("o", jobs)], RunConfig(devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        )
     assert out.failed == ["o/0004"] and len(out.done) == 4
     failed = out.outcome("o/0004")
     assert failed.attempts == 1 and failed.error is not None and failed.error.type == "RuntimeError"
@@ -79,11 +83,7 @@ async def test_a_poisoned_device_in_this_process_stops_the_run_and_leaves_the_re
     with anyio.fail_after(120):
         out = await run_jobs(
             [lineup("p", jobs)],
-            devices=["cpu"],
-            out_dir=tmp_path,
-            max_batch_size=2,
-            max_concurrency=2,
-            max_attempts=1,
+            RunConfig(devices=["cpu"], out_dir=tmp_path, max_batch_size=2, max_concurrency=2, max_attempts=1),
         )
     assert out.stopped is not None
     assert "device 'cpu' hit a CUDA error that leaves this process unusable" in out.stopped

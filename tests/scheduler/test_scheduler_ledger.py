@@ -9,7 +9,7 @@ import anyio
 import pytest
 from scheduler_testkit import EchoEngine, EchoSpec, TurnsJob, lineup
 
-from interlens.scheduler import ExecutionMode, run_jobs
+from interlens.scheduler import ExecutionMode, RunConfig, run_jobs
 from interlens.store import FingerprintMismatchError, LedgerReader
 
 
@@ -17,13 +17,13 @@ async def test_rerun_skips_done_jobs_and_resumes_committed_turns(tmp_path: Path)
     spec = EchoSpec("m")
     first = [TurnsJob([spec], turns=3) for _ in range(4)] + [TurnsJob([spec], turns=3, raise_on_turn=2)]
     out1 = await run_jobs(
-        [lineup("a", first)], devices=["cpu"], out_dir=tmp_path, versions={"interlens": "0.1"}
+        [lineup("a", first)], RunConfig(devices=["cpu"], out_dir=tmp_path, versions={"interlens": "0.1"})
     )
     assert out1.failed == ["a/0004"] and out1.ledger_path == tmp_path / "ledger.sqlite"
 
     again = EchoSpec("m")
     second = [TurnsJob([again], turns=3) for _ in range(6)]
-    out2 = await run_jobs([lineup("a", second)], devices=["cpu"], out_dir=tmp_path)
+    out2 = await run_jobs([lineup("a", second)], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert out2.skipped == ["a/0000", "a/0001", "a/0002", "a/0003"]
     assert out2.done == ["a/0004", "a/0005"] and out2.failed == []
     assert out2.counts == {"total": 6, "done": 2, "failed": 0, "skipped": 4}
@@ -52,23 +52,31 @@ async def test_rerun_skips_done_jobs_and_resumes_committed_turns(tmp_path: Path)
 
 
 async def test_resume_false_starts_over(tmp_path: Path) -> None:
-    await run_jobs([lineup("a", [TurnsJob(needs_device=False)])], devices=["cpu"], out_dir=tmp_path)
+    await run_jobs(
+        [lineup("a", [TurnsJob(needs_device=False)])], RunConfig(devices=["cpu"], out_dir=tmp_path)
+    )
     job = TurnsJob(needs_device=False)
-    out = await run_jobs([lineup("a", [job])], devices=["cpu"], out_dir=tmp_path, resume=False)
+    out = await run_jobs([lineup("a", [job])], RunConfig(devices=["cpu"], out_dir=tmp_path, resume=False))
     assert out.skipped == [] and out.done == ["a/0000"] and job.seen[0]["committed"] == []
     assert len(list(tmp_path.glob("ledger.*.sqlite"))) == 1  # the old ledger was moved aside, not deleted
 
 
 async def test_a_changed_recipe_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    await run_jobs([lineup("a", [TurnsJob(needs_device=False)])], devices=["cpu"], out_dir=tmp_path)
+    await run_jobs(
+        [lineup("a", [TurnsJob(needs_device=False)])], RunConfig(devices=["cpu"], out_dir=tmp_path)
+    )
     changed = lineup("a", [TurnsJob(needs_device=False)])
     changed.fingerprint = "fp-other"
     spec = EchoSpec("m")
     with pytest.raises(FingerprintMismatchError):
-        await run_jobs([changed, lineup("b", [TurnsJob([spec])])], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs(
+            [changed, lineup("b", [TurnsJob([spec])])], RunConfig(devices=["cpu"], out_dir=tmp_path)
+        )
     assert spec.loads == []
     # The refused run left the ledger usable: the lock is released, the same recipe resumes.
-    out = await run_jobs([lineup("a", [TurnsJob(needs_device=False)])], devices=["cpu"], out_dir=tmp_path)
+    out = await run_jobs(
+        [lineup("a", [TurnsJob(needs_device=False)])], RunConfig(devices=["cpu"], out_dir=tmp_path)
+    )
     assert out.skipped == ["a/0000"]
 
 
@@ -82,7 +90,9 @@ async def test_cancelling_a_run_stops_the_batch_and_leaves_a_consistent_ledger(t
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                lambda: run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+                lambda: run_jobs(
+                    [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+                )
             )
             await anyio.to_thread.run_sync(entered.wait, 10)  # a batch of turn 1 is now in flight
             tg.cancel_scope.cancel()
@@ -96,7 +106,7 @@ async def test_cancelling_a_run_stops_the_batch_and_leaves_a_consistent_ledger(t
     spec2, quick2 = EchoSpec("m"), EchoSpec("quick")
     rerun = [TurnsJob([quick2, spec2], turns=3) for _ in range(4)]
     with anyio.fail_after(20):
-        out = await run_jobs([lineup("a", rerun)], devices=["cpu"], out_dir=tmp_path)
+        out = await run_jobs([lineup("a", rerun)], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert out.done == [f"a/{i:04d}" for i in range(4)] and out.skipped == []
     assert [len(j.seen[0]["committed"]) for j in rerun] == [1, 1, 1, 1]
     assert spec2.engine.sizes == [4] and quick2.engine.sizes == [4]  # turns 1 and 2, still co-stepped
@@ -110,7 +120,9 @@ async def test_ledger_run_co_steps_like_an_in_memory_run(tmp_path: Path) -> None
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=3) for _ in range(32)]
     with anyio.fail_after(30):
-        out = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+        )
     # Durable turn commits happen between rounds; quiescence still waits for every job to come back.
     assert spec.engine.sizes == [32, 32, 32] and len(out.done) == 32
 
@@ -119,7 +131,7 @@ async def test_deterministic_mode_with_ledger(tmp_path: Path) -> None:
     spec = EchoSpec("m")
     jobs = [TurnsJob([spec], turns=2) for _ in range(3)]
     out = await run_jobs(
-        [lineup("a", jobs)], devices=["cpu"], out_dir=tmp_path, mode=ExecutionMode.DETERMINISTIC
+        [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=tmp_path, mode=ExecutionMode.DETERMINISTIC)
     )
     # coalesced like batched mode (the engine decides whether the rows co-step), with durable commits
     assert spec.engine.sizes == [3, 3] and spec.engine.modes == {ExecutionMode.DETERMINISTIC}

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from workers_testkit import EnvJob, children, lineup, one_slot_worker
 
-from interlens.scheduler import DeviceError, JobSpec, run_jobs, validate_devices
+from interlens.scheduler import DeviceError, JobSpec, RunConfig, run_jobs, validate_devices
 from interlens.scheduler._placement import plan_workers
 
 
@@ -97,7 +97,9 @@ async def test_two_cpu_workers_each_run_torch_with_half_the_cores(monkeypatch: p
     cores = len(os.sched_getaffinity(0))
     jobs = [EnvJob(torch_threads=True) for _ in range(4)]
     with anyio.fail_after(120):
-        out = await run_jobs([lineup("t", jobs)], devices=["cpu", "cpu"], out_dir=None, max_batch_size=2)
+        out = await run_jobs(
+            [lineup("t", jobs)], RunConfig(devices=["cpu", "cpu"], out_dir=None, max_batch_size=2)
+        )
     seen = [o.analysis for o in out.outcomes()]
     assert len({s["pid"] for s in seen}) == 2  # both workers ran jobs
     share = max(1, cores // 2)

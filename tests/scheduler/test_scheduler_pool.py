@@ -17,6 +17,7 @@ from interlens.scheduler import (
     JobResult,
     JobSpec,
     LineupSpec,
+    RunConfig,
     SchedulerConfigError,
     run_jobs,
 )
@@ -65,7 +66,9 @@ async def test_jobs_are_pulled_lazily_within_the_concurrency_bound() -> None:
     meter = Meter()
     stream = LineupSpec("big", "fp", jobs=meter.jobs("big", 5_000, needs_device=False))  # length unknown
     with anyio.fail_after(60):
-        out = await run_jobs([stream], devices=["cpu"], out_dir=None, max_concurrency=8, max_batch_size=4)
+        out = await run_jobs(
+            [stream], RunConfig(devices=["cpu"], out_dir=None, max_concurrency=8, max_batch_size=4)
+        )
     assert out.counts["done"] == 5_000 and meter.finished == 5_000
     assert meter.max_live == 8  # the bound is used...
     # ...and the generator is never drained far ahead of it: 8 live, at most 1.5 x (8 + 4) recorded ahead of
@@ -77,7 +80,9 @@ async def test_device_jobs_are_bounded_by_the_batch_size_per_worker() -> None:
     meter, spec = Meter(), EchoSpec("m")
     stream = LineupSpec("d", "fp", jobs=meter.jobs("d", 200, needs_device=True, spec=spec))
     with anyio.fail_after(30):
-        await run_jobs([stream], devices=["cpu"], out_dir=None, max_batch_size=16, max_concurrency=1000)
+        await run_jobs(
+            [stream], RunConfig(devices=["cpu"], out_dir=None, max_batch_size=16, max_concurrency=1000)
+        )
     assert meter.max_live == 16
     assert max(spec.engine.sizes) == 16 and sum(spec.engine.sizes) == 200
 
@@ -88,7 +93,9 @@ async def test_lineups_share_one_pool_and_the_ledger_records_each(tmp_path: Path
     solo = lineup("solo", [TurnsJob([spec], turns=2) for _ in range(3)])
     scripted = lineup("scripted", [TurnsJob(needs_device=False) for _ in range(2)])
     with anyio.fail_after(20):
-        out = await run_jobs([pair, solo, scripted], devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+        out = await run_jobs(
+            [pair, solo, scripted], RunConfig(devices=["cpu"], out_dir=tmp_path, max_batch_wait=60.0)
+        )
     assert out.job_ids == [
         f"{n}/{i:04d}" for n, k in (("pair", 3), ("solo", 3), ("scripted", 2)) for i in range(k)
     ]
@@ -110,7 +117,7 @@ def _untouched() -> Iterator[JobSpec]:
 async def test_two_lineups_with_one_name_are_refused_before_anything_runs(tmp_path: Path) -> None:
     a1, a2 = LineupSpec("a", "fp", jobs=_untouched()), LineupSpec("a", "fp2", jobs=_untouched())
     with pytest.raises(DuplicateJobError, match="two lineups are named 'a'"):
-        await run_jobs([a1, a2], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs([a1, a2], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert not (tmp_path / "ledger.sqlite").exists()
 
 
@@ -121,7 +128,7 @@ async def test_a_job_id_pulled_twice_is_an_error(tmp_path: Path, concurrency: in
     b = lineup("b", [JobSpec("x", "b", seed=0, job=TurnsJob(needs_device=False))])
     out_dir = tmp_path if with_ledger else None
     with pytest.raises(DuplicateJobError, match="job id 'x' occurs twice"):
-        await run_jobs([a, b], devices=["cpu"], out_dir=out_dir, max_concurrency=concurrency)
+        await run_jobs([a, b], RunConfig(devices=["cpu"], out_dir=out_dir, max_concurrency=concurrency))
     if with_ledger:
         with LedgerReader(tmp_path) as reader:
             assert reader.runs()[-1]["status"] == "failed"
@@ -130,7 +137,7 @@ async def test_a_job_id_pulled_twice_is_an_error(tmp_path: Path, concurrency: in
 async def test_a_job_claiming_another_lineup_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
     stray = LineupSpec("a", "fp", jobs=iter([JobSpec("b/1", "b", seed=0, job=TurnsJob(needs_device=False))]))
     with pytest.raises(SchedulerConfigError, match="belongs to lineup 'b' but came from lineup 'a'"):
-        await run_jobs([stray], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs([stray], RunConfig(devices=["cpu"], out_dir=tmp_path))
     with LedgerReader(tmp_path) as reader:  # the ledger was closed properly: the run is marked failed
         assert [r["status"] for r in reader.runs()] == ["failed"]
 
@@ -150,12 +157,12 @@ async def test_a_job_claiming_another_lineup_stops_the_run_with_a_clear_error(tm
 async def test_bad_arguments_are_refused_with_the_fix(kwargs: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"devices": ["cpu"], "out_dir": None, **kwargs}
     with pytest.raises(SchedulerConfigError, match=message):
-        await run_jobs([LineupSpec("a", "fp", jobs=_untouched())], **args)
+        await run_jobs([LineupSpec("a", "fp", jobs=_untouched())], RunConfig(**args))
 
 
 async def test_a_single_lineup_must_be_wrapped_in_a_list() -> None:
     with pytest.raises(SchedulerConfigError, match=r"wrap the single lineup: \[lineup\]"):
-        await run_jobs(LineupSpec("a", "fp", jobs=_untouched()), devices=["cpu"], out_dir=None)
+        await run_jobs(LineupSpec("a", "fp", jobs=_untouched()), RunConfig(devices=["cpu"], out_dir=None))
 
 
 async def test_progress_bar_shows_counts_only_when_asked(
@@ -165,14 +172,15 @@ async def test_progress_bar_shows_counts_only_when_asked(
     # test (the notebook one) may have imported it into this process
     monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     jobs = [TurnsJob(needs_device=False) for _ in range(3)] + [TurnsJob(needs_device=False, raise_on_turn=0)]
-    await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, progress=True)
+    await run_jobs([lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, progress=True))
     err = capsys.readouterr().err
     assert "4/4" in err and "done=3" in err and "failed=1" in err and "tok_s=" in err
     await run_jobs(
-        [lineup("b", [TurnsJob(needs_device=False)])], devices=["cpu"], out_dir=None, progress=None
+        [lineup("b", [TurnsJob(needs_device=False)])], RunConfig(devices=["cpu"], out_dir=None, progress=None)
     )
     await run_jobs(
-        [lineup("c", [TurnsJob(needs_device=False)])], devices=["cpu"], out_dir=None, progress=False
+        [lineup("c", [TurnsJob(needs_device=False)])],
+        RunConfig(devices=["cpu"], out_dir=None, progress=False),
     )
     assert capsys.readouterr() == ("", "")  # stderr is not a terminal here: None means off
 
@@ -181,7 +189,8 @@ async def test_context_carries_the_job_identity() -> None:
     job = TurnsJob(needs_device=False)
     spec = JobSpec("only", "a", seed=1234, job=job, row_index=7)
     out = await run_jobs(
-        [LineupSpec("a", "fp", jobs=[spec])], devices=["cpu"], out_dir=None, mode=ExecutionMode.BATCHED
+        [LineupSpec("a", "fp", jobs=[spec])],
+        RunConfig(devices=["cpu"], out_dir=None, mode=ExecutionMode.BATCHED),
     )
     assert job.seen == [
         {"attempt": 1, "device": "host", "mode": ExecutionMode.BATCHED, "seed": 1234, "committed": []}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from scheduler_testkit import TurnsJob
 
-from interlens.scheduler import JobSpec, LineupSpec, run_jobs
+from interlens.scheduler import JobSpec, LineupSpec, RunConfig, run_jobs
 from interlens.store import FingerprintMismatchError, LedgerReader
 
 
@@ -26,11 +26,11 @@ async def test_a_recorded_job_asked_something_else_refuses_the_run_before_any_jo
     tmp_path: Path,
 ) -> None:
     first, _ = _lineup(["q0", "q1", "q2"])
-    await run_jobs([first], devices=["cpu"], out_dir=tmp_path)
+    await run_jobs([first], RunConfig(devices=["cpu"], out_dir=tmp_path))
 
     changed, jobs = _lineup(["q0", "Q1", "q2", "q3"])
     with pytest.raises(FingerprintMismatchError) as excinfo:
-        await run_jobs([changed], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs([changed], RunConfig(devices=["cpu"], out_dir=tmp_path))
     message = str(excinfo.value)
     assert "1 job already recorded" in message
     assert "- a/0001: input fingerprint 'q1' → 'Q1'" in message  # no explain_input: shown as they are
@@ -42,12 +42,12 @@ async def test_a_recorded_job_asked_something_else_refuses_the_run_before_any_jo
     # From an iterator, compared as pulled: the run stops before the changed job starts.
     once, jobs = _lineup(["q0", "Q1"], once=True)
     with pytest.raises(FingerprintMismatchError, match=r"a/0001: input fingerprint 'q1' → 'Q1'(.|\n)*once"):
-        await run_jobs([once], devices=["cpu"], out_dir=tmp_path)
+        await run_jobs([once], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert jobs[1].seen == []
 
     # Same inputs, and a job without a fingerprint (not compared): skipped as done; new ones run.
     same, jobs = _lineup(["q0", None, "q2", "q3"])
-    out = await run_jobs([same], devices=["cpu"], out_dir=tmp_path)
+    out = await run_jobs([same], RunConfig(devices=["cpu"], out_dir=tmp_path))
     assert out.skipped == ["a/0000", "a/0001", "a/0002"] and out.done == ["a/0003"]
     assert [len(job.seen) for job in jobs] == [0, 0, 0, 1]
     with LedgerReader(tmp_path) as reader:

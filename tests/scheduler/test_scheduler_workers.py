@@ -31,6 +31,7 @@ from interlens.scheduler import (
     DeviceError,
     JobPickleError,
     ProviderCallError,
+    RunConfig,
     SchedulerConfigError,
     WorkerLostError,
     WorkerStartError,
@@ -56,9 +57,12 @@ async def test_two_workers_share_the_jobs_costep_and_match_the_in_process_run(tm
     jobs = [WorkerJob(turns=2, noise=(i == 0)) for i in range(8)]
     with anyio.fail_after(60):
         out = await run_jobs(
-            [lineup("a", jobs)], devices=TWO, out_dir=tmp_path, max_batch_size=4, worker_init=[mark_init]
+            [lineup("a", jobs)],
+            RunConfig(devices=TWO, out_dir=tmp_path, max_batch_size=4, worker_init=[mark_init]),
         )
-        alone = await run_jobs([lineup("a", jobs)], devices=["cpu"], out_dir=None, max_batch_size=4)
+        alone = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=["cpu"], out_dir=None, max_batch_size=4)
+        )
     assert out.counts == {"total": 8, "done": 8, "failed": 0, "skipped": 0}
     assert _texts(out) == _texts(alone) and _texts(out)["a/0003"] == ["m(a/0003:0)", "m(a/0003:1)"]
     pids = [o.analysis["pid"] for o in out.outcomes()]
@@ -99,7 +103,9 @@ async def test_a_worker_killed_mid_run_is_replaced_and_its_jobs_retried(
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(kill_one)
-            out = await run_jobs([lineup("k", jobs)], devices=TWO, out_dir=tmp_path, max_batch_size=4)
+            out = await run_jobs(
+                [lineup("k", jobs)], RunConfig(devices=TWO, out_dir=tmp_path, max_batch_size=4)
+            )
     assert out.counts["done"] == 8 and out.failed == []
     hit = {job_id for job_id, pid in reached if pid == victim[0]}
     assert len(hit) == 4  # the victim's four jobs, no others
@@ -118,7 +124,9 @@ async def test_a_worker_killed_mid_run_is_replaced_and_its_jobs_retried(
 async def test_a_job_that_kills_its_worker_every_time_fails_alone_after_the_bound() -> None:
     jobs = [WorkerJob(turns=2) for _ in range(5)] + [WorkerJob(turns=2, kill_worker_at=1)]
     with anyio.fail_after(60):
-        out = await run_jobs([lineup("p", jobs)], devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        out = await run_jobs(
+            [lineup("p", jobs)], RunConfig(devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        )
     assert out.failed == ["p/0005"] and len(out.done) == 5
     poison = out.outcome("p/0005")
     assert poison.attempts == 3 and poison.error is not None and poison.error.type == WorkerLostError.__name__
@@ -147,7 +155,7 @@ async def test_calls_to_the_parent_run_concurrently_and_answer_out_of_order(
     parent_calls.update(order=order, refuse=refuse)
     jobs = [CallingJob(), CallingJob(then=["refuse"]), LockedJob()]
     with anyio.fail_after(60):
-        out = await run_jobs([lineup("c", jobs)], devices=TWO, out_dir=None)
+        out = await run_jobs([lineup("c", jobs)], RunConfig(devices=TWO, out_dir=None))
     assert out.outcome("c/0000").conversation == {
         "answers": {"first": "first for c/0000", "second": "second for c/0000"}
     }
@@ -161,7 +169,7 @@ async def test_calls_to_the_parent_run_concurrently_and_answer_out_of_order(
 async def test_a_worker_that_cannot_start_fails_the_run_before_any_job(tmp_path: Path) -> None:
     with anyio.fail_after(60), pytest.raises(WorkerStartError) as info:
         await run_jobs(
-            [lineup("s", [WorkerJob()])], devices=TWO, out_dir=tmp_path, worker_init=[failing_init]
+            [lineup("s", [WorkerJob()])], RunConfig(devices=TWO, out_dir=tmp_path, worker_init=[failing_init])
         )
     assert "could not start: ImportError: No module named 'missing_probe_lib'" in str(info.value)
     assert "failing_init" in str(info.value)  # the worker's traceback comes along
@@ -174,18 +182,17 @@ async def test_a_worker_that_never_reports_ready_times_out() -> None:
     with anyio.fail_after(60), pytest.raises(WorkerStartError, match=r"did not report ready within 1 s"):
         await run_jobs(
             [lineup("h", [WorkerJob()])],
-            devices=TWO,
-            out_dir=None,
-            worker_init=[hanging_init],
-            worker_start_timeout=1,
+            RunConfig(devices=TWO, out_dir=None, worker_init=[hanging_init], worker_start_timeout=1),
         )
     assert children() == set()
 
 
 async def test_bad_devices_and_hooks_are_refused_before_any_process_starts() -> None:
     with pytest.raises(DeviceError, match="'cuda:7' does not exist"):
-        await run_jobs([lineup("d", [WorkerJob()])], devices=["cpu", "cuda:7"], out_dir=None)
+        await run_jobs([lineup("d", [WorkerJob()])], RunConfig(devices=["cpu", "cuda:7"], out_dir=None))
     lock = threading.Lock()
     with pytest.raises(SchedulerConfigError, match="cannot be sent to the worker processes"):
-        await run_jobs([lineup("d", [WorkerJob()])], devices=TWO, out_dir=None, worker_init=[lambda: lock])
+        await run_jobs(
+            [lineup("d", [WorkerJob()])], RunConfig(devices=TWO, out_dir=None, worker_init=[lambda: lock])
+        )
     assert children() == set()

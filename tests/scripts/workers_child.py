@@ -12,7 +12,7 @@ import sys
 
 import anyio
 
-from interlens.scheduler import JobContext, JobResult, JobSpec, LineupSpec, run_jobs, run_sync
+from interlens.scheduler import JobContext, JobResult, JobSpec, LineupSpec, RunConfig, run_jobs, run_sync
 
 IMPORTED_AS = __name__
 
@@ -37,8 +37,5 @@ if __name__ == "__main__":
     run_sync(
         run_jobs,
         [LineupSpec("f", "fp-f", jobs=iter(specs), n_jobs=4)],
-        devices=["cpu", "cpu"],
-        out_dir=sys.argv[1],
-        max_batch_size=2,
-        progress=False,
+        RunConfig(devices=["cpu", "cpu"], out_dir=sys.argv[1], max_batch_size=2, progress=False),
     )
