@@ -447,7 +447,7 @@ class Conversation:
         index (``cache.query(...)``, ``cache.at(...)``). Sites: ``"residual"``, ``"attn"``, ``"mlp"``;
         ``layers=None``: all; ``prompt=True`` also keeps the prompt's positions. Local participants only (a
         hosted participant's turn in the block raises :class:`InterpModeError`); inside a rollout it needs
-        ``batched=False``. Memory: see ``interlens._capture``.
+        ``batched=False``. Memory: see ``interlens.interp._capture``.
         """
         cache = ActivationCache(CaptureSpec.build(sites=sites, layers=layers, prompt=prompt, offload=offload))
         outer, self._capture = self._capture, cache

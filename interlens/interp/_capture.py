@@ -2,7 +2,7 @@
 (:class:`Captured`), and where a ``with conv.capture(...) as cache:`` block collects it
 (:class:`ActivationCache`).
 
-Sites, per decoder layer (found by structure in ``interlens._hooks``, not by a per-family table):
+Sites, per decoder layer (found by structure in ``interlens.interp._hooks``, not by a per-family table):
 
 * ``"residual"``: the decoder layer's output hidden state (the residual stream after the layer);
 * ``"attn"``: the attention sublayer's output, before it is added to the residual stream;

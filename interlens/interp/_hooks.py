@@ -12,8 +12,8 @@ the fallback for blocks named otherwise (a mixture-of-experts block under ``mlp`
 :func:`hooked` installs the hooks for one row's forward passes and removes them in ``finally``, so a model
 never keeps a hook past the row it was meant for, even when generation raises. At a layer the steering hooks
 are registered before the capture hook, and forward hooks run in registration order, so ``"residual"``
-records the layer's output AFTER steering. The sites and positions are defined in ``interlens._capture``,
-the steering arithmetic in ``interlens._steering``.
+records the layer's output AFTER steering. The sites and positions are defined in ``_capture``,
+the steering arithmetic in ``_steering``.
 """
 
 from __future__ import annotations

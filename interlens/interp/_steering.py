@@ -4,7 +4,7 @@ A :class:`SteeringSpec` is a recipe part like a sampling setting: it changes a t
 what a run fingerprints (by the sha256 of the direction's float32 bytes, never by pickle) and its summary
 (mode, layers, coef, direction norm, digest) goes into each steered turn's ``metadata["steering"]``. The
 engine applies it with forward hooks on the decoder layers' outputs, at every position (prompt and answer),
-for every forward pass of the steered turn (``interlens._hooks``). Steering needs the deterministic path
+for every forward pass of the steered turn (``_hooks``). Steering needs the deterministic path
 (``batched=False``): one row's hook would otherwise steer its batch mates too.
 
 ``mode="add"`` adds ``coef * direction`` to the layer output; ``mode="ablate"`` removes ``coef`` times the

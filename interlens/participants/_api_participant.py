@@ -1,7 +1,7 @@
 """Hosted models as participants: OpenAI, Anthropic and OpenRouter through their official async SDKs.
 
 An :class:`APIParticipant` is plain settings (it pickles to a worker with no key inside): the speaker's view
-becomes a provider-neutral :class:`~interlens._provider_base.APIRequest` where the job runs (folded to what
+becomes a provider-neutral :class:`~interlens.providers._base.APIRequest` where the job runs (folded to what
 the provider accepts), and the request goes to the API gateway in the parent, which holds the one client per
 provider configuration, bounds the requests in flight, retries, and, with ``batch=True``, gathers a round's
 turns from every live conversation into ONE provider batch that a crashed run re-attaches to instead of

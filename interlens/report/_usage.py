@@ -4,8 +4,9 @@ estimate from the prices the user passes.
 Every API turn carries its usage in ``metadata["usage"]`` (``APIParticipant.message``: the provider's own
 counts, never re-tokenized), and every turn is stored in the ledger as it ends, so the ledger is the account:
 the totals here are read from it (every stored message, whichever job, state or run it belongs to, earlier
-runs of the same ``out_dir`` included), and so is what a spend guard (:mod:`interlens._budget`) counts as
-already spent when a run resumes. Without an ``out_dir`` the totals come from the results held in memory.
+runs of the same ``out_dir`` included), and so is what a spend guard
+(:mod:`interlens.rollouts._api_budget`) counts as already spent when a run resumes. Without an ``out_dir``
+the totals come from the results held in memory.
 An analyzer's ``conv.sample`` calls are no turns: their metadata is kept with the job's result (under
 :data:`SAMPLES_KEY` of its conversation state) and counted with the turns (:func:`recorded_metadata`). When
 the analyzer fails, the job's conversation is kept with its samples; a rerun's result replaces it, and the
