@@ -98,9 +98,11 @@ async def run_jobs(lineups: Sequence[LineupSpec], config: RunConfig) -> RunOutco
         )
     config.check()
     refuse_while_bootstrapping()
-    devices = (
-        validate_devices(config.devices) if config.cluster is None else check_ray_devices(config.devices)
-    )
+    if config.cluster is None:
+        assert config.devices is not None  # RunConfig.check: None only with a cluster
+        devices: list[str] | None = validate_devices(config.devices)
+    else:
+        devices = check_ray_devices(config.devices)
     recorder = await _open_recorder(lineups, config)
     run = _Run(lineups, recorder=recorder, config=config, devices=devices)
     status = "failed"

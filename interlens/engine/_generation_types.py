@@ -53,8 +53,8 @@ class GenerationRequest:
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
-                stop=stop,
-                seed=seed,  # type: ignore[arg-type]
+                stop=stop,  # type: ignore[arg-type]  # any sequence: __post_init__ stores a tuple
+                seed=seed,
             )
         # Accept any sequence of prompt ids (a list is the natural thing to pass), store a tuple.
         object.__setattr__(self, "prompt_ids", tuple(prompt_ids))

@@ -220,9 +220,24 @@ class ModelParticipant(Participant):
         capture, steering = self._interp(options, generating=True)
         reuse = None
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None and not steering:
-            reuse = (options.stream_id, self.name)  # (the engine runs captured/steered rows from scratch)
+            reuse = self._reuse_key(options.stream_id)  # (the engine runs captured/steered rows from scratch)
         sampling = dataclasses.replace(self.sampling, max_new_tokens=cap, seed=options.seed)
         return ChatRequest(view=view, sampling=sampling, reuse_key=reuse, capture=capture, steering=steering)
+
+    def _reuse_key(self, stream_id: str) -> Hashable:
+        """The key of this participant's KV cache kept between its turns of conversation ``stream_id``."""
+        return (stream_id, self.name)
+
+    async def end_conversation(self, stream_id: str) -> None:
+        """Free the KV cache this participant kept for ``stream_id`` in every engine of this process (in a
+        thread: the engine's lock may be held by another job's batch)."""
+        if not self.kv_reuse:
+            return
+        import anyio
+
+        from ..engine import release_kept
+
+        await anyio.to_thread.run_sync(release_kept, [self._reuse_key(stream_id)])
 
     def _interp(
         self, options: GenerationOptions, *, generating: bool

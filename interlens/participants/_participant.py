@@ -58,6 +58,10 @@ class Participant:
 
         return run_sync(self.agenerate, view, options)
 
+    async def end_conversation(self, stream_id: str) -> None:
+        """The conversation ``stream_id`` is over: let go of anything kept for it between turns (a rollout job
+        calls this when it ends, in the process where it ran). Nothing is kept here."""
+
     def replace(self, **changes: Any) -> Participant:
         """A copy with some settings changed (used to resolve templates per data row)."""
         clone = object.__new__(type(self))

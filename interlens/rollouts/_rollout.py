@@ -88,9 +88,9 @@ class ConversationJob:
                         except Exception as exc:
                             analysis_error = exc
         except Exception:
-            await _release_kept(conv, ctx.job_id)
+            await _end_conversation(conv, ctx.job_id)
             raise
-        await _release_kept(conv, ctx.job_id)  # the conversation is over: its kept KV caches can go
+        await _end_conversation(conv, ctx.job_id)  # what the participants kept for it (KV caches) can go
         state = conv.to_json()
         if samples:  # the analyzer's samples are no turns: their metadata (usage) is kept with the result
             state[SAMPLES_KEY] = samples
@@ -107,17 +107,10 @@ class ConversationJob:
         return isinstance(exc, ConnectionError | TimeoutError) or bool(getattr(exc, "transient", False))
 
 
-async def _release_kept(conv: Conversation, stream_id: str) -> None:
-    """Free the KV caches this job's participants kept between turns (keyed ``(stream_id, name)``).
-
-    In a thread: the engine's lock may be held by another job's batch."""
-    import anyio
-
-    from ..engine import release_kept
-
-    keys = [(stream_id, p.name) for p in conv.participants if getattr(p, "kv_reuse", False)]
-    if keys:
-        await anyio.to_thread.run_sync(release_kept, keys)
+async def _end_conversation(conv: Conversation, stream_id: str) -> None:
+    """Tell each participant that conversation ``stream_id`` is over, so it frees what it kept for it."""
+    for participant in conv.participants:
+        await participant.end_conversation(stream_id)
 
 
 class _Jobs:
