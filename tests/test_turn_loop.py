@@ -102,9 +102,33 @@ def test_for_row_then_with_state_rebuilds_a_finished_job() -> None:
     assert again.view("s").system == "Topic: math" and again.seed == 3
 
 
+def test_the_per_job_context_is_a_leaf() -> None:
+    assert _runtime_imports("_core/_context") == set()
+
+
+def test_imports_run_one_way_rollout_report_conversation() -> None:
+    # Conversation.rollout imports rollouts._rollout lazily, so neither that module nor what it imports may
+    # import interlens.conversation at run time: that would be a cycle.
+    assert not _touches(_runtime_imports("rollouts/_rollout"), "interlens.conversation")
+    assert not _touches(_runtime_imports("report/_report"), "interlens.conversation")
+    assert not _touches(_runtime_imports("report/_report"), "interlens.rollouts")
+    ups = {
+        m
+        for m in _runtime_imports("conversation/_conversation")
+        if m.startswith(("interlens.rollouts", "interlens.report"))
+    }
+    assert ups == {"interlens.rollouts._rollout"}
+
+
+def _touches(modules: set[str], package: str) -> bool:
+    return any(m == package or m.startswith(package + ".") for m in modules)
+
+
 def _runtime_imports(module: str) -> set[str]:
-    """The ``interlens`` modules ``module`` imports at run time (lazy ones included, TYPE_CHECKING not)."""
+    """The ``interlens`` modules ``module`` (a path below ``interlens/``, without ``.py``) imports at run
+    time, as absolute names (lazy ones included, TYPE_CHECKING not)."""
     tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    package = ["interlens", *module.split("/")[:-1]]
     skipped = {
         id(sub)
         for node in ast.walk(tree)
@@ -116,22 +140,10 @@ def _runtime_imports(module: str) -> set[str]:
         if id(node) in skipped:
             continue
         if isinstance(node, ast.ImportFrom) and node.level:
-            out.add(node.module or "")
+            base = package[: len(package) - (node.level - 1)]
+            out.add(".".join(base + ([node.module] if node.module else [])))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("interlens"):
             out.add(node.module or "")
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("interlens")}
     return out
-
-
-def test_the_per_job_context_is_a_leaf() -> None:
-    assert _runtime_imports("_context") == set()
-
-
-def test_imports_run_one_way_rollout_report_conversation() -> None:
-    # Conversation.rollout imports _rollout lazily, so neither _rollout nor what it imports may import
-    # _conversation at run time: that would be a cycle.
-    assert "_conversation" not in _runtime_imports("_rollout")
-    assert "_conversation" not in _runtime_imports("_report")
-    assert "_rollout" not in _runtime_imports("_report")
-    assert _runtime_imports("_conversation") & {"_rollout", "_report", "_run"} == {"_rollout"}

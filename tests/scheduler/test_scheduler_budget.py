@@ -10,7 +10,7 @@ import anyio
 from scheduler_testkit import EchoSpec, OutOfMemoryError, TurnsJob, lineup
 
 from interlens.scheduler import ExecutionMode, JobContext, RunConfig, run_jobs
-from interlens.scheduler._budget import TokenBudget
+from interlens.scheduler._batch_budget import BatchBudget
 
 NO_TIMER = 60.0  # quiescence alone forms the batches
 
@@ -124,7 +124,7 @@ async def test_a_wide_row_takes_a_batch_of_its_own_under_a_token_budget() -> Non
 
 
 def test_budget_shrinks_to_what_fit_and_grows_back_below_the_ceiling() -> None:
-    budget = TokenBudget(grow_after=2)
+    budget = BatchBudget(grow_after=2)
     assert budget.limit is None and budget.allows(10**9)
     budget.failed(3200, rows=32)
     assert (budget.ceiling, budget.limit) == (3200, 1600)
@@ -143,7 +143,7 @@ def test_budget_shrinks_to_what_fit_and_grows_back_below_the_ceiling() -> None:
 
 
 def test_a_single_row_or_a_size_that_fit_before_does_not_shrink_the_budget() -> None:
-    budget = TokenBudget()
+    budget = BatchBudget()
     budget.failed(500, rows=1)  # that row alone: nothing learnt about batches
     assert budget.limit is None and budget.ceiling is None
     budget.succeeded(400)
@@ -152,7 +152,7 @@ def test_a_single_row_or_a_size_that_fit_before_does_not_shrink_the_budget() -> 
 
 
 def test_a_success_above_a_ceiling_lifts_it() -> None:
-    budget = TokenBudget()
+    budget = BatchBudget()
     budget.failed(800, rows=8)
     budget.failed(400, rows=4)
     assert budget.ceiling == 400
@@ -191,7 +191,7 @@ async def test_an_engine_estimate_bounds_the_first_batch_and_then_grows() -> Non
 
 
 def test_an_estimate_without_a_ceiling_grows_by_a_quarter() -> None:
-    budget = TokenBudget(grow_after=1, limit=400)
+    budget = BatchBudget(grow_after=1, limit=400)
     budget.succeeded(300)
     assert budget.limit == 500
     budget.failed(600, rows=6)
@@ -199,7 +199,7 @@ def test_an_estimate_without_a_ceiling_grows_by_a_quarter() -> None:
 
 
 def test_small_batches_do_not_grow_the_limit() -> None:
-    budget = TokenBudget(grow_after=1, limit=400)
+    budget = BatchBudget(grow_after=1, limit=400)
     for _ in range(10):
         budget.succeeded(100)  # a quiet engine: a quarter of the limit each time
     assert budget.limit == 400
