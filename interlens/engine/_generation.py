@@ -118,10 +118,18 @@ class LocalEngine:
         """Most streams whose KV cache is kept between turns (the kept-KV store's bound)."""
         return self._kept.capacity
 
+    @kv_reuse_capacity.setter
+    def kv_reuse_capacity(self, value: int) -> None:
+        self._kept.capacity = value
+
     @property
     def kv_reuse_budget(self) -> int | None:
         """Most bytes the kept caches may hold (None: a share of the free memory, measured on first use)."""
         return self._kept.budget
+
+    @kv_reuse_budget.setter
+    def kv_reuse_budget(self, value: int | None) -> None:
+        self._kept.budget = value  # as before: the bound in force is fixed once the first cache is kept
 
     @property
     def shared_prefill(self) -> bool:
