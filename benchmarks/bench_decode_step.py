@@ -47,8 +47,8 @@ def main() -> None:
     path = tiny_model("qwen2", size=args.size)
     model = AutoModelForCausalLM.from_pretrained(path).to(args.device).eval()
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
-    engine = timed_engine(model, tokenizer, device=args.device)
-    engine._eos_ids = frozenset()  # every row runs to its own max_new_tokens
+    engine, timer = timed_engine(model, tokenizer, device=args.device)
+    timer.eos_ids = frozenset()  # every row runs to its own max_new_tokens
     vocab = model.config.vocab_size
     print(
         f"model: qwen2 {args.size}, vocab {vocab}, device={args.device}, threads={torch.get_num_threads()}, "
@@ -76,12 +76,12 @@ def main() -> None:
         engine.generate_batch(requests)  # warm-up
         figures = []
         for _ in range(args.repeats):
-            engine.reset()
+            timer.reset()
             start = time.perf_counter()
             engine.generate_batch(requests)
             total = time.perf_counter() - start
-            loop = total - engine.model_seconds
-            figures.append((total, engine.model_seconds / engine.steps, loop / engine.steps, engine.steps))
+            loop = total - timer.model_seconds
+            figures.append((total, timer.model_seconds / timer.steps, loop / timer.steps, timer.steps))
         total, model_step, overhead, steps = (statistics.median(f[i] for f in figures) for i in range(4))
         print(
             f"  {name:9s}: {total * 1e3:8.1f} ms per batch, {int(steps)} steps, "
@@ -89,33 +89,39 @@ def main() -> None:
         )
 
 
-def timed_engine(model: Any, tokenizer: Any, *, device: str) -> Any:
-    """A LocalEngine that accumulates the seconds spent in the model's calls (prefill and steps)."""
+def timed_engine(model: Any, tokenizer: Any, *, device: str) -> tuple[Any, Any]:
+    """A LocalEngine, and its model runner, which accumulates the seconds spent in the model's calls
+    (prefill and steps)."""
+    from interlens.engine._decode import ModelRunner
     from interlens.engine._generation import LocalEngine
 
-    class Timed(LocalEngine):
+    class Timed(ModelRunner):
         model_seconds = 0.0
         steps = 0
 
         def reset(self) -> None:
             self.model_seconds, self.steps = 0.0, 0
 
-        def _forward(self, *a: Any, **k: Any) -> Any:
+        def forward(self, *a: Any, **k: Any) -> Any:
             start = time.perf_counter()
-            out = super()._forward(*a, **k)
+            out = super().forward(*a, **k)
             _sync(self.device)
             self.model_seconds += time.perf_counter() - start
             return out
 
-        def _step(self, *a: Any, **k: Any) -> Any:
+        def step(self, *a: Any, **k: Any) -> Any:
             start = time.perf_counter()
-            out = super()._step(*a, **k)
+            out = super().step(*a, **k)
             _sync(self.device)
             self.model_seconds += time.perf_counter() - start
             self.steps += 1
             return out
 
-    return Timed(model, tokenizer, device=device)
+    class TimedEngine(LocalEngine):
+        _runner_type = Timed
+
+    engine = TimedEngine(model, tokenizer, device=device)
+    return engine, engine._runner
 
 
 def _sync(device: str) -> None:

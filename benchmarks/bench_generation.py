@@ -134,7 +134,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path).to(args.device).eval()
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     engine = LocalEngine(model, tokenizer, device=args.device)
-    engine._batch_cache = args.cache
+    engine._plain.batch_cache = args.cache
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: qwen2 bench, {n_params / 1e6:.1f} M params, device={args.device}, cache={args.cache}, "
@@ -173,7 +173,7 @@ def _part_a(
 
     from interlens.engine._generation import GenerationRequest
 
-    eos = set(engine._eos_ids)
+    eos = set(engine._runner.eos_ids)
     prompts = []
     for _ in range(n_rows):
         words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 90)))

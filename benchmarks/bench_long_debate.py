@@ -60,7 +60,7 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
     engine = conv.participants[0].live_engine().engine
     model, tok = engine.model, engine.tokenizer
     tok.padding_side = "left"
-    eos = sorted(engine._eos_ids)
+    eos = sorted(engine._runner.eos_ids)
     total = 0
     start = time.perf_counter()
     for turn in range(len(transcripts[0]) - 1):
@@ -80,7 +80,7 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
                 top_k=0,
                 max_new_tokens=new_tokens,
                 eos_token_id=eos,
-                pad_token_id=engine._pad_id,
+                pad_token_id=engine._runner.pad_id,
             )
         for row in out[:, batch["input_ids"].shape[1] :].tolist():
             ends = [i for i, token in enumerate(row) if token in eos]
@@ -152,11 +152,11 @@ def mixed_batch(path: str, args: argparse.Namespace) -> None:
         later = [(*p, *r.token_ids, *words[:40]) for p, r in zip(prompts, first, strict=True)]
         for key in keys[8:] if mode != "full" else keys:
             engine.release(key)
-        engine._split_fresh_rows = mode != "join"
+        engine._reused.split_fresh_rows = mode != "join"
         start = time.perf_counter()
         results = turn(later)
         seconds = time.perf_counter() - start
-        engine._split_fresh_rows = True
+        engine._reused.split_fresh_rows = True
         assert sum(r.kv_reused_tokens > 0 for r in results) == (8 if mode != "full" else 0)
         return seconds
 

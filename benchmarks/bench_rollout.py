@@ -122,7 +122,7 @@ def engine_replay(engine: Any, batches: list[tuple[list[Any], Any]]) -> tuple[fl
 def hf_generate(engine: Any, batches: list[tuple[list[Any], Any]], *, static: bool) -> tuple[float, int]:
     import torch
 
-    model, eos, pad = engine.model, sorted(engine._eos_ids), engine._pad_id
+    model, eos, pad = engine.model, sorted(engine._runner.eos_ids), engine._runner.pad_id
     start = time.perf_counter()
     tokens = 0
     for requests, _ in batches:

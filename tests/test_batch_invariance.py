@@ -205,7 +205,7 @@ def test_a_model_with_layers_the_layout_cannot_drive_runs_deterministic_rows_alo
     model = AutoModelForCausalLM.from_pretrained(chunked_model).eval()
     engine = LocalEngine(model, AutoTokenizer.from_pretrained(chunked_model), device="cpu")
     assert engine.model.config.layer_types[0] == "chunked_attention"
-    assert engine._slots_supported() is False  # refused up front: the self-test never runs on it
+    assert engine._slots.supported() is False  # refused up front: the self-test never runs on it
     results = _ok(engine.generate_batch(_requests(engine), mode=DET))
     assert [(r.batch_size, r.batch_invariant) for r in results] == [(1, False)] * 5
     again = _ok(engine.generate_batch(_requests(engine), mode=DET))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import interlens
 from interlens import AutoModelParticipant, Conversation
 from interlens._core._exceptions import GenerationError
+from interlens.engine._decode import ModelRunner
 from interlens.engine._generation import (
     GenerationRequest,
     GenerationResult,
@@ -22,26 +23,37 @@ from interlens.engine._generation import (
 from interlens.testing import tiny_model
 
 
-class WatchedEngine(LocalEngine):
-    """A LocalEngine that notes, at each prefill forward, how many caches of EARLIER forwards are alive."""
+class WatchedRunner(ModelRunner):
+    """A model runner that notes, at each prefill forward, how many caches of EARLIER forwards are alive."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.caches: list[weakref.ref[Any]] = []
         self.alive_at_forward: list[int] = []
 
-    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+    def forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any) -> torch.Tensor:
         self._note(cache)
-        return super()._forward(ids, mask, cache, device)
+        return super().forward(ids, mask, cache)
 
-    def _forward_part(self, ids: list[list[int]], mask: Any, cache: Any, offset: int) -> torch.Tensor:
+    def forward_part(self, ids: list[list[int]], mask: Any, cache: Any, offset: int) -> torch.Tensor:
         if offset == 0:  # a length group's one forward (a shared prefix's suffixes reuse its prefix's cache)
             self._note(cache)
-        return super()._forward_part(ids, mask, cache, offset)
+        return super().forward_part(ids, mask, cache, offset)
 
     def _note(self, cache: Any) -> None:
         self.alive_at_forward.append(sum(ref() is not None for ref in self.caches))
         self.caches.append(weakref.ref(cache))
+
+
+class WatchedEngine(LocalEngine):
+    """A LocalEngine over a :class:`WatchedRunner`."""
+
+    _runner_type = WatchedRunner
+
+    @property
+    def alive_at_forward(self) -> list[int]:
+        assert isinstance(self._runner, WatchedRunner)
+        return self._runner.alive_at_forward
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +159,7 @@ def test_a_row_with_nan_logits_fails_alone_and_the_others_are_unchanged(qwen2_mo
         for i, r in enumerate(clean)
         if i != 2  # type: ignore[union-attr]
     ]
-    assert isinstance(reused[0], GenerationError) and "s" not in engine._reuse  # no bad cache kept
+    assert isinstance(reused[0], GenerationError) and "s" not in engine._kept  # no bad cache kept
     again = engine.generate_batch([requests[0]])  # the engine is as usable as before
     assert again[0].token_ids == clean[0].token_ids  # type: ignore[union-attr]
 
@@ -212,22 +224,33 @@ def test_first_token_budget_is_estimated_from_free_memory_on_cuda_only(qwen2_mod
     assert LocalEngine(model, tokenizer, device="cpu").token_budget() is None  # CPU: no estimate
 
 
-class StepSizes(LocalEngine):
-    """A LocalEngine that notes the batch size of every decode step."""
+class StepSizesRunner(ModelRunner):
+    """A model runner that notes the batch size of every decode step."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sizes: list[int] = []
 
-    def _step(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.sizes.append(tokens.shape[0])
-        return super()._step(tokens, *args, **kwargs)
+        return super().step(tokens, *args, **kwargs)
+
+
+class StepSizes(LocalEngine):
+    """A LocalEngine over a :class:`StepSizesRunner`."""
+
+    _runner_type = StepSizesRunner
+
+    @property
+    def sizes(self) -> list[int]:
+        assert isinstance(self._runner, StepSizesRunner)
+        return self._runner.sizes
 
 
 def test_finished_rows_are_dropped_in_bunches_and_change_no_token(qwen2_model: tuple[Any, Any]) -> None:
     model, tokenizer = qwen2_model
     engine = StepSizes(model, tokenizer, device="cpu")
-    engine._eos_ids = frozenset()  # every row runs to its own cap: one row leaves at each step
+    engine._runner.eos_ids = frozenset()  # every row runs to its own cap: one row leaves at each step
     texts = [f"Row {i}: tabs or spaces?" for i in range(15)] + ["Say POISONPILL."]
     requests = [
         GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=2 + i, temperature=0.9, seed=i)

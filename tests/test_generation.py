@@ -84,10 +84,10 @@ def test_single_row_matches_hf_generate(engine: LocalEngine) -> None:
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         do_sample=False,
         max_new_tokens=24,
-        pad_token_id=engine._pad_id,
+        pad_token_id=engine._runner.pad_id,
     )
     expected = out[0, len(prompt) :].tolist()
-    eos = set(engine._eos_ids)
+    eos = set(engine._runner.eos_ids)
     if any(t in eos for t in expected):  # generate pads after EOS; the engine stops there
         expected = expected[: next(i for i, t in enumerate(expected) if t in eos) + 1]
     assert result.token_ids == expected
@@ -138,14 +138,14 @@ def test_long_prompts_past_the_sliding_window_match_hf_generate(engine: LocalEng
     assert max(len(p) for p in prompts) > 64 + 40
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=30, temperature=0) for p in prompts]
     results = _ok(engine.generate_batch(requests))
-    eos = set(engine._eos_ids)
+    eos = set(engine._runner.eos_ids)
     for prompt, result in zip(prompts, results, strict=True):
         out = engine.model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=30,
-            pad_token_id=engine._pad_id,
+            pad_token_id=engine._runner.pad_id,
         )
         expected = out[0, len(prompt) :].tolist()
         if any(t in eos for t in expected):
@@ -162,7 +162,7 @@ def test_deterministic_rows_co_step_and_equal_each_row_alone(engine: LocalEngine
         for i, t in enumerate(_TOPICS)
     ]
     results = _ok(engine.generate_batch(requests, mode=det))
-    invariant = engine._slots_supported()
+    invariant = engine._slots.supported()
     size = len(requests) if invariant else 1
     assert [(r.batch_size, r.batch_invariant) for r in results] == [(size, invariant)] * len(requests)
     alone = [_ok(engine.generate_batch([q], mode=det))[0] for q in requests]
@@ -249,8 +249,8 @@ def test_eos_ends_a_row_and_is_kept_in_token_ids(engine: LocalEngine) -> None:
     assert ended, "no row produced an end-of-turn token; choose more seeds"
     assert any(r.finish_reason == "length" for r in results)
     for request, result in ended:
-        assert result.token_ids[-1] in engine._eos_ids
-        assert not any(t in engine._eos_ids for t in result.token_ids[:-1])
+        assert result.token_ids[-1] in engine._runner.eos_ids
+        assert not any(t in engine._runner.eos_ids for t in result.token_ids[:-1])
         _check_counts(result, request)
         assert result.text == engine.tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)
     request, result = ended[0]
@@ -295,11 +295,11 @@ def test_dynamic_batch_cache_gives_the_same_tokens(engine: LocalEngine) -> None:
         for t, n in zip(_TOPICS, (12, 3, 9, 12), strict=True)
     ]
     static = _ok(engine.generate_batch(requests))
-    engine._batch_cache = "dynamic"
+    engine._plain.batch_cache = "dynamic"
     try:
         dynamic = _ok(engine.generate_batch(requests))
     finally:
-        engine._batch_cache = "static"
+        engine._plain.batch_cache = "static"
     assert [r.token_ids for r in static] == [r.token_ids for r in dynamic]
 
 
@@ -350,9 +350,9 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
         engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key)
     )
     assert unrelated.kv_reused_tokens == 0
-    assert key in engine._reuse
+    assert key in engine._kept
     engine.release(key)
-    assert key not in engine._reuse
+    assert key not in engine._kept
 
 
 def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
@@ -385,7 +385,7 @@ def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
         _alone(
             engine, GenerationRequest(prompt_ids=long_prompt, max_new_tokens=2, temperature=0, reuse_key=key)
         )
-    assert list(engine._reuse) == ["b", "c"]  # least recently used streams are evicted
+    assert list(engine._kept) == ["b", "c"]  # least recently used streams are evicted
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -413,7 +413,7 @@ def test_cancellation_stops_within_one_decode_step(engine: LocalEngine) -> None:
                 [GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=50, reuse_key="k")],
                 cancelled=cancelled,
             )
-        assert "k" not in engine._reuse  # a cancelled stream keeps no half-updated cache
+        assert "k" not in engine._kept  # a cancelled stream keeps no half-updated cache
     finally:
         handle.remove()
     after = _alone(engine, GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=3, temperature=0))

@@ -40,7 +40,7 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
     def on_qwen2(conv: Conversation) -> dict[str, Any]:  # runs in this process, inside the job
         (engine,) = _loaded(qwen2_path)
         refs.append(weakref.ref(engine))
-        return {"kept": sorted({key[0] for key in engine._reuse})}  # whose streams are kept now
+        return {"kept": sorted({key[0] for key in engine._kept})}  # whose streams are kept now
 
     def on_llama(conv: Conversation) -> dict[str, Any]:
         gc.collect()
@@ -62,7 +62,7 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
         analysis = report.results[f"l/row_{i:05d}"].analysis
         assert analysis == {"qwen2_cached": False, "qwen2_alive": False, "llama_cached": True}
     (llama,) = _loaded(llama_path)  # the last model stays for the next run in this process ...
-    assert dict(llama._reuse) == {}  # ... without the kept KV caches of conversations that are over
+    assert dict(llama._kept) == {}  # ... without the kept KV caches of conversations that are over
     clear_engine_cache()
 
 

@@ -279,11 +279,11 @@ def test_a_hooked_row_neither_reads_nor_updates_its_reuse_stream(engine: LocalEn
     engine.clear_reuse()
     prompt = _prompt(engine)
     first = _one(engine, GenerationRequest(prompt, max_new_tokens=4, seed=1, reuse_key="s"))
-    kept = engine._reuse["s"]
+    kept = engine._kept["s"]
     longer = (*prompt, *first.token_ids, *prompt[-3:])
     hooked_row = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s", capture=CaptureSpec()))
     assert hooked_row.kv_reused_tokens == 0
-    assert engine._reuse["s"] is kept  # the stream's cache is the one from the first turn
+    assert engine._kept["s"] is kept  # the stream's cache is the one from the first turn
     again = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s"))
     assert again.kv_reused_tokens > 0
     engine.clear_reuse()

@@ -80,15 +80,15 @@ def test_a_co_stepped_batch_reusing_kept_caches_equals_a_full_re_prefill(
     """``split``: the row without a stream (longer than the others' suffixes) is prefilled apart and laid in
     (the default), or joins the layout with a hole where a kept prefix would be."""
     reusing, full = _engine(family), _engine(family, kv_reuse_capacity=0)
-    reusing._split_fresh_rows = split
+    reusing._reused.split_fresh_rows = split
     keys = ["s0", "s1", "s2", None, "s4"]  # a row with no stream co-steps with them
     prompts = [_prompt(reusing, _TOPICS[i % 4] + " " * i) for i in range(5)]
     first = _ok(reusing.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
     assert [r.kv_reused_tokens for r in first] == [0] * 5
     full_first = _ok(full.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
     assert [r.token_ids for r in full_first] == [r.token_ids for r in first]
-    assert set(reusing._reuse) == ({"s0", "s1", "s2", "s4"} if family != "gemma2" else set())
-    for entry in reusing._reuse.values():  # exactly its fed tokens' KV: prompt + generated[:-1]
+    assert set(reusing._kept) == ({"s0", "s1", "s2", "s4"} if family != "gemma2" else set())
+    for entry in reusing._kept.values():  # exactly its fed tokens' KV: prompt + generated[:-1]
         assert all(k.shape[1] == v.shape[1] == len(entry.ids) for k, v in entry.kv)
 
     # Turn 2: the streams' prompts grew by different amounts; s4's new prompt is another question.
@@ -140,20 +140,20 @@ def test_a_tiny_budget_evicts_and_stays_correct():
             )
         )
         results[name] = (first, second)
-    assert tiny._reuse == {} and tiny.kept_bytes() == 0  # nothing fits in one byte
+    assert tiny._kept == {} and tiny.kept_bytes() == 0  # nothing fits in one byte
     assert [r.kv_reused_tokens for r in results["tiny"][1]] == [0, 0, 0]
     assert all(r.kv_reused_tokens > 0 for r in results["roomy"][1])
     assert [r.token_ids for r in results["tiny"][1]] == [r.token_ids for r in results["full"][1]]
     assert [r.token_ids for r in results["roomy"][1]] == [r.token_ids for r in results["full"][1]]
 
     # A budget that holds two of the three streams keeps the two most recently used, within its bytes.
-    sizes = {key: entry.nbytes for key, entry in roomy._reuse.items()}
+    sizes = {key: entry.nbytes for key, entry in roomy._kept.items()}
     assert roomy.kept_bytes() == sum(sizes.values())
     two = _engine("qwen2", kv_reuse_budget=sizes["b"] + sizes["c"] + 1)
     _ok(two.generate_batch(_requests(prompts, temperature=0.9, keys=keys)))
-    assert 0 < two.kept_bytes() <= sizes["b"] + sizes["c"] + 1 and len(two._reuse) <= 2
+    assert 0 < two.kept_bytes() <= sizes["b"] + sizes["c"] + 1 and len(two._kept) <= 2
     two.release_memory()  # before an out-of-memory retry: kept caches go first
-    assert two.kept_bytes() == 0 and two._reuse == {}
+    assert two.kept_bytes() == 0 and two._kept == {}
 
 
 @pytest.mark.parametrize(
@@ -178,7 +178,7 @@ def test_deterministic_mode_never_reuses():
     keys = ["a", "b"]
     prompts = [_prompt(engine, t) for t in _TOPICS[1:3]]
     first = _ok(engine.generate_batch(_requests(prompts, temperature=0.9, keys=keys)))
-    assert set(engine._reuse) == {"a", "b"}
+    assert set(engine._kept) == {"a", "b"}
     later = _next_prompts(engine, prompts, first)
     det = _ok(
         engine.generate_batch(_requests(later, temperature=0.9, keys=keys), mode=ExecutionMode.DETERMINISTIC)
@@ -229,7 +229,7 @@ def test_a_batched_rollout_reuses_kv_on_later_turns_and_stays_exact(qwen2_path, 
         assert [m.metadata["batch_size"] for m in turns] == [8] * 4
         assert [m.metadata["kv_reused_tokens"] for m in turns[:2]] == [0, 0]  # each speaker's first turn
         assert all(0 < m.metadata["kv_reused_tokens"] < m.metadata["prompt_tokens"] for m in turns[2:])
-    assert all(engine._reuse == {} for engine in cached_engines())  # finished jobs released their caches
+    assert all(engine._kept == {} for engine in cached_engines())  # finished jobs released their caches
     clear_engine_cache()
 
     assert [len(b) for b in batches] == [8] * 4

@@ -90,16 +90,16 @@ def test_shared_prefix_prefill_logits_match_a_plain_prefill(engine: LocalEngine)
     prompts = [r.prompt_ids for r in requests]
     width = max(len(p) for p in prompts)
     with torch.inference_mode():
-        ids, mask = left_pad(prompts, width, engine._pad_id)
-        plain = engine._forward(
-            ids, mask, StaticCache(config=engine.model.config, max_cache_len=width), "cpu"
+        ids, mask = left_pad(prompts, width, engine._runner.pad_id)
+        plain = engine._runner.forward(
+            ids, mask, StaticCache(config=engine.model.config, max_cache_len=width)
         )
         cache = StaticCache(config=engine.model.config, max_cache_len=width + 4)
         if engine.model.config.model_type == "gemma2":
             # sliding-window layers: the engine never takes this path (the tokens test checks the fallback)
             assert not plain_static(cache)
             return
-        shared, laid = engine._prefill_parts(requests, [(100, [0, 1, 3, 4, 5]), (0, [2])], cache, width)
+        shared, laid = engine._plain.prefill_parts(requests, [(100, [0, 1, 3, 4, 5]), (0, [2])], cache, width)
     assert torch.allclose(shared, plain, atol=1e-4, rtol=1e-4), (shared - plain).abs().max()
     assert shared.argmax(-1).tolist() == plain.argmax(-1).tolist()
     # [pad][prefix][masked hole][suffix]: every row's real tokens counted once, its last token at the end

@@ -1,6 +1,7 @@
-"""The local generation engine: sampling, the decode loop, prefill, KV reuse, slot rows for deterministic
-turns, the batch-invariance self-test, the process-wide model cache, chat templates and the chat engine
-the scheduler runs.
+"""The local generation engine: sampling, the model runner and its decode loop, the kept-KV store, one
+object per generation path (plain batch, reused-prefix batch, slot layout for deterministic turns, hooked
+row), the batch-invariance self-test, the process-wide model cache, chat templates and the chat engine the
+scheduler runs.
 """
 
 from ._chat_engine import ChatEngine, ChatRequest, ChatScoreRequest

@@ -6,7 +6,7 @@ batch, every row's KV at slots equal to its positions, rows, prefill widths and 
 blocks), built so that a row's arithmetic does not change with its batch mates. Whether it really does not
 depends on the kernels the library picks for this model, device and dtype, so it is not assumed:
 :func:`batch_invariant` measures it once per engine, on the very calls the co-stepped path makes
-(``SlotRows._slot_fill`` and ``_slot_first``, then ``ModelRunner._step`` into the slot cache, with
+(``SlotLayout.fill`` and ``SlotLayout.first``, then ``ModelRunner.step`` into the slot cache, with
 ``reorder_cache`` dropping a row as the decode loop does): probe rows alone and in batches with other
 partners, sizes, prompt lengths and a longer cache.
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._slot_rows import SLOT_BLOCK, SlotRows
+from ._slot_rows import SLOT_BLOCK
 
 if TYPE_CHECKING:
     import torch
+
+    from ._slot_rows import SlotLayout
 
 __all__ = ["batch_invariant"]
 
@@ -41,19 +43,20 @@ _SLACK = SLOT_BLOCK + 3
 _Trace = list[list[list["torch.Tensor"]]]
 
 
-def batch_invariant(runner: SlotRows) -> bool:
+def batch_invariant(layout: SlotLayout) -> bool:
     """True when every probe row's logits and submodule outputs, at the prefill and every decode step, are
-    bitwise equal alone and in each probe batch (see the module docstring). Call under inference mode."""
+    bitwise equal alone and in each probe batch on ``layout`` (see the module docstring). Call under
+    inference mode."""
     import torch
 
-    vocab = runner._vocab_size
+    vocab = layout.runner.vocab_size
     prompts = [[(7 * r + 3 * j + 11) % vocab for j in range(n)] for r, n in enumerate(_LENGTHS)]
     feeds = [[(13 * r + 5 * s + 17) % vocab for s in range(_STEPS)] for r in range(len(_LENGTHS))]
     pairs = zip(prompts, feeds, strict=True)
-    alone = [_run(runner, [p], [f], slack=0, drop_first_at=None)[0] for p, f in pairs]
+    alone = [_run(layout, [p], [f], slack=0, drop_first_at=None)[0] for p, f in pairs]
     for members in _BATCHES:
         together = _run(
-            runner, [prompts[r] for r in members], [feeds[r] for r in members], slack=_SLACK, drop_first_at=2
+            layout, [prompts[r] for r in members], [feeds[r] for r in members], slack=_SLACK, drop_first_at=2
         )
         for r, got in zip(members, together, strict=True):
             want = alone[r][: len(got)]
@@ -68,7 +71,7 @@ def batch_invariant(runner: SlotRows) -> bool:
 
 
 def _run(
-    runner: SlotRows,
+    layout: SlotLayout,
     prompts: list[list[int]],
     feeds: list[list[int]],
     *,
@@ -80,6 +83,7 @@ def _run(
     ``drop_first_at`` as a finished row does (``reorder_cache``), so its trace is shorter."""
     import torch
 
+    runner = layout.runner
     device = runner.device
     rows = [tuple(p) for p in prompts]
     out: _Trace = [[] for _ in prompts]
@@ -90,12 +94,12 @@ def _run(
         if name
     ]
     try:
-        cache = runner._slot_fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
+        cache = layout.fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
         width = max((t.shape[1] for t in seen), default=0)  # of the prefill's outputs, (rows, width, ...)
         for k, p in enumerate(prompts):  # each row's own tokens (the last-position logits are a pad's)
             out[k].append([t[k, : len(p) - 1].clone() for t in seen if t.shape[:2] == (len(rows), width)])
         seen.clear()
-        logits = runner._slot_first(rows, rows, cache)
+        logits = layout.first(rows, rows, cache)
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         active = list(range(len(prompts)))
         for step in range(_STEPS + 1):
@@ -110,7 +114,7 @@ def _run(
                 active = active[1:]
             tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
             seen.clear()
-            logits = runner._step(tokens, positions, None, cache, 0, True)
+            logits = runner.step(tokens, positions, None, cache, 0, True)
             positions = positions + 1
     finally:
         for handle in handles:

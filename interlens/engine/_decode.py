@@ -1,4 +1,4 @@
-"""The model calls and the decode loop every generation path shares: the base of ``LocalEngine``.
+"""The model runner: the model calls and THE decode loop every generation path shares.
 
 Why a hand-written loop rather than ``model.generate``: ``generate`` cannot honour per-row temperature / top-p
 / max_new_tokens / stop strings, cannot drop finished rows, and draws every row from one RNG stream. Here
@@ -13,8 +13,11 @@ A bad row stops with a :class:`~interlens.GenerationError` (``Row.failure``, ret
 result) and is dropped like a finished row, so its garbage token is never fed; the other rows carry on. On
 CUDA a NaN fed onward would end in a device-side assert that poisons the whole process.
 
-The paths that prepare a cache (``_prefill.BatchPrefill``: one batch from scratch; ``_kv_reuse.KVReuse``: a
-stream's kept cache; ``_interp_rows.InterpRows``: a hooked row) all end in :meth:`ModelRunner._decode`.
+The paths that prepare a cache (``_prefill.PlainBatch``: one batch from scratch;
+``_kv_reuse.ReusedPrefixBatch``: streams' kept caches laid out; ``_slot_rows.SlotLayout``: deterministic
+rows; ``_interp_rows.HookedRow``: a hooked row) each hold their engine's one runner and all end in
+:meth:`ModelRunner.decode`. No path subclasses the runner; a test or a benchmark may, to observe the model
+calls (``LocalEngine._runner_type``).
 """
 
 from __future__ import annotations
@@ -61,22 +64,27 @@ class Row:
 
 
 class ModelRunner:
-    """A loaded causal LM and its tokenizer on one device, with the special ids decoding needs."""
+    """A loaded causal LM and its tokenizer on one device, with the special ids decoding needs.
+
+    ``eos_ids`` end a row's turn; ``pad_id`` fills left padding (its KV is masked, so any id in the
+    vocabulary would do); ``vocab_size`` bounds the ids a request may carry.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, *, device: str) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
-        self._eos_ids = eos_ids(model, tokenizer)
-        self._pad_id = pad_id(model, tokenizer, self._eos_ids)
-        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.eos_ids: frozenset[int] = eos_ids(model, tokenizer)
+        self.pad_id: int = pad_id(model, tokenizer, self.eos_ids)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
 
     # ------------------------------------------------------------------ model calls
 
-    def _forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any, device: str) -> torch.Tensor:
+    def forward(self, ids: list[list[int]], mask: list[list[int]], cache: Any) -> torch.Tensor:
         """Prefill a left-padded block; returns the last position's logits, shape (rows, vocab)."""
         import torch
 
+        device = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         attention = torch.tensor(mask, dtype=torch.long, device=device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
@@ -91,7 +99,23 @@ class ModelRunner:
         )
         return out.logits[:, -1, :]
 
-    def _step(
+    def forward_part(self, ids: list[list[int]], mask: torch.Tensor, cache: Any, offset: int) -> torch.Tensor:
+        """Prefill a block of suffixes after ``offset`` cached prefix tokens; ``mask`` spans prefix + block
+        (the holes of shorter suffixes masked). Returns the last position's logits, shape (rows, vocab)."""
+        import torch
+
+        positions = (mask.cumsum(-1)[:, offset:] - 1).clamp(min=0)
+        out = self.model(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            attention_mask=None if bool(mask.all()) else mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def step(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
@@ -126,7 +150,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the decode loop
 
-    def _decode(
+    def decode(
         self,
         rows: list[Row],
         logits: torch.Tensor,
@@ -153,7 +177,7 @@ class ModelRunner:
         """
         import torch
 
-        eos = self._eos_ids
+        eos = self.eos_ids
         gen_start = kv_len
         active = list(rows)
         sampler = Sampler([r.request for r in active], self.device)
@@ -204,7 +228,7 @@ class ModelRunner:
             elif dead:
                 chosen = chosen.clamp(min=0)  # a failed row still in the batch is fed a valid (ignored) id
             kv_len += 1
-            logits = self._step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
+            logits = self.step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
             positions = positions + 1
 
     def _non_finite(self, row: Row) -> GenerationError:
@@ -223,7 +247,7 @@ class ModelRunner:
         tail = self.tokenizer.decode(row.tokens[-row.stop_window :], skip_special_tokens=True)
         return any(s in tail for s in row.request.stop)
 
-    def _result(
+    def result(
         self, row: Row, *, seconds: float, batch_size: int, shared: int, reused: int
     ) -> GenerationResult:
         """The row's result. ``shared``: its leading prompt tokens prefilled once for several rows;

@@ -2,23 +2,21 @@
 
 The scheduler coalesces the turn requests that are pending for one model on one device and hands them to
 :meth:`LocalEngine.generate_batch` as ONE call, in a worker thread. This module is the engine's public face:
-it checks the rows, decides which rows run together and by which path, and holds the lock. The machinery is
-split by seam:
+it checks the rows, decides which path each row takes (:meth:`LocalEngine._route`) and holds the lock. The
+engine is composed of one object per concern, each in its own module and readable (and testable) alone:
 
-* ``_generation_types``: the request/result records (``GenerationRequest``/``GenerationResult``, and
-  ``ScoreRequest``/``ScoreResult`` for scoring);
-* ``_decode``: the model calls and the decode loop every path shares (per-row sampling, row dropping, stop
-  strings);
-* ``_prefill``: one left-padded batch from scratch (static cache, shared prefill of identical prompts,
-  length-grouped prefill);
-* ``_slot_rows``: deterministic rows on a batch-invariant layout (each row's KV at slots equal to its
-  positions, rows and widths padded to fixed blocks), so that they can co-step and stay token-identical to
-  running alone (gated by the ``_batch_invariance`` self-test);
-* ``_kv_reuse``: a row on a reuse stream keeps its KV cache for that stream's next turn, which then
-  prefills only what is past the longest common prefix, co-stepped with the batch's other rows (kept caches
-  bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes); not in deterministic mode;
-* ``_interp_rows`` (with ``_hooks``): a row with ``capture``/``steering`` runs alone with forward hooks on
-  its decoder layers, and :meth:`LocalEngine.score` gives teacher-forced log-probabilities.
+* ``_decode.ModelRunner``: the model, its tokenizer and special ids, the model calls and THE decode loop
+  every path ends in (per-row sampling, row dropping, stop strings, non-finite logits);
+* ``_kept_kv.KeptKV``: the kept KV caches by reuse stream, an LRU bounded by ``kv_reuse_capacity`` streams
+  and ``kv_reuse_budget`` bytes;
+* the generation paths, each over the runner: ``_prefill.PlainBatch`` (one left-padded batch from scratch:
+  static cache, shared prefill of identical prompts and of long common prefixes, length-grouped prefill);
+  ``_kv_reuse.ReusedPrefixBatch`` (rows on reuse streams prefill only past their kept prefix, co-stepped with
+  the batch's other rows; over the plain path and the store); ``_slot_rows.SlotLayout`` (deterministic rows
+  on a batch-invariant layout, so that they co-step and stay token-identical to running alone; gated by the
+  ``_batch_invariance`` self-test); ``_interp_rows.HookedRow`` (a row with ``capture``/``steering`` alone,
+  with forward hooks on its decoder layers; and :meth:`LocalEngine.score`'s teacher-forced rows);
+* ``_generation_types``: the request/result records crossing the engine's boundary.
 
 Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
 halves and retries (after :meth:`LocalEngine.release_memory`). A request that is bad on its own (a token id
@@ -30,22 +28,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, ClassVar
 
 from interlens.scheduler import ExecutionMode
 
 from .._core import ConfigurationError
 from ..interp import text_config
 from ._batch_invariance import batch_invariant as _self_test
-from ._decode import raise_if_cancelled
+from ._decode import ModelRunner, raise_if_cancelled
 from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
-from ._interp_rows import InterpRows
-from ._kv_reuse import KVReuse
+from ._interp_rows import HookedRow
+from ._kept_kv import KeptKV
+from ._kv_reuse import ReusedPrefixBatch
+from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
-from ._slot_rows import SlotRows
+from ._slot_rows import SlotLayout
 
 log = logging.getLogger("interlens")
 
@@ -60,13 +59,19 @@ __all__ = [
     "token_budget_estimate",
 ]
 
+#: A generation path's entry point: its rows' requests in, one result (or the row's error) per row out.
+_Path = Callable[[list[GenerationRequest], threading.Event | None], list[GenerationResult | Exception]]
 
-class LocalEngine(InterpRows, KVReuse, SlotRows):
+
+class LocalEngine:
     """A loaded causal LM plus its tokenizer on one device; satisfies ``interlens.scheduler.Engine``.
 
     ``generate_batch`` runs one batch at a time (a lock), because live use may call it from several threads
-    and the model, the RNG streams and the KV-reuse entries are shared state.
+    and the model, the RNG streams and the kept KV caches are shared state.
     """
+
+    #: The runner class: a test or a benchmark may subclass it to observe the model calls.
+    _runner_type: ClassVar[type[ModelRunner]] = ModelRunner
 
     def __init__(
         self,
@@ -84,21 +89,56 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         _check_limit("kv_reuse_capacity", kv_reuse_capacity, "a number of streams such as 1024")
         if kv_reuse_budget is not None:
             _check_limit("kv_reuse_budget", kv_reuse_budget, "bytes such as 2 << 30, or None for the default")
-        super().__init__(model, tokenizer, device=device)
-        self.kv_reuse_capacity = kv_reuse_capacity
-        self.kv_reuse_budget = kv_reuse_budget
-        self.shared_prefill = shared_prefill
+        self._runner = runner = self._runner_type(model, tokenizer, device=device)
+        self._kept = KeptKV(capacity=kv_reuse_capacity, budget=kv_reuse_budget, device=device)
+        self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
+        self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
+        self._slots = SlotLayout(runner)
+        self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
-        self._reuse = OrderedDict()
-        self._kept_bytes = 0
-        self._budget_bytes = None
-        self._plain_kv = None
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
         #: ``interlens._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
         self.placement: dict[str, Any] = {}
-        # "static" for batches (see ``_prefill``); tests and the benchmark may compare "dynamic".
-        self._batch_cache = "static"
         self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
+
+    @property
+    def model(self) -> Any:
+        return self._runner.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._runner.tokenizer
+
+    @property
+    def device(self) -> str:
+        return self._runner.device
+
+    @property
+    def kv_reuse_capacity(self) -> int:
+        """Most streams whose KV cache is kept between turns (the kept-KV store's bound)."""
+        return self._kept.capacity
+
+    @kv_reuse_capacity.setter
+    def kv_reuse_capacity(self, value: int) -> None:
+        self._kept.capacity = value
+
+    @property
+    def kv_reuse_budget(self) -> int | None:
+        """Most bytes the kept caches may hold (None: a share of the free memory, measured on first use)."""
+        return self._kept.budget
+
+    @kv_reuse_budget.setter
+    def kv_reuse_budget(self, value: int | None) -> None:
+        self._kept.budget = value  # as before: the bound in force is fixed once the first cache is kept
+
+    @property
+    def shared_prefill(self) -> bool:
+        """Whether the plain batch path prefills identical prompts and long common prefixes once."""
+        return self._plain.shared_prefill
+
+    @shared_prefill.setter
+    def shared_prefill(self, value: bool) -> None:
+        self._plain.shared_prefill = value
 
     def __repr__(self) -> str:
         name = getattr(self.model.config, "_name_or_path", type(self.model).__name__)
@@ -121,7 +161,7 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
 
             with torch.inference_mode():
                 try:
-                    self._batch_invariant = self._slots_supported() and _self_test(self)
+                    self._batch_invariant = self._slots.supported() and _self_test(self._slots)
                 except torch.OutOfMemoryError:
                     raise  # the scheduler's to handle (it halves the batch); the test runs again next time
                 except Exception as exc:  # a model the layout cannot drive: its rows run alone
@@ -140,7 +180,8 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         mode: ExecutionMode = ExecutionMode.BATCHED,
         cancelled: threading.Event | None = None,
     ) -> list[GenerationResult | Exception]:
-        """Generate one result per request, in order, as one batched call (see the module docstring).
+        """Generate one result per request, in order, as one batched call; :meth:`_route` picks each row's
+        path.
 
         In ``ExecutionMode.DETERMINISTIC`` every request runs from scratch (``reuse_key`` ignored: a reused
         KV cache gives logits a few ulps off a fresh prefill, and whether a stream's cache is still there
@@ -149,10 +190,10 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
         (:attr:`batch_invariant`: run on its first deterministic batch; False without running for a model
         whose layers the layout cannot drive), every deterministic row, alone or not, runs on that layout
         (``_slot_rows``) and the rows co-step in one batch; otherwise each row runs alone through the plain
-        batch path. A row with ``capture`` or
-        ``steering`` runs alone and from scratch in every mode, with its hooks installed only during its own
-        forward passes (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode
-        step and :class:`interlens.scheduler.BatchCancelled` is raised.
+        batch path. A row with ``capture`` or ``steering`` runs alone and from scratch in every mode, with
+        its hooks installed only during its own forward passes (``_interp_rows``). When ``cancelled`` is
+        set, generation stops within one decode step and :class:`interlens.scheduler.BatchCancelled` is
+        raised.
         """
         import torch
 
@@ -169,32 +210,38 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
                 valid.append(i)
             else:
                 out[i] = problem
-        deterministic = mode is ExecutionMode.DETERMINISTIC
-        plain = [i for i in valid if not requests[i].interp]
-        reuse = self.kv_reuse_capacity > 0 and self.kv_reuse_budget != 0 and not deterministic
         with self._lock, torch.inference_mode():
-            # deterministic rows take the slot layout, alone or co-stepped (a row's tokens never depend on
-            # whether it had company), where the engine's self-test passed on it; otherwise each runs alone
-            # through the plain batch path. The verdict is fixed per engine before its first such row.
-            slotted = deterministic and bool(plain) and self._invariant()
-            alone = deterministic and bool(plain) and not slotted
-            groups = [[i] for i in plain] if alone else ([plain] if plain else [])
-            groups += [[i] for i in valid if requests[i].interp]
-            for group in groups:
-                batch = [requests[i] for i in group]
-                if batch[0].interp:
-                    results = [self._generate_interp(batch[0], cancelled)]
-                elif reuse and any(r.reuse_key is not None for r in batch):
-                    results = self._generate_reuse_rows(batch, cancelled)
-                elif slotted:
-                    results = self._generate_slotted(batch, cancelled)
-                else:
-                    results = self._generate_rows(batch, cancelled, plain=deterministic)
-                for i, result in zip(group, results, strict=True):
+            for path, rows in self._route(requests, valid, deterministic=mode is ExecutionMode.DETERMINISTIC):
+                results = path([requests[i] for i in rows], cancelled)
+                for i, result in zip(rows, results, strict=True):
                     if isinstance(result, GenerationResult):
                         result.batch_invariant = self._batch_invariant
                     out[i] = result
         return [r for r in out if r is not None]
+
+    def _route(
+        self, requests: list[GenerationRequest], rows: list[int], *, deterministic: bool
+    ) -> list[tuple[_Path, list[int]]]:
+        """Which path each of ``rows`` takes, and why; the batches run in the order returned (call under
+        the lock: the self-test may run)."""
+        hooked = [i for i in rows if requests[i].interp]
+        rest = [i for i in rows if not requests[i].interp]
+        routes: list[tuple[_Path, list[int]]] = []
+        if rest and deterministic:
+            # A seeded row's tokens must not depend on its company (and never on a kept cache): co-step on
+            # the slot layout where the self-test found it batch-invariant, else each row alone from scratch.
+            if self._invariant():
+                routes.append((self._slots.generate, rest))
+            else:
+                routes += [(self._plain.generate, [i]) for i in rest]
+        elif rest:
+            # Batched: one co-stepped batch; if a row is on a reuse stream, the rows with a kept prefix
+            # prefill only past it (and every stream keeps its KV for its next turn).
+            reuse = self._kept.enabled and any(requests[i].reuse_key is not None for i in rest)
+            routes.append((self._reused.generate if reuse else self._plain.generate, rest))
+        # A forward hook sees every row of its batch: a hooked row runs alone, from scratch, in every mode.
+        routes += [(self._hooked.generate, [i]) for i in hooked]
+        return routes
 
     def score(
         self, requests: Sequence[ScoreRequest], *, cancelled: threading.Event | None = None
@@ -220,7 +267,7 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
                     out.append(problem)
                     continue
                 raise_if_cancelled(cancelled)
-                out.append(self._score_row(request))
+                out.append(self._hooked.score(request))
         return out
 
     def request_tokens(self, request: GenerationRequest) -> int:
@@ -246,12 +293,16 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
         with self._lock:
-            self._drop_kept(reuse_key)
+            self._kept.drop(reuse_key)
 
     def clear_reuse(self) -> None:
         """Free every kept KV cache."""
         with self._lock:
-            self._drop_kept()
+            self._kept.clear()
+
+    def kept_bytes(self) -> int:
+        """Bytes the kept KV caches hold now."""
+        return self._kept.kept_bytes()
 
     def release_memory(self) -> None:
         """Before an out-of-memory retry: drop the kept KV caches (their streams prefill in full next
@@ -270,26 +321,28 @@ class LocalEngine(InterpRows, KVReuse, SlotRows):
 
     def _check(self, request: GenerationRequest) -> Exception | None:
         """Problems only this engine can see (the request validated itself); returned in place, not raised."""
+        vocab = self._runner.vocab_size
         highest = max(request.prompt_ids)
-        if highest >= self._vocab_size:
+        if highest >= vocab:
             return ConfigurationError(
-                f"prompt token id {highest} is outside this model's vocabulary (size {self._vocab_size}); "
+                f"prompt token id {highest} is outside this model's vocabulary (size {vocab}); "
                 "tokenize the prompt with this model's own tokenizer."
             )
-        return self._check_interp(request.capture, request.steering)
+        return self._hooked.check(request.capture, request.steering)
 
     def _check_score(self, request: ScoreRequest) -> Exception | None:
         if not request.continuation_ids:
             return ConfigurationError(
                 "ScoreRequest(continuation_ids=()): nothing to score; pass at least one continuation token id"
             )
+        vocab = self._runner.vocab_size
         highest = max(request.prompt_ids + request.continuation_ids)
-        if highest >= self._vocab_size:
+        if highest >= vocab:
             return ConfigurationError(
                 f"ScoreRequest: token id {highest} is outside this model's vocabulary (size "
-                f"{self._vocab_size}); tokenize the prompt and continuation with this model's own tokenizer."
+                f"{vocab}); tokenize the prompt and continuation with this model's own tokenizer."
             )
-        return self._check_interp(request.capture, request.steering)
+        return self._hooked.check(request.capture, request.steering)
 
 
 def _check_limit(name: str, value: object, example: str) -> None:

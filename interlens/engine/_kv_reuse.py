@@ -1,4 +1,4 @@
-"""KV reuse across turns: a stream keeps its KV cache, so its next turn prefills only what is new.
+"""The reused-prefix batch path: a stream keeps its KV cache, so its next turn prefills only what is new.
 
 A conversation's prompt grows turn by turn (the other speaker's answer, the template's headers), so
 re-prefilling it from scratch each round is quadratic work: an 8-turn debate spends most of its prefill
@@ -20,9 +20,8 @@ every row's suffix to it would cost more prefill than the kept prefixes save (me
 cache, shared and grouped prefill) and only copies each row's KV out as it leaves.
 
 Kept KV is copied out of the batch cache per row (its real slots only, gathered), so a stream's memory is its
-own tokens. The table is an LRU bounded by ``kv_reuse_capacity`` streams and ``kv_reuse_budget`` bytes (by
-default a quarter of the device's free memory: CUDA ``mem_get_info``, CPU available RAM); whatever does not
-fit is evicted, and an evicted stream simply prefills in full next time.
+own tokens. The kept caches live in the engine's ``_kept_kv.KeptKV`` store (an LRU bounded in streams and
+bytes); this path takes a stream's entry out for its turn and keeps the new one after it.
 
 Models with sliding-window layers (gemma2) cannot be laid out this way: a sliding layer keeps only its window
 and its window is index-based, so it would count holes. Their batches prefill in full; a single row on its
@@ -32,117 +31,61 @@ fresh). Never in deterministic mode: a reused cache gives logits a few ulps off 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._decode import Row, left_pad, raise_if_cancelled, stop_window
+from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
-from ._prefill import BatchPrefill, plain_static
+from ._kept_kv import Kept, KeptKV
+from ._prefill import PlainBatch, plain_static
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable
+
     import torch
 
-__all__ = ["KVReuse", "Kept", "common_prefix", "default_kv_budget"]
-
-#: The share of the device's free memory kept caches may hold by default.
-BUDGET_SHARE = 0.25
+__all__ = ["ReusedPrefixBatch", "common_prefix"]
 
 
-@dataclass
-class Kept:
-    """One stream's kept KV: the ids it holds and, per layer, (keys, values) shaped [kv heads, tokens, dim]
-    (or, on the single-row sliding-window path, the row's own ``DynamicCache``)."""
+class ReusedPrefixBatch:
+    """The reused-prefix batch path (see the module docstring): over the engine's runner, its plain batch
+    path (for batches where nothing is reused, and for the batch caches) and its kept-KV store."""
 
-    ids: list[int]
-    kv: Any
-    nbytes: int
+    def __init__(self, runner: ModelRunner, *, plain: PlainBatch, kept: KeptKV) -> None:
+        self.runner = runner
+        self.plain = plain
+        self.kept = kept
+        #: Rows without a kept prefix, longer than the suffixes, prefilled apart (True) or joining the layout
+        #: with a hole (False): the benchmark (``bench_long_debate.py --mixed``) compares the two.
+        self.split_fresh_rows = True
+        self._plain_kv: bool | None = None  # whether the model's cache layers can be laid out (checked once)
 
-
-class KVReuse(BatchPrefill):
-    """The reuse paths of ``LocalEngine`` and its table of kept caches (see the module docstring)."""
-
-    kv_reuse_capacity: int  # set by LocalEngine.__init__
-    kv_reuse_budget: int | None  # bytes; None: BUDGET_SHARE of free memory, measured on first use
-    _reuse: OrderedDict[Hashable, Kept]
-    _kept_bytes: int
-    _budget_bytes: int | None
-    _plain_kv: bool | None
-    #: Rows without a kept prefix, longer than the suffixes, prefilled apart (True) or joining the layout
-    #: with a hole (False): the benchmark (``bench_long_debate.py --mixed``) compares the two.
-    _split_fresh_rows = True
-
-    # ------------------------------------------------------------------ the table
-
-    def kept_bytes(self) -> int:
-        """Bytes the kept caches hold now."""
-        return self._kept_bytes
-
-    def _kv_budget(self) -> int:
-        if self._budget_bytes is None:
-            self._budget_bytes = (
-                self.kv_reuse_budget if self.kv_reuse_budget is not None else default_kv_budget(self.device)
-            )
-        return self._budget_bytes
-
-    def _take(self, key: Hashable | None) -> Kept | None:
-        """A stream's entry, taken OUT of the table while in use: put back only after success, so an error
-        or a cancellation never leaves a half-updated cache behind."""
-        entry = self._reuse.pop(key, None) if key is not None else None
-        if entry is not None:
-            self._kept_bytes -= entry.nbytes
-        return entry
-
-    def _keep(self, key: Hashable, entry: Kept) -> None:
-        """Keep ``entry`` as the most recently used, evicting the least recently used over the limits."""
-        self._take(key)
-        budget = self._kv_budget()
-        if entry.nbytes > budget or self.kv_reuse_capacity == 0:
-            return
-        self._reuse[key] = entry
-        self._kept_bytes += entry.nbytes
-        while len(self._reuse) > self.kv_reuse_capacity or self._kept_bytes > budget:
-            _, old = self._reuse.popitem(last=False)
-            self._kept_bytes -= old.nbytes
-
-    def _drop_kept(self, key: Hashable | None = None) -> None:
-        """Forget one stream's kept cache, or every one (``key`` None)."""
-        if key is None:
-            self._reuse.clear()
-            self._kept_bytes = 0
-        else:
-            self._take(key)
-
-    def _plain_kv_layers(self) -> bool:
+    def plain_kv_layers(self) -> bool:
         """Whether every layer of this model's cache is plain full attention (rows can be laid out)."""
         if self._plain_kv is None:
             from transformers import DynamicCache
             from transformers.cache_utils import DynamicLayer
 
-            layers = DynamicCache(config=self.model.config).layers
+            layers = DynamicCache(config=self.runner.model.config).layers
             self._plain_kv = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
         return self._plain_kv
 
-    # ------------------------------------------------------------------ generation
-
-    def _generate_reuse_rows(
+    def generate(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None
     ) -> list[GenerationResult | Exception]:
         """A batched (non-deterministic) batch with at least one reuse stream: see the module docstring."""
-        if not self._plain_kv_layers():
+        if not self.plain_kv_layers():
             if len(requests) == 1:
                 return [self._generate_single_dynamic(requests[0], cancelled)]
-            return self._generate_rows(requests, cancelled)
+            return self.plain.generate(requests, cancelled)
         started = time.perf_counter()
-        entries = [self._take(r.reuse_key) for r in requests]
+        entries = [self.kept.take(r.reuse_key) for r in requests]
         reused = [_usable(entry, r.prompt_ids) for entry, r in zip(entries, requests, strict=True)]
-        collector = _Collector(self._keep)
+        collector = _Collector(self.kept.keep)
         if not any(reused):
-            done = self._prefill_and_decode(requests, cancelled, on_leave=collector)
+            done = self.plain.prefill_and_decode(requests, cancelled, on_leave=collector)
             rows, shared = done.rows, done.shared_tokens
             del done
         else:
@@ -153,7 +96,7 @@ class KVReuse(BatchPrefill):
         return [
             row.failure
             if row.failure is not None
-            else self._result(row, seconds=seconds, batch_size=len(rows), shared=s, reused=n)
+            else self.runner.result(row, seconds=seconds, batch_size=len(rows), shared=s, reused=n)
             for row, s, n in zip(rows, shared, reused, strict=True)
         ]
 
@@ -174,7 +117,8 @@ class KVReuse(BatchPrefill):
         """
         import torch
 
-        device = self.device
+        runner = self.runner
+        device = runner.device
         batch = len(requests)
         prompts = [r.prompt_ids for r in requests]
         kept = [i for i in range(batch) if reused[i]]
@@ -182,7 +126,7 @@ class KVReuse(BatchPrefill):
         suffixes = [p[n:] for p, n in zip(prompts, reused, strict=True)]
         width = max(len(suffixes[i]) for i in kept)  # S: the suffix region's width
         fresh_width = max((len(prompts[i]) for i in fresh), default=0)
-        split = self._split_fresh_rows and fresh_width > width and self._batch_cache == "static"
+        split = self.split_fresh_rows and fresh_width > width and self.plain.batch_cache == "static"
         if split:
             end = max(max(reused) + width, fresh_width)
         else:
@@ -190,9 +134,9 @@ class KVReuse(BatchPrefill):
             end = max(reused) + width
         held = end - width  # U: the kept region's width (at least the longest kept prefix)
         max_new = max(r.max_new_tokens for r in requests)
-        cache, static = self._new_batch_cache(end + max_new)
+        cache, static = self.plain.new_cache(end + max_new)
         if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
-            self._batch_cache = "dynamic"
+            self.plain.batch_cache = "dynamic"
             return self._decode_laid_out(requests, entries, reused, cancelled, collector)
         together = kept if split else list(range(batch))
         slots: dict[int, list[int]] = {}  # where each row's prompt KV lies in the batch cache
@@ -206,12 +150,12 @@ class KVReuse(BatchPrefill):
         if split:
             from transformers import StaticCache
 
-            part: Any = StaticCache(config=self.model.config, max_cache_len=end)
+            part: Any = StaticCache(config=runner.model.config, max_cache_len=end)
             kept_logits = self._prefill_kept(kept, part, entries, reused, suffixes, mask, held, width)
             raise_if_cancelled(cancelled)
-            ids, fresh_mask = left_pad([prompts[i] for i in fresh], fresh_width, self._pad_id)
-            small: Any = StaticCache(config=self.model.config, max_cache_len=fresh_width)
-            fresh_logits = self._forward(ids, fresh_mask, small, device)
+            ids, fresh_mask = left_pad([prompts[i] for i in fresh], fresh_width, runner.pad_id)
+            small: Any = StaticCache(config=runner.model.config, max_cache_len=fresh_width)
+            fresh_logits = runner.forward(ids, fresh_mask, small)
             logits = kept_logits.new_empty((batch, kept_logits.shape[-1]))
             logits[torch.tensor(kept, device=device)] = kept_logits
             logits[torch.tensor(fresh, device=device)] = fresh_logits
@@ -226,7 +170,7 @@ class KVReuse(BatchPrefill):
             Row(r, stop_window=stop_window(r.stop), prompt_slots=slots.get(i)) for i, r in enumerate(requests)
         ]
         next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-        self._decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
+        runner.decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
         return rows
 
     def _prefill_kept(
@@ -244,7 +188,8 @@ class KVReuse(BatchPrefill):
         (slots ``[U + S - len, U + S)``); returns the last position's logits, one row per row."""
         import torch
 
-        device = self.device
+        runner = self.runner
+        device = runner.device
         donor = next(i for i in rows if reused[i])
         for index, layer in enumerate(cache.layers):
             ref_k, ref_v = entries[donor].kv[index]  # type: ignore[union-attr]
@@ -257,10 +202,10 @@ class KVReuse(BatchPrefill):
                     values[at, :, held - reused[i] :] = v[:, : reused[i]]
             layer.update(keys, values)  # static: written at slots [0, U); dynamic: the first U slots
             del keys, values
-        ids = [[self._pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
+        ids = [[runner.pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
         mask_t = torch.tensor([mask[i] for i in rows], dtype=torch.long, device=device)
         positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, held:]
-        out = self.model(
+        out = runner.model(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             attention_mask=mask_t,
             position_ids=positions,
@@ -278,10 +223,11 @@ class KVReuse(BatchPrefill):
         import torch
         from transformers import DynamicCache
 
+        runner = self.runner
         started = time.perf_counter()
         prompt = list(request.prompt_ids)
         key = request.reuse_key
-        entry = self._take(key)
+        entry = self.kept.take(key)
         cache: Any = None
         reused = 0
         if entry is not None and not isinstance(entry.kv, list):
@@ -296,25 +242,25 @@ class KVReuse(BatchPrefill):
                     cache = None  # e.g. a sliding-window layer past its window cannot roll back
         del entry
         if cache is None:
-            cache = DynamicCache(config=self.model.config)
+            cache = DynamicCache(config=runner.model.config)
         raise_if_cancelled(cancelled)
-        suffix = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
-        positions = torch.arange(reused, len(prompt), dtype=torch.long, device=self.device).unsqueeze(0)
-        out = self.model(
+        suffix = torch.tensor([prompt[reused:]], dtype=torch.long, device=runner.device)
+        positions = torch.arange(reused, len(prompt), dtype=torch.long, device=runner.device).unsqueeze(0)
+        out = runner.model(
             input_ids=suffix, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
         )
         row = Row(request, stop_window=stop_window(request.stop))
-        start_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
-        self._decode(
+        start_pos = torch.tensor([len(prompt)], dtype=torch.long, device=runner.device)
+        runner.decode(
             [row], out.logits[:, -1, :], cache, start_pos, None, len(prompt), cancelled, static=False
         )
         if row.failure is not None:  # non-finite logits: its error, and no cache kept for the stream
             return row.failure
         if key is not None:
             nbytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-            self._keep(key, Kept(prompt + row.tokens[:-1], cache, nbytes))
+            self.kept.keep(key, Kept(prompt + row.tokens[:-1], cache, nbytes))
         seconds = time.perf_counter() - started
-        return self._result(row, seconds=seconds, batch_size=1, shared=0, reused=reused)
+        return runner.result(row, seconds=seconds, batch_size=1, shared=0, reused=reused)
 
 
 class _Collector:
@@ -326,7 +272,7 @@ class _Collector:
     slots are never copied.
     """
 
-    def __init__(self, keep: Any) -> None:
+    def __init__(self, keep: Callable[[Hashable, Kept], None]) -> None:
         self._keep = keep
 
     def __call__(self, indices: list[int], rows: list[Row], cache: Any, gen_start: int) -> None:
@@ -388,25 +334,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def default_kv_budget(device: str) -> int:
-    """``BUDGET_SHARE`` of the device's free memory, in bytes: CUDA's ``mem_get_info``, else available RAM
-    (psutil if installed, else ``os.sysconf``; 1 GiB when neither can tell)."""
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            with torch.cuda.device(device):
-                free, _ = torch.cuda.mem_get_info()
-            return int(free * BUDGET_SHARE)
-    try:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    except ImportError:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            available = 4 << 30
-    return int(available * BUDGET_SHARE)

@@ -1,4 +1,5 @@
-"""One batch from scratch: build its KV cache, prefill it well, then run the shared decode loop.
+"""The plain batch path: one batch from scratch. Build its KV cache, prefill it well, then run the shared
+decode loop (``_decode.ModelRunner.decode``).
 
 Batching is where the throughput is (12-25x over one row at a time on CPU), and on CPU the prefill is most
 of a short turn's cost, so this module is about prefilling a batch of heterogeneous rows cheaply:
@@ -6,14 +7,16 @@ of a short turn's cost, so this module is about prefilling a batch of heterogene
 * one left-padded batch (positions from the attention mask), prefilled once;
 * identical prompts (n samples of one scenario) are prefilled ONCE and their KV cache expanded to the rows;
 * rows that share a long token prefix (a data rollout: system block + shared context before the per-row
-  field) prefill that prefix ONCE, then only their own suffixes (see ``_prefill_parts`` for the layout);
+  field) prefill that prefix ONCE, then only their own suffixes (:meth:`PlainBatch.prefill_parts`: the
+  layout);
 * prompts of very different lengths are prefilled in length-sorted groups (less padding) and laid into one
   left-padded cache for a single decode loop.
 
 A preallocated ``StaticCache`` is used for batches: a ``DynamicCache`` re-concatenates the whole KV every
 step, which is up to a third of a decode step at batch 64 on CPU. An architecture without static cache
-layers falls back to a ``DynamicCache`` (``_batch_cache`` remembers it; tests and the benchmark may set it to
-``"dynamic"`` to compare).
+layers falls back to a ``DynamicCache`` (:attr:`PlainBatch.batch_cache` remembers it; tests and the benchmark
+may set it to ``"dynamic"`` to compare). The reused-prefix path (``_kv_reuse``) builds its batch caches here
+too, so a fallback found by either path holds for every batch of the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["BatchPrefill", "Decoded", "plain_static", "prefill_groups", "prefix_groups"]
+__all__ = ["Decoded", "PlainBatch", "plain_static", "prefill_groups", "prefix_groups"]
 
 #: A common prefix is prefilled once only when it is at least this many tokens and at least two rows share
 #: it: below that, a second forward call (the prefix alone, then the suffixes) costs more than it saves.
@@ -41,7 +44,7 @@ MIN_SHARED_PREFIX = 32
 
 @dataclass
 class Decoded:
-    """A finished batch: its rows and how they were prefilled (what ``_result`` records)."""
+    """A finished batch: its rows and how they were prefilled (what ``ModelRunner.result`` records)."""
 
     rows: list[Row]
     shared_tokens: list[int]  # per row: leading prompt tokens prefilled once for several rows (0: none)
@@ -50,51 +53,57 @@ class Decoded:
     static: bool
 
 
-class BatchPrefill(ModelRunner):
-    """The from-scratch batch path of ``LocalEngine`` (see the module docstring)."""
+class PlainBatch:
+    """The plain batch path over one model runner (see the module docstring).
 
-    shared_prefill: bool  # set by LocalEngine.__init__
-    _batch_cache: str  # "static" | "dynamic"
+    ``shared_prefill``: identical prompts, and long prefixes several rows share, are prefilled once (False:
+    every row is prefilled in the one left-padded block, or in length groups; tests and benchmarks compare).
+    """
 
-    def _generate_rows(
-        self, requests: list[GenerationRequest], cancelled: threading.Event | None, *, plain: bool = False
+    def __init__(self, runner: ModelRunner, *, shared_prefill: bool = True) -> None:
+        self.runner = runner
+        self.shared_prefill = shared_prefill
+        #: "static" (preallocated) or "dynamic": the kind of every batch cache; "dynamic" once the model
+        #: turned out to have no static cache layers
+        self.batch_cache = "static"
+
+    def generate(
+        self, requests: list[GenerationRequest], cancelled: threading.Event | None
     ) -> list[GenerationResult | Exception]:
         """One left-padded batch; identical prompts, and long prefixes several rows share, are prefilled
-        once, unless ``plain`` (deterministic co-stepping: only the path the batch-invariance self-test
-        covers).
-
-        A row whose logits went non-finite gets its ``GenerationError`` in place of a result.
-        """
-        done = self._prefill_and_decode(requests, cancelled, plain=plain)
+        once. A row whose logits went non-finite gets its ``GenerationError`` in place of a result."""
+        done = self.prefill_and_decode(requests, cancelled)
         seconds = time.perf_counter() - done.started
         return [
             row.failure
             if row.failure is not None
-            else self._result(row, seconds=seconds, batch_size=len(done.rows), shared=shared, reused=0)
+            else self.runner.result(row, seconds=seconds, batch_size=len(done.rows), shared=shared, reused=0)
             for row, shared in zip(done.rows, done.shared_tokens, strict=True)
         ]
 
-    def _prefill_and_decode(
+    def prefill_and_decode(
         self,
         requests: list[GenerationRequest],
         cancelled: threading.Event | None,
         *,
-        plain: bool = False,
         on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
     ) -> Decoded:
+        """Prefill the batch (shared, grouped or in one block: see the module docstring) and decode it;
+        ``on_leave`` as in :meth:`ModelRunner.decode` (the reused-prefix path keeps each row's KV)."""
         import torch
 
+        runner = self.runner
         started = time.perf_counter()
-        device = self.device
+        device = runner.device
         lengths = [len(r.prompt_ids) for r in requests]
         max_new = max(r.max_new_tokens for r in requests)
         unique: dict[tuple[int, ...], int] = {}
         row_to_unique = [unique.setdefault(r.prompt_ids, len(unique)) for r in requests]
-        sharing = self.shared_prefill and not plain and len(requests) > 1
+        sharing = self.shared_prefill and len(requests) > 1
         shared = sharing and len(unique) < len(requests) and min(lengths) >= 2
         raise_if_cancelled(cancelled)
         prompt_len = max(lengths)
-        cache, static = self._new_batch_cache(prompt_len + max_new)
+        cache, static = self.new_cache(prompt_len + max_new)
         prefixes = prefix_groups([r.prompt_ids for r in requests]) if sharing and static else []
         if prefixes and not plain_static(cache):
             prefixes = []  # sliding-window layers count slots, and the shared layout has masked holes
@@ -107,7 +116,7 @@ class BatchPrefill(ModelRunner):
             if rest:
                 for group in prefill_groups([lengths[r] for r in rest]):
                     parts.append((0, [rest[i] for i in group]))
-            logits, mask = self._prefill_parts(requests, parts, cache, prompt_len)
+            logits, mask = self.prefill_parts(requests, parts, cache, prompt_len)
             full_mask = torch.cat([mask, torch.ones(len(requests), max_new, dtype=torch.long)], dim=1)
             positions = torch.tensor(lengths, dtype=torch.long, device=device)
             attn = None if bool(full_mask.all()) else full_mask.to(device)
@@ -122,8 +131,8 @@ class BatchPrefill(ModelRunner):
             # (Caching the whole prompt and feeding it again would duplicate the KV: pitfall 1 in the notes.)
             prompts = list(unique)
             prefix_len = prompt_len - 1
-            ids, pad_mask = left_pad([p[:-1] for p in prompts], prefix_len, self._pad_id)
-            self._forward(ids, pad_mask, cache, device)
+            ids, pad_mask = left_pad([p[:-1] for p in prompts], prefix_len, runner.pad_id)
+            runner.forward(ids, pad_mask, cache)
             index = torch.tensor(row_to_unique, dtype=torch.long, device=device)
             cache.reorder_cache(index)  # index_select on the batch dim: U rows -> B rows
             row_mask = torch.tensor(pad_mask, dtype=torch.long)[torch.tensor(row_to_unique)]
@@ -131,7 +140,7 @@ class BatchPrefill(ModelRunner):
             last = torch.tensor([[r.prompt_ids[-1]] for r in requests], dtype=torch.long, device=device)
             positions = torch.tensor(lengths, dtype=torch.long, device=device) - 1
             attn = None if bool(full_mask.all()) else full_mask.to(device)
-            logits = self._step(last, positions, attn, cache, prefix_len + 1, static)
+            logits = runner.step(last, positions, attn, cache, prefix_len + 1, static)
             positions = positions + 1
             kv_len = prefix_len + 1
             counts: dict[int, int] = {}
@@ -139,12 +148,12 @@ class BatchPrefill(ModelRunner):
                 counts[u] = counts.get(u, 0) + 1
             shared_tokens = [lengths[i] - 1 if counts[u] > 1 else 0 for i, u in enumerate(row_to_unique)]
         else:
-            ids, pad_mask = left_pad([r.prompt_ids for r in requests], prompt_len, self._pad_id)
-            groups = prefill_groups(lengths) if static and not plain else []
+            ids, pad_mask = left_pad([r.prompt_ids for r in requests], prompt_len, runner.pad_id)
+            groups = prefill_groups(lengths) if static else []
             if len(groups) > 1 and plain_static(cache):
-                logits, _ = self._prefill_parts(requests, [(0, g) for g in groups], cache, prompt_len)
+                logits, _ = self.prefill_parts(requests, [(0, g) for g in groups], cache, prompt_len)
             else:
-                logits = self._forward(ids, pad_mask, cache, device)
+                logits = runner.forward(ids, pad_mask, cache)
             full_mask = torch.cat(
                 [
                     torch.tensor(pad_mask, dtype=torch.long),
@@ -161,23 +170,24 @@ class BatchPrefill(ModelRunner):
         if prefixes:  # holes between a shared prefix and a row's suffix: say where the prompt lies
             for row, row_mask in zip(rows, mask, strict=True):
                 row.prompt_slots = row_mask.nonzero().flatten().tolist()
-        self._decode(
+        runner.decode(
             rows, logits, cache, positions, attn, kv_len, cancelled, static=static, on_leave=on_leave
         )
         return Decoded(rows, shared_tokens, started, cache, static)
 
-    def _new_batch_cache(self, max_len: int) -> tuple[Any, bool]:
+    def new_cache(self, max_len: int) -> tuple[Any, bool]:
         """A cache for one batch, and whether it is static (preallocated to ``max_len``)."""
         from transformers import DynamicCache, StaticCache
 
-        if self._batch_cache == "static":
+        config = self.runner.model.config
+        if self.batch_cache == "static":
             try:
-                return StaticCache(config=self.model.config, max_cache_len=max_len), True
+                return StaticCache(config=config, max_cache_len=max_len), True
             except (TypeError, ValueError, KeyError, NotImplementedError):
-                self._batch_cache = "dynamic"  # an architecture without static cache layers
-        return DynamicCache(config=self.model.config), False
+                self.batch_cache = "dynamic"  # an architecture without static cache layers
+        return DynamicCache(config=config), False
 
-    def _prefill_parts(
+    def prefill_parts(
         self,
         requests: list[GenerationRequest],
         parts: list[tuple[int, list[int]]],
@@ -204,20 +214,21 @@ class BatchPrefill(ModelRunner):
         import torch
         from transformers import StaticCache
 
-        device = self.device
+        runner = self.runner
+        device = runner.device
         batch = len(requests)
         logits: torch.Tensor | None = None
         mask = torch.zeros(batch, prompt_len, dtype=torch.long)
         for p, rows in parts:
             prompts = [requests[r].prompt_ids for r in rows]
             width = max(len(q) for q in prompts)
-            small: Any = StaticCache(config=self.model.config, max_cache_len=width)
+            small: Any = StaticCache(config=runner.model.config, max_cache_len=width)
             if p:
-                self._forward([list(prompts[0][:p])], [[1] * p], small, device)
+                runner.forward([list(prompts[0][:p])], [[1] * p], small)
                 small.reorder_cache(torch.zeros(len(rows), dtype=torch.long, device=device))
-            suffix_ids, suffix_mask = left_pad([q[p:] for q in prompts], width - p, self._pad_id)
+            suffix_ids, suffix_mask = left_pad([q[p:] for q in prompts], width - p, runner.pad_id)
             part_mask = torch.tensor([[1] * p + m for m in suffix_mask], dtype=torch.long)
-            part = self._forward_part(suffix_ids, part_mask, small, p)
+            part = runner.forward_part(suffix_ids, part_mask, small, p)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             if logits is None:
                 logits = part.new_empty((batch, part.shape[-1]))
@@ -237,24 +248,6 @@ class BatchPrefill(ModelRunner):
         for layer in cache.layers:
             layer.cumulative_length.fill_(prompt_len)
         return logits, mask
-
-    def _forward_part(
-        self, ids: list[list[int]], mask: torch.Tensor, cache: Any, offset: int
-    ) -> torch.Tensor:
-        """Prefill a block of suffixes after ``offset`` cached prefix tokens; ``mask`` spans prefix + block
-        (the holes of shorter suffixes masked). Returns the last position's logits, shape (rows, vocab)."""
-        import torch
-
-        positions = (mask.cumsum(-1)[:, offset:] - 1).clamp(min=0)
-        out = self.model(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            attention_mask=None if bool(mask.all()) else mask.to(self.device),
-            position_ids=positions.to(self.device),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:

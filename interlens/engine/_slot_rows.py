@@ -26,8 +26,8 @@ So every deterministic batch, of one row or many, is laid out the same way here:
 That removes the sources measured here; it proves nothing about other kernels (another BLAS, a GPU), so the
 engine co-steps rows on this layout only after its self-test (``_batch_invariance``) ran probe rows alone and
 together through this very path and found every submodule output bitwise equal. Only for models whose
-layers are full or sliding-window attention (:meth:`SlotRows._slots_supported`); others run deterministic
-rows alone through the plain batch path.
+layers are full or sliding-window attention (:meth:`SlotLayout.supported`); others run deterministic rows
+alone through the plain batch path.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..interp import text_config
-from ._decode import Row, raise_if_cancelled, stop_window
+from ._decode import ModelRunner, Row, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
-from ._prefill import BatchPrefill
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PREFILL_BLOCK", "ROW_BLOCK", "SLOT_BLOCK", "SlotRows", "slot_cache"]
+__all__ = ["PREFILL_BLOCK", "ROW_BLOCK", "SLOT_BLOCK", "SlotLayout", "slot_cache"]
 
 #: Rows of every decode step are padded to a multiple of this (MKL: 1-3 rows take another kernel than 4 or
 #: more; every multiple of 4 measured invariant with 1 to 8 threads). A padding row costs a row of KV cache.
@@ -61,55 +60,63 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-class SlotRows(BatchPrefill):
-    """The deterministic path of ``LocalEngine`` on the batch-invariant layout (see the module docstring)."""
+class SlotLayout:
+    """The deterministic path on the batch-invariant layout, over one model runner (see the module
+    docstring). :meth:`fill` and :meth:`first` are the calls the self-test (``_batch_invariance``) probes."""
 
-    _slot_layout: bool | None = None  # whether this model's cache layers allow the layout (checked once)
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._supported: bool | None = (
+            None  # whether the model's cache layers allow the layout (checked once)
+        )
 
-    def _slots_supported(self) -> bool:
+    def supported(self) -> bool:
         """Whether every layer of the model is full or sliding-window attention over a plain static cache
         (the layout keeps both as full-length static layers and builds a sliding layer's window into its
         mask). Chunked attention, linear attention and state-space layers are not: their masks or states
         would need their own per-row rules, so such models run deterministic rows alone."""
-        if self._slot_layout is None:
+        if self._supported is None:
             from transformers import StaticCache
             from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-            config = self.model.config
+            config = self.runner.model.config
             types = set(getattr(text_config(config), "layer_types", None) or ("full_attention",))
             try:
                 probe = StaticCache(config=config, max_cache_len=SLOT_BLOCK)
             except (TypeError, ValueError, KeyError, NotImplementedError):
-                self._slot_layout = False
+                self._supported = False
             else:
                 kinds = {type(layer) for layer in probe.layers}
-                self._slot_layout = (
+                self._supported = (
                     bool(kinds)
                     and kinds <= {StaticLayer, StaticSlidingWindowLayer}
                     and types <= {"full_attention", "sliding_attention"}
                 )
-        return self._slot_layout
+        return self._supported
 
-    def _generate_slotted(
+    def generate(
         self, requests: list[GenerationRequest], cancelled: threading.Event | None
     ) -> list[GenerationResult | Exception]:
         """Prefill the distinct prompts in one batch, then decode every row in one slot-cache batch."""
         import torch
 
+        runner = self.runner
         started = time.perf_counter()
         raise_if_cancelled(cancelled)
         prompts = [r.prompt_ids for r in requests]
         length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-        logits, cache = self._slot_prefill(prompts, length)
+        distinct = list(dict.fromkeys(prompts))
+        cache = self.fill(distinct, length)
+        logits = self.first(prompts, distinct, cache)
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
-        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        self._decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
+        runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
         seconds = time.perf_counter() - started
         uses = {p: prompts.count(p) for p in set(prompts)}
         return [
             row.failure
             if row.failure is not None
-            else self._result(
+            else runner.result(
                 row,
                 seconds=seconds,
                 batch_size=len(rows),
@@ -119,16 +126,10 @@ class SlotRows(BatchPrefill):
             for row in rows
         ]
 
-    def _slot_prefill(self, prompts: list[tuple[int, ...]], length: int) -> tuple[torch.Tensor, Any]:
-        """A new slot cache holding each row's prompt at slots ``0 .. len-1`` (at least ``length`` slots),
-        and each row's logits after its last prompt token (rows, vocab)."""
-        distinct = list(dict.fromkeys(prompts))
-        cache = self._slot_fill(distinct, length)
-        return self._slot_first(prompts, distinct, cache), cache
-
-    def _slot_fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
-        """Prefill all but the last token of each distinct prompt, in one batch padded on the RIGHT to a
-        multiple of ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows).
+    def fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
+        """A new slot cache (at least ``length`` slots) with all but the last token of each distinct prompt
+        prefilled at slots ``0 .. len-2``: in one batch padded on the RIGHT to a multiple of
+        ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows).
 
         No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
         queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
@@ -136,15 +137,13 @@ class SlotRows(BatchPrefill):
         would leave NaN there, and ``0 * NaN`` in ``probs @ V`` would reach the real rows)."""
         import torch
 
-        device = self.device
+        model, device = self.runner.model, self.runner.device
         width = _round_up(max(len(p) for p in distinct) - 1, PREFILL_BLOCK)
-        cache = slot_cache(
-            self.model.config, rows=len(distinct), length=max(length, width), dtype=self.model.dtype
-        )
+        cache = slot_cache(model.config, rows=len(distinct), length=max(length, width), dtype=model.dtype)
         if width:  # else every prompt is one token: nothing before its last
-            ids = [list(p[:-1]) + [self._pad_id] * (width - len(p) + 1) for p in distinct]
+            ids = [list(p[:-1]) + [self.runner.pad_id] * (width - len(p) + 1) for p in distinct]
             positions = torch.arange(width, device=device).expand(len(distinct), width)
-            self.model(
+            model(
                 input_ids=torch.tensor(ids, dtype=torch.long, device=device),
                 position_ids=positions,
                 cache=cache,
@@ -153,19 +152,20 @@ class SlotRows(BatchPrefill):
             )
         return cache
 
-    def _slot_first(
+    def first(
         self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any
     ) -> torch.Tensor:
-        """Give each row its prompt's prefilled slots (rows with one prompt share them: the same arithmetic),
-        then feed each row its last prompt token as a decode step: the logits of its first generated token."""
+        """Give each row its prompt's prefilled slots in ``cache`` (from :meth:`fill` of ``distinct``; rows
+        with one prompt share them: the same arithmetic), then feed each row its last prompt token as a
+        decode step: the logits of its first generated token (rows, vocab)."""
         import torch
 
-        device = self.device
+        device = self.runner.device
         index = {p: i for i, p in enumerate(distinct)}
         cache.reorder_cache(torch.tensor([index[p] for p in prompts], dtype=torch.long, device=device))
         last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=device)
         positions = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device)
-        return self._step(last, positions, None, cache, 0, True)
+        return self.runner.step(last, positions, None, cache, 0, True)
 
 
 @functools.cache
