@@ -82,7 +82,7 @@ def _part_b(rows: int, repeats: int, steps: int) -> None:
                     )
                     for i in range(rows)
                 ]
-                sampler = Sampler(requests, "cpu")
+                sampler = Sampler([r.sampling for r in requests], "cpu")
                 sampler(logits)
                 runs = []
                 for _ in range(repeats):

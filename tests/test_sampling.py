@@ -9,18 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interlens.engine._generation import GenerationRequest
-from interlens.engine._sampling import Sampler, _inverse_cdf
+from interlens.engine._sampling import Sampler, SamplingSettings, _inverse_cdf
 
 # Six tokens: probabilities .4 .3 .2 .1, then two that are impossible (-inf logits).
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
 LOGITS = PROBS.log()
 
 
-def _request(*, seed: int | None = None, temperature: float = 1.0, top_p: float = 1.0) -> GenerationRequest:
-    return GenerationRequest(
-        prompt_ids=(1,), max_new_tokens=1, temperature=temperature, top_p=top_p, seed=seed
-    )
+def _request(*, seed: int | None = None, temperature: float = 1.0, top_p: float = 1.0) -> SamplingSettings:
+    return SamplingSettings(max_new_tokens=1, temperature=temperature, top_p=top_p, seed=seed)
 
 
 def _frequencies(tokens: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 A :class:`ModelParticipant` describes a turn as a :class:`ChatRequest` (the speaker's view and how to
 sample it) or, for ``conv.logprobs`` and teacher-forced capture, a :class:`ChatScoreRequest` (a view and a
 continuation to score). :class:`ChatEngine` renders each view with the tokenizer's own chat template and hands
-token ids to the :class:`~interlens._generation.LocalEngine`. It is what the scheduler holds per model and
+token ids to the :class:`~._generation.LocalEngine`. It is what the scheduler holds per model and
 device (its ``Engine``): a coalesced batch may mix both request kinds, and a row that cannot be rendered
 fails alone, returned in place.
 

@@ -180,7 +180,7 @@ class ModelRunner:
         eos = self.eos_ids
         gen_start = kv_len
         active = list(rows)
-        sampler = Sampler([r.request for r in active], self.device)
+        sampler = Sampler([r.request.sampling for r in active], self.device)
         dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
         while True:
             # one reduction per row on the device, no sync of its own: a row's sum is NaN/inf iff one of its

@@ -97,7 +97,7 @@ class LocalEngine:
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
-        #: ``interlens._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
+        #: ``interlens.engine._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
         self.placement: dict[str, Any] = {}
         self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
 

@@ -1,4 +1,4 @@
-"""The records that cross the engine's boundary: one row asked of :class:`~interlens._generation.LocalEngine`
+"""The records that cross the engine's boundary: one row asked of :class:`~._generation.LocalEngine`
 and what it answers.
 
 They live apart from the engine because they are what the participants, the batcher and the tests build and

@@ -7,7 +7,7 @@ activations would be mixed with theirs. Alone and from scratch also means a reus
 nor updated by such a row, and an unsteered captured row samples the very tokens the same row would without
 the capture.
 
-Capture positions (``interlens._capture``): row ``i`` of a generated row's capture is the hidden state at
+Capture positions (``interp._capture``): row ``i`` of a generated row's capture is the hidden state at
 the position of generated token ``i`` with that token as the input. The decode loop never feeds the last
 sampled token, so a captured row takes one extra forward step feeding it: the prompt's positions come from
 the prefill, generated tokens ``0..n-2`` from the decode steps, token ``n-1`` from that extra step.

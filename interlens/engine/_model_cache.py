@@ -10,7 +10,7 @@ Loading never waits on the network unless asked to: a hub id is looked up in the
 (``local_files_only``), because a rollout loads models in worker threads and processes where a download
 would stall every conversation, and on an offline machine the hub client retries for most of a minute before
 failing. ``allow_download=True`` lets a miss go to the hub (still never when ``HF_HUB_OFFLINE`` is set).
-Every failure to load becomes a :class:`~interlens._exceptions.ModelLoadError` that says what to do.
+Every failure to load becomes a :class:`~interlens._core._exceptions.ModelLoadError` that says what to do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Next-token choice for a batch of rows with per-row settings and per-row random streams, and the
 special ids the decode loop needs (which tokens end a turn, which pads a prompt).
 
-Every local turn of a rollout carries a seed (see ``interlens._context.turn_seed``), so a batch of 64 rows is
+Every local turn of a rollout carries a seed (see ``_core.turn_seed``), so a batch of 64 rows is
 64 seeded rows: sampling them one ``torch.multinomial`` call per row (each with its own ``torch.Generator``)
 cost 2.75x the unseeded path per step at a real vocabulary on CPU. Instead each step draws ONE uniform per
 row (from the row's own stream, or from torch's global RNG for an unseeded row) and samples every row at
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._core import ConfigurationError
 
@@ -101,30 +101,23 @@ _PER_TURN = frozenset({"seed"})
 _ALWAYS_WRITTEN = frozenset({"max_new_tokens", "temperature", "top_p", "stop"})
 
 
-class _Settings(Protocol):
-    """What the sampler reads from a request (``GenerationRequest`` and ``SamplingSettings`` satisfy it)."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def seed(self) -> int | None: ...
-
-
 class Sampler:
     """Picks the next token of every active row; built once per batch composition, not per step.
 
     Greedy rows (temperature <= 0) take the argmax. Sampling rows are scaled by their temperature, restricted
-    to their nucleus when top_p < 1, and drawn by inverse CDF with one uniform each per step.
+    to their nucleus when top_p < 1, and drawn by inverse CDF with one uniform each per step. It reads each
+    row's :class:`SamplingSettings` record itself, so a new sampling setting reaches it with the record.
     """
 
     def __init__(
-        self, requests: list[Any], device: str, streams: list[random.Random | None] | None = None
+        self,
+        requests: list[SamplingSettings],
+        device: str,
+        streams: list[random.Random | None] | None = None,
     ) -> None:
         import torch
 
-        self.requests: list[_Settings] = requests
+        self.requests = requests
         self.device = device
         if streams is None:  # seeded by the seed's text: an int seed would drop its sign (-5 == 5)
             streams = [
