@@ -222,6 +222,7 @@ def settings_problem(settings: dict[str, Any]) -> str | None:
 ANTHROPIC = Provider(
     name="anthropic",
     title="Anthropic",
+    sdk="anthropic",
     key_variable="ANTHROPIC_API_KEY",
     url_variable="ANTHROPIC_BASE_URL",
     default_url="https://api.anthropic.com",

@@ -133,11 +133,13 @@ class Provider:
     Capabilities, read by the participant, the registry and the CLI instead of comparing provider names:
     ``batch`` (above), ``keyless_local`` (an endpoint on a local or private host is called without a key
     when none is set: OpenAI-compatible servers such as vLLM or ``transformers serve``), ``accepts_seed``
-    (a request can carry a sampling seed, chat completions' ``seed``).
+    (a request can carry a sampling seed, chat completions' ``seed``). ``sdk``: the official SDK's package,
+    whose version a run records.
     """
 
     name: str
     title: str
+    sdk: str
     key_variable: str
     url_variable: str
     default_url: str

@@ -227,6 +227,7 @@ class OpenAIClient:
 OPENAI = Provider(
     name="openai",
     title="OpenAI",
+    sdk="openai",
     key_variable="OPENAI_API_KEY",
     url_variable="OPENAI_BASE_URL",
     default_url="https://api.openai.com/v1",
@@ -242,6 +243,7 @@ OPENAI = Provider(
 OPENROUTER = Provider(
     name="openrouter",
     title="OpenRouter",
+    sdk="openai",
     key_variable="OPENROUTER_API_KEY",
     url_variable="OPENROUTER_BASE_URL",
     default_url="https://openrouter.ai/api/v1",

@@ -268,8 +268,11 @@ def _engine_keys(participants: Sequence[Any]) -> frozenset[Hashable] | None:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
+    from ..providers import PROVIDERS, provider
+
+    sdks = dict.fromkeys(provider(name).sdk for name in PROVIDERS)  # each provider's SDK, once, in order
     out = {}
-    for package in ("interlens", "torch", "transformers", "datasets", "openai", "anthropic"):
+    for package in ("interlens", "torch", "transformers", "datasets", *sdks):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
