@@ -3,7 +3,8 @@
 Two participants naming the same model on the same device must share ONE copy of the weights: a debate
 between two instances of one 7B model should cost one 7B model of memory, and the scheduler's batcher can
 only co-step their turns if they are turns of the same engine. So engines are cached by everything that
-changes what gets loaded (path or hub id, device, dtype, revision, trust_remote_code), and loading is guarded
+changes what gets loaded (path or hub id, device, dtype, revision, trust_remote_code, the GGUF file, the other
+``from_pretrained`` options: ``load_kwargs``, checked in ``_load_options``), and loading is guarded
 by a lock per recipe: two threads asking at once load once, while different recipes still load in parallel.
 
 Loading never waits on the network unless asked to: a hub id is looked up in the local Hugging Face cache only
@@ -20,8 +21,17 @@ import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from .._core import DeviceError, ModelLoadError
+from .._core import ConfigurationError, DeviceError, ModelLoadError
 from ._generation import LocalEngine
+from ._load_options import (
+    check_load_kwargs,
+    gguf_error,
+    gguf_path,
+    load_kwargs_key,
+    no_chat_template,
+    require_gguf,
+    tokenizer_load_kwargs,
+)
 
 __all__ = [
     "cached_engines",
@@ -51,6 +61,8 @@ def load_engine(
     revision: str | None = None,
     trust_remote_code: bool = False,
     allow_download: bool = False,
+    gguf_file: str | None = None,
+    load_kwargs: dict[str, Any] | None = None,
 ) -> LocalEngine:
     """Return the engine for this load recipe, loading model + tokenizer on first use (thread-safe).
 
@@ -58,7 +70,9 @@ def load_engine(
     None: bfloat16 on CUDA, transformers' default (float32) elsewhere. The weights load straight onto
     ``device`` (``device_map``, see :func:`load_kwargs`), or split over a group of GPUs written
     ``"cuda:0,cuda:1"``, and the model is put in eval mode. A hub id must already be in the local Hugging
-    Face cache unless ``allow_download`` is true.
+    Face cache unless ``allow_download`` is true. ``gguf_file`` names a GGUF checkpoint in the directory or
+    hub repo (dequantized by transformers; needs the ``gguf`` package); ``load_kwargs`` are further
+    ``from_pretrained`` options (checked: JSON values, none of the settings above).
     """
     if not isinstance(path_or_id, str) or not path_or_id.strip():
         raise ModelLoadError(
@@ -70,10 +84,36 @@ def load_engine(
             f"load_engine({path_or_id!r}, dtype={dtype!r}): unknown dtype; use one of {', '.join(_DTYPES)} "
             "or None."
         )
+    where = f"load_engine({path_or_id!r})"
+    extra = check_load_kwargs(load_kwargs, where=where)
+    if "trust_remote_code" in extra:
+        if trust_remote_code and extra["trust_remote_code"] is not True:
+            raise ModelLoadError(
+                f"{where}: trust_remote_code=True and load_kwargs['trust_remote_code']="
+                f"{extra['trust_remote_code']!r} disagree; set it in one place"
+            )
+        trust_remote_code = extra.pop("trust_remote_code") is True
+    if gguf_file is not None:
+        if not isinstance(gguf_file, str) or not gguf_file:
+            raise ModelLoadError(f"{where}: gguf_file must be the name of a .gguf file, got {gguf_file!r}")
+        require_gguf(where)
     device = _canonical_device(device)
     local = os.path.isdir(os.path.expanduser(path_or_id))
     source = os.path.realpath(os.path.expanduser(path_or_id)) if local else path_or_id
-    key = recipe_key(source, device=device, dtype=dtype, revision=revision, trust=trust_remote_code)
+    if gguf_file is not None and local:
+        try:
+            gguf_path(source, gguf_file, where=where)
+        except ConfigurationError as exc:
+            raise ModelLoadError(str(exc)) from None
+    key = recipe_key(
+        source,
+        device=device,
+        dtype=dtype,
+        revision=revision,
+        trust=trust_remote_code,
+        gguf_file=gguf_file,
+        load_kwargs=extra,
+    )
     engine = _engines.get(key)
     if engine is not None:
         return engine
@@ -90,6 +130,8 @@ def load_engine(
                 revision=revision,
                 trust=trust_remote_code,
                 download=allow_download,
+                gguf_file=gguf_file,
+                extra=extra,
             )
             with _guard:
                 _engines[key] = engine
@@ -104,11 +146,22 @@ def clear_engine_cache() -> None:
 
 
 def recipe_key(
-    source: str, *, device: str, dtype: str | None, revision: str | None, trust: bool
+    source: str,
+    *,
+    device: str,
+    dtype: str | None,
+    revision: str | None,
+    trust: bool,
+    gguf_file: str | None = None,
+    load_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, ...]:
     """What tells two loads apart: the dtype as loaded (None on CUDA is bfloat16, so asking for None and for
-    "bfloat16" shares one copy of the weights instead of holding two)."""
-    return (source, device, dtype or _default_dtype(device), revision, bool(trust))
+    "bfloat16" shares one copy of the weights instead of holding two); the GGUF file and the load_kwargs
+    only when set (canonical JSON)."""
+    key: tuple[Any, ...] = (source, device, dtype or _default_dtype(device), revision, bool(trust))
+    if gguf_file is not None or load_kwargs:
+        key += (gguf_file, load_kwargs_key(load_kwargs or {}))
+    return key
 
 
 def cached_engines() -> list[LocalEngine]:
@@ -237,13 +290,17 @@ def _load(
     revision: str | None,
     trust: bool,
     download: bool,
+    gguf_file: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> LocalEngine:
     if not local and _looks_like_path(source):
         raise ModelLoadError(
             f"no model directory at {source!r}; check the path (it must be a directory written by "
             "save_pretrained, holding config.json and the weights)."
         )
-    kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
+    kwargs: dict[str, Any] = {**(extra or {}), "revision": revision, "trust_remote_code": trust}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
     kwargs.update(load_kwargs(device, dtype))
     if not _have_accelerate():  # transformers places weights by device_map only through accelerate
         placed = kwargs.pop("device_map")
@@ -273,12 +330,18 @@ def _from_pretrained(
     source: str, device: str, kwargs: dict[str, Any], *, local_files_only: bool, where: str
 ) -> LocalEngine:
     AutoModelForCausalLM, AutoTokenizer = _transformers()
+    gguf_file = kwargs.get("gguf_file")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
         )
+        if gguf_file is not None and not getattr(tokenizer, "chat_template", None):
+            raise no_chat_template(f"loading {source!r}", gguf_file)
         model: Any = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
+        translated = gguf_error(exc, source, gguf_file) if gguf_file is not None else None
+        if translated is not None:
+            raise translated from exc
         raise ModelLoadError(
             f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
             "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
@@ -316,4 +379,7 @@ def _have_accelerate() -> bool:
 
 
 def _tok_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k not in ("dtype", "device_map", "max_memory")}
+    """What the tokenizer takes of the model's kwargs: the revision, the GGUF file, and the load_kwargs
+    tokenizers read (``trust_remote_code``, ``subfolder`` ...); not placement, dtype or model options."""
+    own = {k: kwargs[k] for k in ("revision", "gguf_file") if k in kwargs}
+    return own | tokenizer_load_kwargs(kwargs)

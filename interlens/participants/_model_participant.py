@@ -1,7 +1,8 @@
 """Local HuggingFace models as participants.
 
 A :class:`ModelParticipant` is a lazy load recipe: building one reads at most the model's ``config.json``
-(to record its family and refuse a directory that is no model); weights load on first use, through a
+(to record its family and refuse a directory that is no model), or for a GGUF checkpoint (``gguf_file=``)
+its metadata header; weights load on first use, through a
 process-wide cache keyed by the load recipe, so two participants naming one model share one model
 object, and pickling ships no weights.
 
@@ -40,7 +41,17 @@ from .._core import (
     closest_name,
     template_from_json,
 )
-from ..engine import ChatEngine, ChatRequest, ChatScoreRequest, SamplingSettings
+from ..engine import (
+    ChatEngine,
+    ChatRequest,
+    ChatScoreRequest,
+    SamplingSettings,
+    check_load_kwargs,
+    gguf_path,
+    load_kwargs_key,
+    no_chat_template,
+    read_gguf_header,
+)
 from ..interp import CaptureSpec, Logprobs, SteeringSpec, steering_from
 from ._participant import Participant, register_participant_kind
 
@@ -102,6 +113,8 @@ class ModelParticipant(Participant):
         dtype: str | None = None,
         revision: str | None = None,
         steering: SteeringSpec | Sequence[SteeringSpec] | None = None,
+        gguf_file: str | None = None,
+        load_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
         who = f"{type(self).__name__}({name!r})"
@@ -142,6 +155,13 @@ class ModelParticipant(Participant):
                 raise ConfigurationTypeError(
                     f"{who}: {setting} must be a str or None, got {value!r} ({type(value).__name__})"
                 )
+        if gguf_file is not None:
+            if not isinstance(gguf_file, str) or not gguf_file.endswith(".gguf"):
+                raise ConfigurationTypeError(
+                    f"{who}: gguf_file must be the name of a .gguf file in {model_id!r}, got {gguf_file!r}"
+                )
+            if Path(model_id).expanduser().is_dir():  # a local directory: the file must be there now
+                gguf_path(str(Path(model_id).expanduser()), gguf_file, where=who)
         self.model_id = model_id
         self.sampling = SamplingSettings(
             max_new_tokens=max_new_tokens,
@@ -159,6 +179,10 @@ class ModelParticipant(Participant):
         self.revision = revision
         self.steering: tuple[SteeringSpec, ...] = steering_from(steering, where=f"{who}")
         """Applied to every turn of this participant (needs ``batched=False`` in a rollout); ``()``: none."""
+        self.gguf_file = gguf_file
+        """A GGUF checkpoint in ``model_id`` (a local directory or hub repo), dequantized at load; or None."""
+        self.load_kwargs: dict[str, Any] = check_load_kwargs(load_kwargs, where=who)
+        """transformers' other ``from_pretrained`` options (JSON values), part of the load recipe."""
 
     @property
     def temperature(self) -> float:
@@ -194,13 +218,22 @@ class ModelParticipant(Participant):
     # ---------------------------------------------------------------- scheduler EngineSpec
     @property
     def engine_key(self) -> Hashable:
-        return ("hf", self.model_id, self.dtype, self.revision)
+        key: tuple[Any, ...] = ("hf", self.model_id, self.dtype, self.revision)
+        if self.gguf_file is not None or self.load_kwargs:  # only when set: older keys keep their shape
+            key += (self.gguf_file, load_kwargs_key(self.load_kwargs))
+        return key
 
     def load_engine(self, device: str) -> ChatEngine:
         from ..engine import load_engine
 
         engine = load_engine(
-            self.model_id, device=device, dtype=self.dtype, revision=self.revision, allow_download=True
+            self.model_id,
+            device=device,
+            dtype=self.dtype,
+            revision=self.revision,
+            allow_download=True,
+            gguf_file=self.gguf_file,
+            load_kwargs=self.load_kwargs,
         )
         return ChatEngine(engine)
 
@@ -339,6 +372,9 @@ class ModelParticipant(Participant):
             "dtype": self.dtype,
             "revision": self.revision,
             "steering": [spec.to_json() for spec in self.steering],
+            # written only when set, so a recipe that does not use them keeps its fingerprint
+            **({"gguf_file": self.gguf_file} if self.gguf_file is not None else {}),
+            **({"load_kwargs": dict(self.load_kwargs)} if self.load_kwargs else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -369,9 +405,19 @@ class ModelParticipant(Participant):
 register_participant_kind(ModelParticipant.kind, ModelParticipant.from_json)
 
 
-def _read_model_type(id_or_path: str, revision: str | None) -> str | None:
-    """``config.model_type`` without loading weights: the JSON file for a local dir, else AutoConfig."""
-    local = Path(id_or_path)
+def _read_model_type(id_or_path: str, revision: str | None, gguf_file: str | None = None) -> str | None:
+    """``config.model_type`` without loading weights: the JSON file for a local dir, else AutoConfig; for a
+    local GGUF file its metadata header (which also says whether it embeds a chat template, which it must);
+    for a GGUF file on the hub None (reading it would download the whole file): resolved at load."""
+    local = Path(id_or_path).expanduser()
+    if gguf_file is not None:
+        if not local.is_dir():
+            return None
+        where = f"AutoModelParticipant.from_pretrained({id_or_path!r}, gguf_file={gguf_file!r})"
+        header = read_gguf_header(gguf_path(str(local), gguf_file, where=where), where=where)
+        if not header.has_chat_template:
+            raise no_chat_template(where, gguf_file)
+        return header.model_type
     if local.is_dir():
         config = local / "config.json"
         if not config.exists():
@@ -430,7 +476,10 @@ class AutoModelParticipant:
         ``kv_reuse`` (True | False), ``device``, ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``,
         ``"auto"``: the checkpoint's; None: bfloat16 on CUDA, float32 elsewhere), ``revision``, ``steering``
         (a :class:`SteeringSpec` or a list of them, applied to every turn; needs ``batched=False`` in
-        rollouts).
+        rollouts), ``gguf_file`` (a GGUF checkpoint in ``id_or_path``, dequantized by transformers at load;
+        needs the ``gguf`` package), ``load_kwargs`` (a dict of transformers' other ``from_pretrained``
+        options, JSON values, e.g. ``{"attn_implementation": "eager"}``; the settings above are refused
+        there, named).
         """
         unknown = _unknown_setting(settings, allowed=_SETTINGS)
         if unknown is not None:
@@ -444,7 +493,13 @@ class AutoModelParticipant:
                 f"got {id_or_path!r}"
             )
         model_id = str(id_or_path)
-        model_type = _read_model_type(model_id, settings.get("revision"))
-        participant = ModelParticipant(model_id, name=name, **settings)
-        participant.family = model_type
+        if model_id.endswith(".gguf") and Path(model_id).expanduser().is_file():
+            path = Path(model_id)
+            raise ConfigurationError(
+                f"AutoModelParticipant.from_pretrained(name={name!r}): {model_id!r} is a GGUF file; pass its "
+                f"directory and the file's name: from_pretrained({str(path.parent)!r}, "
+                f"gguf_file={path.name!r}, ...)"
+            )
+        participant = ModelParticipant(model_id, name=name, **settings)  # the settings checked first
+        participant.family = _read_model_type(model_id, participant.revision, participant.gguf_file)
         return participant
