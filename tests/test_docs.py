@@ -68,7 +68,7 @@ def test_api_names_in_backticks_exist() -> None:
 
 
 #: A command line of another program (the SLURM script of docs/ray.md): its flags are not ours to check.
-_FOREIGN_COMMAND = re.compile(r"^[ \t]*(?:ray|srun|sbatch|scontrol|#SBATCH)\b[^\n`]*", re.MULTILINE)
+_FOREIGN_COMMAND = re.compile(r"^[ \t]*(?:ray|srun|sbatch|scontrol|#SBATCH|pip)\b[^\n`]*", re.MULTILINE)
 
 
 def test_flags_in_backticks_belong_to_some_script() -> None:
