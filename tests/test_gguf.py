@@ -175,6 +175,10 @@ def test_load_kwargs_must_be_json():
         ModelParticipant(SMOL, name="x", load_kwargs=["attn_implementation", "eager"])
     with pytest.raises(ConfigurationTypeError, match=r"load_kwargs key 3 is not a keyword name"):
         ModelParticipant(SMOL, name="x", load_kwargs={3: "eager"})
+    with pytest.raises(
+        ConfigurationTypeError, match=r"load_kwargs\['trust_remote_code'\] must be True or False"
+    ):
+        ModelParticipant(SMOL, name="x", load_kwargs={"trust_remote_code": "yes"})
     ok = ModelParticipant(SMOL, name="x", load_kwargs={"quantization_config": {"load_in_8bit": True}})
     assert ok.load_kwargs == {"quantization_config": {"load_in_8bit": True}}  # its dict is fine
 

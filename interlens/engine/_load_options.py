@@ -79,6 +79,10 @@ def check_load_kwargs(load_kwargs: Any, *, where: str) -> dict[str, Any]:
                 f"{where}: load_kwargs[{key!r}] is set by interlens itself and may not be overridden; "
                 f"use {_RESERVED[key]}"
             )
+        if key == "trust_remote_code" and not isinstance(value, bool):
+            raise ConfigurationTypeError(
+                f"{where}: load_kwargs['trust_remote_code'] must be True or False, got {value!r}"
+            )
         problem = _not_json(value)
         if problem is not None:
             fix = ""

@@ -88,7 +88,7 @@ def load_engine(
     extra = check_load_kwargs(load_kwargs, where=where)
     if "trust_remote_code" in extra:
         if trust_remote_code and extra["trust_remote_code"] is not True:
-            raise ModelLoadError(
+            raise ConfigurationError(
                 f"{where}: trust_remote_code=True and load_kwargs['trust_remote_code']="
                 f"{extra['trust_remote_code']!r} disagree; set it in one place"
             )
