@@ -231,6 +231,36 @@ def test_an_architecture_transformers_cannot_dequantize_is_a_model_load_error(tm
     assert isinstance(info.value, InterlensError) and "without gguf_file" in message
 
 
+def test_a_hub_gguf_file_is_not_read_at_construction_and_its_load_errors_are_not_masked(tmp_path):
+    """A hub repo in the local Hugging Face cache (offline): building reads nothing (its family is None);
+    loading finds the cached file and reports its real problem, not "not in the local cache"."""
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--interlens-tests--odd-gguf"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    _write_gguf(repo / "snapshots" / commit / "odd.gguf", "rwkv6", chat_template="{{ messages }}")
+    script = textwrap.dedent(
+        """
+        from interlens import AutoModelParticipant, ModelLoadError
+        p = AutoModelParticipant.from_pretrained("interlens-tests/odd-gguf", name="x", gguf_file="odd.gguf")
+        print("FAMILY", p.family)
+        try:
+            p.live_engine()
+        except ModelLoadError as exc:
+            print("LOAD", exc)
+        """
+    )
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    family, load = proc.stdout.strip().splitlines()[-2:]
+    assert family == "FAMILY None"
+    assert "cannot dequantize GGUF architecture 'rwkv6'" in load and "local Hugging Face cache" not in load
+
+
 def test_the_gguf_package_missing_is_refused_naming_the_install():
     script = textwrap.dedent(
         """

@@ -315,6 +315,8 @@ def _load(
     try:
         return _from_pretrained(source, device, kwargs, local_files_only=True, where="the local HF cache")
     except ModelLoadError as exc:
+        if gguf_file is not None and not isinstance(exc.__cause__, OSError):
+            raise  # the cached GGUF file was found but cannot be used (no template, an architecture): say so
         if not download or _offline():
             why = (
                 "HF_HUB_OFFLINE is set" if download else "downloading was not allowed (allow_download=False)"
