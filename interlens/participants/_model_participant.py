@@ -408,7 +408,8 @@ register_participant_kind(ModelParticipant.kind, ModelParticipant.from_json)
 def _read_model_type(id_or_path: str, revision: str | None, gguf_file: str | None = None) -> str | None:
     """``config.model_type`` without loading weights: the JSON file for a local dir, else AutoConfig; for a
     local GGUF file its metadata header (which also says whether it embeds a chat template, which it must);
-    for a GGUF file on the hub None (reading it would download the whole file): resolved at load."""
+    for a GGUF file on the hub None (reading its header would download the whole file; the family is
+    recorded, not used)."""
     local = Path(id_or_path).expanduser()
     if gguf_file is not None:
         if not local.is_dir():
