@@ -86,8 +86,9 @@ def read_api_key(name: str, *, who: str, auth: bool | None = None, base_url: str
     """The key for provider ``name``, or None where the endpoint is called without one.
 
     ``auth=False``: never a key. ``auth=True``: the key is required. ``auth=None`` (the default): the key when
-    its variable is set; when it is not, an ``openai`` endpoint on a local or private host (an
-    OpenAI-compatible server) is called without one, and any other endpoint is refused.
+    its variable is set; when it is not, a provider that serves keyless local endpoints (``keyless_local``:
+    ``openai``, for OpenAI-compatible servers) is called without one on a local or private host
+    (:func:`key_optional`), and any other endpoint is refused.
     """
     if auth is False:
         return None
@@ -95,9 +96,9 @@ def read_api_key(name: str, *, who: str, auth: bool | None = None, base_url: str
     key = os.environ.get(variable, "").strip()
     if key:
         return key
-    url = resolve_base_url(name, base_url)
     if auth is None and key_optional(name, base_url):
         return None
+    url = resolve_base_url(name, base_url)
     local = (
         " For an OpenAI-compatible server that needs no key (vLLM, SGLang, llama.cpp), use "
         f"provider='{name}' with its base_url (a local or private host needs no key) or pass auth=False."
