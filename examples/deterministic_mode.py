@@ -42,6 +42,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="token cap per turn")
     parser.add_argument("--out", default="runs/deterministic", help="parent folder of the runs' ledgers")
+    parser.add_argument(
+        "--dtype",
+        help="float32, bfloat16, ... (default: the checkpoint's); whether deterministic turns co-step "
+        "depends on the kernels this CPU runs in that dtype",
+    )
     args = parser.parse_args()
     if args.model is None:
         from interlens.testing import tiny_model
@@ -56,6 +61,7 @@ def main() -> None:
             temperature=0.9,
             max_new_tokens=args.max_new_tokens,
             seed=seed,  # each turn's generator derives from it
+            dtype=args.dtype,
         )
 
     conv = Conversation([speaker("a", 1), speaker("b", 2)], shared_context="Debate: tabs vs spaces.")

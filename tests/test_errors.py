@@ -129,9 +129,10 @@ def _outputs(report: interlens.RunReport) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("mode", [ExecutionMode.DETERMINISTIC, "deterministic"], ids=["enum", "str"])
-def test_mode_deterministic_is_the_deterministic_path(qwen2_path, mode):
-    a = AutoModelParticipant.from_pretrained(qwen2_path, name="a", max_new_tokens=4, kv_reuse=False)
-    b = AutoModelParticipant.from_pretrained(qwen2_path, name="b", max_new_tokens=4, kv_reuse=False)
+def test_mode_deterministic_is_the_deterministic_path(qwen2_path, mode, co_step_dtype):
+    settings = {"max_new_tokens": 4, "kv_reuse": False, "dtype": co_step_dtype}
+    a = AutoModelParticipant.from_pretrained(qwen2_path, name="a", **settings)
+    b = AutoModelParticipant.from_pretrained(qwen2_path, name="b", **settings)
     conv = Conversation([a, b], shared_context="Debate: tabs vs spaces.").turns(2)
     report = conv.rollout(n=3, devices=["cpu"], seed=3, mode=mode)
     assert report.failed == [] and len(report.results) == 3

@@ -135,8 +135,12 @@ def test_every_example_script_has_a_smoke_test() -> None:
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
-def test_example_runs_offline(script: str, example_env: dict[str, str], tmp_path: Path) -> None:
+def test_example_runs_offline(
+    script: str, example_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     args, patterns = CASES[script]
+    if script == "deterministic_mode.py":  # co-stepped turns are shown in the dtype that co-steps here
+        args = [*args, "--dtype", request.getfixturevalue("co_step_dtype")]
     stdout = run_example(script, [*args, "--out", str(tmp_path / "run")], example_env, tmp_path)
     assert_lines(stdout, patterns)
 

@@ -31,8 +31,8 @@ def test_two_model_debate_rollout_co_steps(qwen2_path, tmp_path):
     assert conv.generated_turns == 0  # rollout copies, never mutates
 
 
-def test_deterministic_mode_is_token_identical_run_to_run(qwen2_path):
-    conv = model_debate(qwen2_path, kv_reuse=False).turns(3)
+def test_deterministic_mode_is_token_identical_run_to_run(qwen2_path, co_step_dtype):
+    conv = model_debate(qwen2_path, kv_reuse=False, dtype=co_step_dtype).turns(3)
     first = conv.rollout(n=3, devices=["cpu"], batched=False, seed=7)
     second = conv.rollout(n=3, devices=["cpu"], batched=False, seed=7)
     for job_id in first.results:
