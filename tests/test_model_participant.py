@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +189,100 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
     p = ModelParticipant(str(tmp_path / "nowhere"), name="x")
     with pytest.raises(ModelLoadError):
         p.live_engine()
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_naming_it_not_run_with_random_values(qwen2_path, tmp_path):
+    """transformers fills weights a checkpoint lacks with random values and only logs it: the engine would
+    generate noise as the model's answer (seen with a GGUF file whose LM head was not tied)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "no_lm_head"
+    shutil.copytree(qwen2_path, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["lm_head.weight"]  # the tiny Qwen2 does not tie it to the embedding
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    p = AutoModelParticipant.from_pretrained(str(broken), name="x")
+    with pytest.raises(
+        ModelLoadError,
+        match=r"1 weight\(s\) of Qwen2ForCausalLM are not in the checkpoint "
+        r"\(lm_head\.weight\).*random values",
+    ):
+        p.live_engine()
+
+
+def _tied_checkpoint(qwen2_path: str, out: Path) -> Path:
+    """The tiny Qwen2 with its LM head tied to its embedding, as SmolLM2 or Qwen2.5-0.5B ship: no lm_head
+    tensor in the file, ``tie_word_embeddings`` in the config."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(qwen2_path, out)
+    weights = load_file(str(out / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return out
+
+
+def test_models_loaded_in_threads_leave_weight_tying_working(qwen2_path, llama_path, gemma2_path, tmp_path):
+    """transformers swaps PreTrainedModel.tie_weights for a no-op on the class while it builds a model; loads
+    in several threads interleave the swap and leave the no-op for good, and every tied model loaded later
+    gets a random LM head. Loads through interlens run one at a time, and repair what plain transformers
+    loads in threads left behind."""
+    tied = _tied_checkpoint(qwen2_path, tmp_path / "tied")
+    script = textwrap.dedent(
+        """
+        import sys, threading
+        from transformers import PreTrainedModel
+        from interlens.engine._model_cache import clear_engine_cache, load_engine
+        tied, paths = sys.argv[1], sys.argv[2:]
+
+        def at_once(load):
+            start = threading.Barrier(len(paths))
+            def run(p):
+                start.wait()
+                load(p)
+            threads = [threading.Thread(target=run, args=(p,)) for p in paths]
+            for t in threads: t.start()
+            for t in threads: t.join()
+
+        def head_is_embedding():
+            model = load_engine(tied, device="cpu").model
+            clear_engine_cache()
+            return model.lm_head.weight is model.get_input_embeddings().weight
+
+        print("first", head_is_embedding())
+        for _ in range(3):
+            at_once(lambda p: load_engine(p, device="cpu"))
+            clear_engine_cache()
+        print("after interlens", PreTrainedModel.tie_weights.__name__, head_is_embedding())
+        # two plain loads in two threads, interleaved: A enters, B enters, A leaves, B leaves
+        from transformers.initialization import no_tie_weights
+        first, second = no_tie_weights(), no_tie_weights()
+        first.__enter__(); second.__enter__()
+        first.__exit__(None, None, None); second.__exit__(None, None, None)
+        print("left by transformers", PreTrainedModel.tie_weights.__name__)
+        print("after repair", head_is_embedding(), PreTrainedModel.tie_weights.__name__)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tied), qwen2_path, llama_path, gemma2_path],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "first True"
+    assert lines[1] == "after interlens tie_weights True"  # no no-op left behind by our own loads
+    assert lines[2] == "left by transformers empty_func"  # what interleaved plain loads leave
+    assert lines[3] == "after repair True tie_weights"
+    assert "tie_weights was left replaced" in proc.stderr
 
 
 def test_two_models_loading_at_once_in_a_fresh_process_both_load(qwen2_path, llama_path):

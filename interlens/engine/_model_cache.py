@@ -16,9 +16,11 @@ Every failure to load becomes a :class:`~interlens._core._exceptions.ModelLoadEr
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 from .._core import ConfigurationError, DeviceError, ModelLoadError
@@ -47,8 +49,13 @@ _DTYPES = ("float32", "bfloat16", "float16", "auto")
 #: The share of a GPU's free memory a model split over a group may take (the rest: activations, KV cache).
 _MEMORY_SHARE = 0.85
 
+_log = logging.getLogger("interlens")
 _guard = threading.Lock()
 _import_lock = threading.Lock()
+#: One ``from_pretrained`` at a time per process (see :func:`_loading_alone`).
+_from_pretrained_lock = threading.Lock()
+#: transformers' own ``PreTrainedModel.tie_weights``, kept at first import (see :func:`_loading_alone`).
+_real_tie_weights: Any = None
 _engines: dict[tuple[Any, ...], LocalEngine] = {}
 _loading: dict[tuple[Any, ...], threading.Lock] = {}
 
@@ -334,12 +341,15 @@ def _from_pretrained(
     AutoModelForCausalLM, AutoTokenizer = _transformers()
     gguf_file = kwargs.get("gguf_file")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
-        )
-        if gguf_file is not None and not getattr(tokenizer, "chat_template", None):
-            raise no_chat_template(f"loading {source!r}", gguf_file)
-        model: Any = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only, **kwargs)
+        with _loading_alone():
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, local_files_only=local_files_only, **_tok_kwargs(kwargs)
+            )
+            if gguf_file is not None and not getattr(tokenizer, "chat_template", None):
+                raise no_chat_template(f"loading {source!r}", gguf_file)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, local_files_only=local_files_only, output_loading_info=True, **kwargs
+            )
     except (OSError, ValueError, KeyError, ImportError) as exc:
         translated = gguf_error(exc, source, gguf_file) if gguf_file is not None else None
         if translated is not None:
@@ -348,6 +358,7 @@ def _from_pretrained(
             f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
             "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
         ) from exc
+    _refuse_missing_weights(source, model, info)
     if "device_map" not in kwargs:  # no accelerate: loaded on the CPU; a GPU gets it from there
         model = model.to(device)
     model.eval()
@@ -358,6 +369,50 @@ def _from_pretrained(
     engine = LocalEngine(model, tokenizer, device=first)
     engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
     return engine
+
+
+def _refuse_missing_weights(source: str, model: Any, info: dict[str, Any]) -> None:
+    """Refuse a model some of whose weights the checkpoint did not hold: transformers fills them with random
+    values and only logs it, and the engine would then generate noise as if it were the model's answer."""
+    missing = sorted(info.get("missing_keys") or ())
+    if not missing:
+        return
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    architecture = type(model).__name__
+    raise ModelLoadError(
+        f"loading {source!r}: {len(missing)} weight(s) of {architecture} are not in the checkpoint "
+        f"({shown}); transformers would fill them with random values and every reply would be noise. "
+        "Load a causal language model checkpoint whose files are complete (an encoder such as BERT has no "
+        "generation head)."
+    )
+
+
+@contextlib.contextmanager
+def _loading_alone() -> Iterator[None]:
+    """Hold the process's one loading slot, with transformers' weight tying in place.
+
+    While it builds a model, ``from_pretrained`` swaps ``PreTrainedModel.tie_weights`` for a no-op on the
+    class and puts back what it found (transformers 5.24, ``initialization.no_tie_weights``). Two loads in two
+    threads interleave that swap, and the later one puts back the no-op for good: from then on no model in
+    the process ties its LM head to its embedding, and every tied checkpoint (SmolLM2, Qwen2.5-0.5B, Llama
+    3.2, Gemma...) loads with a random LM head and generates noise (measured: three tiny models loaded in
+    three threads leave the no-op behind). So loads run one at a time here, and a no-op left by someone else's
+    threads is replaced by the real method first."""
+    global _real_tie_weights
+    from transformers import PreTrainedModel
+
+    with _from_pretrained_lock:
+        if _real_tie_weights is None:
+            candidate = PreTrainedModel.tie_weights
+            if candidate.__name__ == "tie_weights":
+                _real_tie_weights = candidate
+        if _real_tie_weights is not None and PreTrainedModel.tie_weights is not _real_tie_weights:
+            _log.warning(
+                "transformers' PreTrainedModel.tie_weights was left replaced (by models loaded at once in "
+                "several threads outside interlens); restored before loading, or tied weights would be random"
+            )
+            PreTrainedModel.tie_weights = _real_tie_weights  # type: ignore[method-assign]
+        yield
 
 
 def _transformers() -> tuple[Any, Any]:
