@@ -67,9 +67,10 @@ def test_api_names_in_backticks_exist() -> None:
             assert hasattr(owners[owner], name), f"{_page_id(page)} names {owner}.{name}: no such attribute"
 
 
-#: A command line of another program (the SLURM script of docs/ray.md, pip): its flags are not ours to check.
+#: A command line of another program (SLURM, pip, transformers serve): its flags are not ours to check.
 _FOREIGN_COMMAND = re.compile(
-    r"(?:^[ \t]*(?:ray|srun|sbatch|scontrol|#SBATCH)\b|[\w./]*\bpip install\b)[^\n`]*", re.MULTILINE
+    r"(?:^[ \t]*(?:ray|srun|sbatch|scontrol|#SBATCH|transformers serve)\b|[\w./]*\bpip install\b)[^\n`]*",
+    re.MULTILINE,
 )
 
 

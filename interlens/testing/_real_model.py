@@ -166,9 +166,10 @@ def _load_gguf(source: Path) -> tuple[Any, Any]:
     try:
         directory, name = str(source.parent), source.name
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=name, output_loading_info=True
         )
+        model, info = loaded
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

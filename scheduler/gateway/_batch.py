@@ -165,10 +165,28 @@ async def retrying(
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for an error message or a log: status, type and the first line of the message (no body)."""
+    """One line for an error message or a log: status, type, the first line of the message and, when the SDK
+    left it out, the server's own reason (an OpenAI-compatible server such as ``transformers serve`` answers
+    ``{"detail": "..."}``, which the SDK's message reduces to "Error code: 400")."""
     status = getattr(exc, "status_code", None)
     text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{f'HTTP {status} ' if status is not None else ''}{type(exc).__name__}: {text[:200]}"
+    reason = _server_reason(getattr(exc, "body", None))
+    if reason and reason not in text:
+        text = f"{text}: {reason}" if text else reason
+    return f"{f'HTTP {status} ' if status is not None else ''}{type(exc).__name__}: {text[:300]}"
+
+
+def _server_reason(body: Any) -> str | None:
+    """The first line of a JSON error body's reason: ``error.message``, ``detail`` or ``message``."""
+    if not isinstance(body, dict):
+        return None
+    for key in ("error", "detail", "message"):
+        value = body.get(key)
+        if isinstance(value, dict):
+            value = value.get("message")
+        if isinstance(value, str) and value.strip():
+            return value.strip().splitlines()[0]
+    return None
 
 
 class Row:

@@ -1,0 +1,134 @@
+"""A real OpenAI-compatible server as a participant: ``transformers serve`` with the real model, on loopback.
+
+The server is transformers' own (FastAPI + uvicorn, continuous batching), serving SmolLM2-135M-Instruct from
+its converted directory on a free loopback port; an ``APIParticipant(provider="openai", base_url=...)``
+speaks to it through the official OpenAI SDK with no key, as users point interlens at vLLM or a llama.cpp
+server. Started once for the module and stopped after it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from interlens import APIParticipant, Conversation
+from interlens.scheduler.gateway import RetryPolicy
+from interlens.store import LedgerReader
+from interlens.testing import REAL_MODEL_INSTALL, real_model
+
+PATH = real_model()
+_SERVE = Path(sys.executable).parent / "transformers"
+pytestmark = [
+    pytest.mark.skipif(PATH is None, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}"),
+    pytest.mark.usefixtures("hermetic_api_env"),
+]
+FAST = RetryPolicy(initial_s=0.05, max_s=0.2, max_attempts=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def serve_url() -> Iterator[str]:
+    """``transformers serve`` on a free loopback port; its URL once uvicorn says it is up."""
+    pytest.importorskip("fastapi", reason="transformers serve needs transformers[serving] (the test extra)")
+    assert PATH is not None
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
+    server = subprocess.Popen(
+        [
+            *(str(_SERVE), "serve", PATH, "--host", "127.0.0.1", "--port", str(port)),
+            *("--continuous-batching", "--device", "cpu", "--log-level", "info"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+
+    def read() -> None:
+        assert server.stderr is not None
+        for line in server.stderr:
+            seen.append(line)
+            lines.put(line)
+        lines.put("")  # the server's stderr closed: it exited
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=180)  # the model loads before uvicorn starts listening
+            if "Uvicorn running on" in line or "Application startup complete" in line:
+                break
+            assert line, f"transformers serve exited {server.wait()}:\n{''.join(seen)[-3000:]}"
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _speaker(name: str, url: str, model_id: str | None = None, **settings: object) -> APIParticipant:
+    assert PATH is not None
+    return APIParticipant(
+        name=name,
+        provider="openai",
+        model_id=model_id or PATH,
+        base_url=url,
+        retry=FAST,
+        temperature=0.0,
+        max_tokens=24,
+        **settings,
+    )
+
+
+def test_a_debate_against_transformers_serve_runs_records_usage_and_resumes(
+    serve_url: str, tmp_path: Path
+) -> None:
+    conv = Conversation(
+        [
+            _speaker("pro", serve_url, system_prompt="You argue for tabs. One sentence."),
+            _speaker("con", serve_url, system_prompt="You argue for spaces. One sentence."),
+        ],
+        shared_context="Debate: tabs or spaces?",
+    ).turns(2)
+    report = conv.rollout(n=4, out_dir=tmp_path / "run", progress=False)
+    assert report.failed == [] and len(report.results) == 4
+    turns = [m for r in report.results.values() for m in r.transcript[1:]]
+    assert len(turns) == 8 and all(m.content.strip() for m in turns)
+    assert all(m.metadata["model"] == PATH for m in turns)
+    totals = report.usage().totals()  # the server's own token counts, recorded per turn
+    assert (
+        totals["requests"] == 8 and totals["input_tokens"] > 8 * 20 and 8 <= totals["output_tokens"] <= 8 * 24
+    )
+    with LedgerReader(tmp_path / "run") as reader:
+        assert reader.counts()["done"] == 4
+    again = conv.rollout(n=4, out_dir=tmp_path / "run", progress=False)
+    assert again.counts.get("skipped") == 4 and again.failed == []
+
+
+def test_a_model_the_server_does_not_have_fails_the_job_with_its_reason(serve_url: str) -> None:
+    conv = Conversation(
+        [_speaker("a", serve_url, model_id="no-such-org/no-such-model")], shared_context="hi"
+    ).turns(1)
+    report = conv.rollout(n=1, progress=False)
+    assert len(report.failed) == 1
+    error = report.results[report.failed[0]].error
+    assert error is not None and error.type == "GenerationError", error
+    # the server's own reason, which the SDK's message leaves out ("Error code: 400")
+    assert "HTTP 400" in error.message and "requested 'no-such-org/no-such-model'" in error.message, error
