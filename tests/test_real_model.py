@@ -263,3 +263,25 @@ def test_the_gsm8k_example_runs_end_to_end_on_the_real_model(tmp_path: Path) -> 
     assert re.search(r"^jobs: 3  failed: 0  skipped\(resumed\): 0$", out, re.MULTILINE), out
     assert re.search(r"^  row_00000: answer=\S+ gold=18$", out, re.MULTILINE), out
     assert re.search(r"^accuracy: [0-3]/3 = \d+\.\d%$", out, re.MULTILINE), out
+
+
+# ------------------------------------------------------------------------------------- conversion cache
+
+
+def test_a_damaged_conversion_is_detected_and_converted_again(tmp_path: Path) -> None:
+    """The demo's model is converted once and reused; a truncated weights file (a disk filled mid-copy) is
+    found by the manifest check and converted again, to the same bytes."""
+    import shutil
+
+    assert PATH is not None
+    converted = tmp_path / Path(PATH).name
+    shutil.copytree(PATH, converted)
+    said: list[str] = []
+    assert real_model(cache_dir=tmp_path, announce=said.append) == str(converted) and said == []
+    weights = converted / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    assert real_model(cache_dir=tmp_path, announce=said.append) == str(converted)
+    assert len(said) == 1 and "converting SmolLM2-135M-Instruct" in said[0]
+    assert weights.read_bytes() == (Path(PATH) / "model.safetensors").read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == [converted.name]  # nothing half-made left beside it

@@ -201,3 +201,47 @@ def test_unknown_family_or_size_is_refused_with_the_choices() -> None:
         tiny_model("mistral")
     with pytest.raises(ConfigurationError, match="unknown size; choose one of tiny, bench"):
         tiny_model("qwen2", size="huge")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
+def test_the_ends_turns_variant_ends_rows_mid_batch_and_the_batch_goes_on(family: str) -> None:
+    """A random model's turns always run to the token cap; the ``ends_turns`` variant's end at its end token
+    at different steps, and each row of a batch is still the row run alone."""
+    from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+
+    path = tiny_model(family, ends_turns=True)
+    assert (
+        path != tiny_model(family)
+        and json.loads(Path(path, "interlens_tiny_model.json").read_text())["ends_turns"]
+    )
+    engine = LocalEngine(
+        AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), device="cpu"
+    )
+    texts = [
+        "hi",
+        "Debate: tabs versus spaces.",
+        "2 + 2?",
+        "Explain castling.",
+        "A hot dog?",
+        "Name a color.",
+    ]
+    requests = [
+        GenerationRequest(
+            tuple(
+                engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
+                )
+            ),
+            max_new_tokens=32,
+            temperature=0.9 * (i % 2),
+            seed=i,
+        )
+        for i, t in enumerate(texts)
+    ]
+    batch = engine.generate_batch(requests)
+    assert all(isinstance(r, GenerationResult) for r in batch), batch
+    ended = [r for r in batch if r.finish_reason == "eos"]
+    assert ended and all(len(r.token_ids) < 32 for r in ended)
+    first_end = min(len(r.token_ids) for r in ended)
+    assert any(len(r.token_ids) > first_end for r in batch)  # others went on after a row ended
+    assert [r.token_ids for r in batch] == [engine.generate_batch([q])[0].token_ids for q in requests]

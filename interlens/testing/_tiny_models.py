@@ -318,13 +318,22 @@ user: Solve this problem. A farmer has 12 sheep and buys 7 more. How many sheep?
 
 
 def tiny_model(
-    family: str = "qwen2", *, size: str = "tiny", cache_dir: str | os.PathLike[str] | None = None
+    family: str = "qwen2",
+    *,
+    size: str = "tiny",
+    cache_dir: str | os.PathLike[str] | None = None,
+    ends_turns: bool = False,
 ) -> str:
     """Return a local directory holding a tiny ``family`` model, building it on first use.
 
     The directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` and
     ``AutoTokenizer.from_pretrained(path)``; nothing is ever downloaded. Weights are random but seeded, so a
     given environment always builds the same model.
+
+    A random model almost never picks its end-of-turn token (one in the vocabulary), so its turns run to
+    ``max_new_tokens``. ``ends_turns=True`` builds a variant whose LM head row for that token is scaled up
+    (:data:`_END_ROW_SCALE`): the token wins after some steps and not others, so turns end by themselves at
+    different lengths, and rows of one batch finish at different steps, as with a real chat model.
     """
     if family not in TINY_FAMILIES:
         raise ConfigurationError(
@@ -335,13 +344,13 @@ def tiny_model(
             f"tiny_model(size={size!r}): unknown size; choose one of {', '.join(TINY_SIZES)}."
         )
     root = Path(cache_dir) if cache_dir is not None else _default_root()
-    final = root / _cache_key(family, size)
+    final = root / (_cache_key(family, size) + ("-ends" if ends_turns else ""))
     if (final / "config.json").is_file():
         return str(final)
     with _build_lock(str(final)):
         if not (final / "config.json").is_file():
             root.mkdir(parents=True, exist_ok=True)
-            _build_into(final, family, size)
+            _build_into(final, family, size, ends_turns)
     return str(final)
 
 
@@ -374,15 +383,19 @@ def _build_lock(key: str) -> threading.Lock:
         return _locks.setdefault(key, threading.Lock())
 
 
-def _build_into(final: Path, family: str, size: str) -> None:
+def _build_into(final: Path, family: str, size: str, ends_turns: bool) -> None:
     spec = _families()[family]
     dims = _SIZES[size]
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         tokenizer = _train_tokenizer(spec, dims)
         model = _random_model(spec, dims, tokenizer)
+        if ends_turns:
+            _reachable_end(model, int(tokenizer.convert_tokens_to_ids(spec.stops[0])))
         _save_quietly(model, tokenizer, tmp)
         recipe = {"family": family, "size": size, "recipe_version": _RECIPE_VERSION, "seed": _WEIGHT_SEED}
+        if ends_turns:
+            recipe["ends_turns"] = True
         (tmp / "interlens_tiny_model.json").write_text(json.dumps(recipe, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; a shared cache should be readable by all
         try:
@@ -394,6 +407,20 @@ def _build_into(final: Path, family: str, size: str) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: How much the end-of-turn token's LM head row is scaled in an ``ends_turns`` model: its logit's spread is
+#: then that many times the others', so it is the largest at some positions (measured on the tiny qwen2:
+#: greedy turns of a few to a few dozen tokens) and not at others.
+_END_ROW_SCALE = 2.0
+
+
+def _reachable_end(model: Any, end_id: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[end_id] *= _END_ROW_SCALE
 
 
 def _save_quietly(model: Any, tokenizer: Any, path: Path) -> None:
