@@ -160,6 +160,7 @@ def test_logprobs_equal_the_sum_of_per_token_log_softmax_by_hand(qwen2_path: str
     assert list(scored.token_ids) == cont
     assert scored.logprobs == pytest.approx(by_hand, abs=1e-4)
     assert scored.total == pytest.approx(sum(by_hand), abs=1e-3)
+    assert float(scored) == scored.total  # float(lp): the total, as the spec's comparisons use it
     assert "".join(scored.tokens) and len(scored) == len(cont)
     assert conv.logprobs("b", " Tabs.").total != pytest.approx(scored.total)
     with pytest.raises(interlens.ConfigurationError, match="non-empty str") as excinfo:

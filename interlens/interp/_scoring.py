@@ -33,8 +33,8 @@ class ScoredText:
 class Logprobs:
     """Per-token log-probabilities of ``text`` as ``speaker``'s next message.
 
-    ``total`` is the log-probability of the whole text (the sum), ``mean`` the per-token average; ``tokens``
-    and ``token_ids`` are the text's tokens as the model's tokenizer split it.
+    ``total`` is the log-probability of the whole text (the sum; also ``float(lp)``), ``mean`` the per-token
+    average; ``tokens`` and ``token_ids`` are the text's tokens as the model's tokenizer split it.
     """
 
     speaker: str
@@ -50,6 +50,10 @@ class Logprobs:
     @property
     def mean(self) -> float:
         return self.total / len(self.logprobs) if self.logprobs else 0.0
+
+    def __float__(self) -> float:
+        """``float(lp)`` is the total: the log-probability of the whole text, what a comparison wants."""
+        return self.total
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (what an analyzer may return)."""
