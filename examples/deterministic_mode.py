@@ -25,10 +25,13 @@ from pathlib import Path
 from interlens import AutoModelParticipant, Conversation, ExecutionMode, ModelParticipant, RunReport
 
 
-def batched_turns(report: RunReport) -> str:
-    """How many generated turns were co-stepped with others (``metadata["batched"]``), of how many."""
+def co_stepped(report: RunReport) -> str:
+    """How many generated turns were co-stepped with others (``metadata["batch_size"]`` > 1), of how many,
+    and how many of those are marked ``metadata["batched"]``: tokens that may depend on the batch."""
     turns = [m for res in report.results.values() for m in (res.transcript or [])[1:]]
-    return f"{sum(bool(m.metadata.get('batched')) for m in turns)}/{len(turns)}"
+    together = sum(m.metadata.get("batch_size", 1) > 1 for m in turns)
+    marked = sum(bool(m.metadata.get("batched")) for m in turns)
+    return f"{together}/{len(turns)} turns generated in a batch of more than one, {marked} marked batched"
 
 
 def texts(report: RunReport) -> dict[str, list[str]]:
@@ -80,13 +83,13 @@ def main() -> None:
         print(f"{job_id}: tokens per turn {tokens}, rerun identical: {same}")
     print(f"token-identical reruns: {identical}/{len(first.results)}")
     verdicts = {m.metadata.get("batch_invariant") for r in first.results.values() for m in r.transcript[1:]}
-    print(f"deterministic: {batched_turns(first)} turns generated in a batch of more than one")
+    print(f"deterministic: {co_stepped(first)}")
     print(f"batch-invariant (the engine's self-test): {', '.join(sorted(map(str, verdicts)))}")
     alone = conv.rollout(n=args.n, batched=False, max_batch_size=1, out_dir=out / "alone", seed=0)
     print(f"one turn per batch gives the same conversations: {texts(alone) == texts(first)}")
 
     batched = conv.rollout(n=args.n, out_dir=out / "batched", seed=0)  # the default, for contrast
-    print(f"batched (default): {batched_turns(batched)} turns generated in a batch of more than one")
+    print(f"batched (default): {co_stepped(batched)}")
     print("failed:", sum(len(r.failed) for r in (first, second, alone, batched)))
 
 

@@ -89,10 +89,12 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         [
             r"^rollout_0001: tokens per turn \[\d+, \d+\], rerun identical: True$",
             r"^token-identical reruns: 2/2$",
-            r"^deterministic: [1-4]/4 turns generated in a batch of more than one$",
+            # co-stepped on the batch-invariant layout: not marked batched (the tokens are each row's alone)
+            r"^deterministic: [1-4]/4 turns generated in a batch of more than one, 0 marked batched$",
             r"^batch-invariant \(the engine's self-test\): True$",
             r"^one turn per batch gives the same conversations: True$",
-            r"^batched \(default\): [1-4]/4 turns generated in a batch of more than one$",
+            r"^batched \(default\): ([1-4])/4 turns generated in a batch of more than one, "
+            r"\1 marked batched$",
             r"^failed: 0$",
         ],
     ),

@@ -41,6 +41,7 @@ from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest
 from ._interp_rows import HookedRow
 from ._kept_kv import KeptKV
 from ._kv_reuse import ReusedPrefixBatch
+from ._load_options import require_transformers
 from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
@@ -89,6 +90,9 @@ class LocalEngine:
         _check_limit("kv_reuse_capacity", kv_reuse_capacity, "a number of streams such as 1024")
         if kv_reuse_budget is not None:
             _check_limit("kv_reuse_budget", kv_reuse_budget, "bytes such as 2 << 30, or None for the default")
+        import transformers
+
+        require_transformers(transformers.__version__)
         self._runner = runner = self._runner_type(model, tokenizer, device=device)
         self._kept = KeptKV(capacity=kv_reuse_capacity, budget=kv_reuse_budget, device=device)
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
@@ -213,9 +217,11 @@ class LocalEngine:
         with self._lock, torch.inference_mode():
             for path, rows in self._route(requests, valid, deterministic=mode is ExecutionMode.DETERMINISTIC):
                 results = path([requests[i] for i in rows], cancelled)
+                invariant_path = path == self._slots.generate  # a row's arithmetic whatever its company
                 for i, result in zip(rows, results, strict=True):
                     if isinstance(result, GenerationResult):
                         result.batch_invariant = self._batch_invariant
+                        result.batch_dependent = result.batch_size > 1 and not invariant_path
                     out[i] = result
         return [r for r in out if r is not None]
 

@@ -117,6 +117,9 @@ class GenerationResult:
     captured: Captured | None = None  # the row's activations, when its request asked for a capture
     # the engine's batch-invariance self-test verdict (None: not run, i.e. no deterministic batch yet)
     batch_invariant: bool | None = None
+    # whether the row's tokens may depend on its batch mates: co-stepped on a plain or reused-prefix batch
+    # (a deterministic row co-stepped on the batch-invariant slot layout does not); the turn's "batched"
+    batch_dependent: bool = False
 
     @property
     def shared_prefill(self) -> bool:

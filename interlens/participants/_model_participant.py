@@ -343,7 +343,7 @@ class ModelParticipant(Participant):
                 "n_tokens": result.n_tokens,
                 "finish_reason": result.finish_reason,
                 "prompt_tokens": result.prompt_tokens,
-                "batched": result.batch_size > 1,
+                "batched": result.batch_dependent,  # the spec's marker: tokens may depend on the batch
                 "batch_size": result.batch_size,
                 "batch_invariant": getattr(result, "batch_invariant", None),
                 "shared_prefill": result.shared_prefill,
