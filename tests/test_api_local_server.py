@@ -128,3 +128,22 @@ def test_batches_to_a_local_server_send_no_key_either(open_server: FakeProviderS
     paths = {r.path.split("/")[2] for r in open_server.requests}
     assert paths == {"files", "batches"}  # upload, create, poll, results: every call of the batch API
     assert all(not r.authenticated for r in open_server.requests)
+
+
+def test_a_local_server_that_wants_a_key_it_was_not_sent_names_the_variable(tmp_path: Path) -> None:
+    """The key variable unset, a local endpoint is called keyless; a server started with a key answers 401,
+    and the job's error says which variable to set, not only the server's "missing credentials"."""
+    with FakeProviderServer() as guarded:  # authentication on
+        conv = Conversation([local("a", guarded.openai_base_url)], shared_context="hi").turns(1)
+        report = conv.rollout(n=1, out_dir=tmp_path / "unset")
+        (job,) = report.failed
+        error = report.results[job].error
+        assert error is not None and "HTTP 401" in error.message
+        assert "No key was sent (OPENAI_API_KEY is not set" in error.message
+        assert "set OPENAI_API_KEY to the server's key" in error.message
+        keyless = local("a", guarded.openai_base_url, auth=False)
+        refused = Conversation([keyless], shared_context="hi").turns(1)
+        report = refused.rollout(n=1, out_dir=tmp_path / "auth_false")
+        error = report.results[report.failed[0]].error
+        assert error is not None and "drop auth=False and set OPENAI_API_KEY" in error.message
+        assert all(not r.authenticated for r in guarded.requests)

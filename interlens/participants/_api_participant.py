@@ -15,6 +15,7 @@ otherwise the running event loop's gateway serves it (live use, and jobs in the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,10 @@ DEFAULT_MAX_TOKENS = 1024
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds one request may take before it is abandoned and retried."""
+
+#: A request's seed is the turn's seed in 31 bits: OpenAI takes any integer, but vLLM and other servers
+#: built on int32 refuse larger ones.
+_SEED_MASK = 2**31 - 1
 
 # Interp needs the weights: a hosted model offers none of it through interlens. Refused, never ignored.
 _INTERP_SETTINGS = (
@@ -260,6 +265,7 @@ class APIParticipant(Participant):
             else min(self.max_tokens, options.max_new_tokens)
         )
         turn = None if options.ephemeral else sum(1 for m in view.messages if m.author != MODERATOR)
+        seeded = options.seed is not None and provider_named(self.provider).accepts_seed
         return APIRequest(
             provider=self.provider,
             model=self.model_id,
@@ -272,6 +278,9 @@ class APIParticipant(Participant):
             timeout=self.timeout,
             turn=turn,
             cache=self.prompt_cache,
+            # the turn's own seed (as a local turn's: the same on a rerun, another per job and turn), in the
+            # 31 bits every OpenAI-compatible server takes
+            seed=options.seed & _SEED_MASK if seeded and options.seed is not None else None,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
@@ -300,10 +309,30 @@ class APIParticipant(Participant):
             if isinstance(result, BaseException):
                 raise result
         except (ProviderCallError, BatchRowError) as exc:
-            raise GenerationError(f"{self.name} ({self.provider} model {self.model_id!r}): {exc}") from exc
-        return self.message(result, time.perf_counter() - start)
+            hint = self._refused_without_key(exc)
+            raise GenerationError(
+                f"{self.name} ({self.provider} model {self.model_id!r}): {exc}{hint}"
+            ) from exc
+        return self.message(result, time.perf_counter() - start, seed=request.seed)
 
-    def message(self, result: APIResult, seconds: float) -> Message:
+    def _refused_without_key(self, exc: BaseException) -> str:
+        """The fix, when an endpoint refused a request that carried no key (401/403): a local or private
+        server reached keyless because the key variable is unset, or ``auth=False``."""
+        if getattr(exc, "status", None) not in (401, 403):
+            return ""
+        variable = provider_named(self.provider).key_variable
+        if self.auth is False:
+            return (
+                f". No key was sent (auth=False) and the server wants one: drop auth=False and set {variable}"
+            )
+        if self.auth is None and not os.environ.get(variable):
+            return (
+                f". No key was sent ({variable} is not set, so this local endpoint was called without one) "
+                f"and the server wants one: set {variable} to the server's key"
+            )
+        return ""
+
+    def message(self, result: APIResult, seconds: float, *, seed: int | None = None) -> Message:
         """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata.
 
         ``metadata["usage"]`` is what the turn cost, from the provider's usage fields (never re-tokenized):
@@ -335,6 +364,8 @@ class APIParticipant(Participant):
             metadata["request_id"] = result.request_id
         if result.batch_id:
             metadata["batch_id"] = result.batch_id
+        if seed is not None:
+            metadata["seed"] = seed  # what the request carried
         return Message(self.name, result.text, metadata)
 
     # ---------------------------------------------------------------- JSON / pickling

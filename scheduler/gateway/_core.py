@@ -69,12 +69,19 @@ log = redacting_logger("interlens.gateway")  # a key echoed in an error is redac
 class ProviderCallError(SchedulerError):
     """A provider call failed for good: not retryable, or out of attempts. Fails its conversation only."""
 
-    def __init__(self, message: str, attempts: int = 1, retryable: bool = False) -> None:
-        super().__init__(message, attempts, retryable)  # all in args: pickles across a worker pipe
+    def __init__(
+        self, message: str, attempts: int = 1, retryable: bool = False, status: int | None = None
+    ) -> None:
+        super().__init__(message, attempts, retryable, status)  # all in args: pickles across a worker pipe
 
     @property
     def attempts(self) -> int:
         return int(self.args[1])
+
+    @property
+    def status(self) -> int | None:
+        """The HTTP status of the last attempt's answer (None: no answer, a connection error)."""
+        return self.args[3] if len(self.args) > 3 else None
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -413,6 +420,10 @@ def _gave_up(
         why = f"gave up after {attempts} attempts"
     else:
         why = f"the provider asked to retry after {failure.retry_after} s, over max_retry_after_s"
+    status = getattr(exc, "status_code", None)
     return ProviderCallError(
-        f"{provider} call failed ({why}): {describe_error(exc)}", attempts, failure.retryable
+        f"{provider} call failed ({why}): {describe_error(exc)}",
+        attempts,
+        failure.retryable,
+        status if isinstance(status, int) else None,
     )
