@@ -90,6 +90,41 @@ def test_live_conversation_with_each_provider(server: FakeProviderServer) -> Non
     assert conv.tokens_generated == sum(m.n_tokens for m in turns)
 
 
+def test_api_turns_carry_their_turn_seed_where_the_provider_takes_one(
+    server: FakeProviderServer, tmp_path: Any
+) -> None:
+    """OpenAI's (and OpenAI-compatible servers') ``seed``: the turn's own, the same on a rerun, another per
+    job and turn, recorded with the turn; Anthropic has no such field and gets none."""
+    conv = Conversation([api("a", "openai"), api("b", "anthropic")], shared_context="Debate.").turns(4)
+
+    seen = 0
+
+    def seeds(report: Any) -> tuple[list[int], list[Any]]:
+        nonlocal seen
+        bodies = [r.json for r in generations(server)][seen:]  # this run's requests
+        seen += len(bodies)
+        sent = [b["seed"] for b in bodies if "messages" in b and "max_completion_tokens" in b]
+        assert not any("seed" in b for b in bodies if "max_completion_tokens" not in b)  # Anthropic
+        recorded = [
+            m.metadata.get("seed")
+            for r in report.results.values()
+            for m in r.transcript[1:]
+            if m.author == "a"
+        ]
+        assert not any(
+            "seed" in m.metadata for r in report.results.values() for m in r.transcript if m.author == "b"
+        )
+        return sent, recorded
+
+    sent, recorded = seeds(conv.rollout(n=3, out_dir=tmp_path / "first", seed=5))
+    assert len(sent) == 6 and len(set(sent)) == 6 and all(0 <= x < 2**31 for x in sent)
+    assert sorted(recorded) == sorted(sent)
+    again, _ = seeds(conv.rollout(n=3, out_dir=tmp_path / "again", seed=5))
+    assert sorted(again) == sorted(sent)  # a rerun sends the same seeds
+    other, _ = seeds(conv.rollout(n=3, out_dir=tmp_path / "other", seed=6))
+    assert not set(other) & set(sent)
+
+
 def test_sample_does_not_commit_and_budget_caps_max_tokens(server: FakeProviderServer) -> None:
     conv = Conversation([api("solo", "anthropic")], shared_context="Name three colours.").turns(1)
     conv.run()

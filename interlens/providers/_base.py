@@ -75,6 +75,7 @@ class APIRequest:
     timeout: float = 120.0
     turn: int | None = None  # the conversation's turn index (None: an ephemeral sample); the batch map key
     cache: bool = False  # mark prompt-cache breakpoints where the provider takes them (Anthropic)
+    seed: int | None = None  # the turn's sampling seed, sent where the provider takes one (accepts_seed)
 
 
 @dataclass(frozen=True, slots=True)

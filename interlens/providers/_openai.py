@@ -62,6 +62,8 @@ def body(request: APIRequest) -> dict[str, Any]:
         out["temperature"] = request.temperature
     if request.top_p is not None:
         out["top_p"] = request.top_p
+    if request.seed is not None:
+        out["seed"] = request.seed
     return out
 
 
