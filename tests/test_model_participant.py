@@ -310,3 +310,23 @@ def test_two_models_loading_at_once_in_a_fresh_process_both_load(qwen2_path, lla
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "2 []"
+
+
+def test_a_transformers_older_than_the_floor_is_refused_naming_both_versions(
+    qwen2_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers < 5.24 takes no cache= in a model's forward: tokens silently differ (5.17, measured)."""
+    import transformers
+
+    from interlens.engine._model_cache import clear_engine_cache, load_engine
+
+    clear_engine_cache()
+    monkeypatch.setattr(
+        transformers, "__version__", "5.17.0"
+    )  # the installed release, as the outside world says
+    with pytest.raises(
+        ModelLoadError, match=r"needs transformers >= 5\.24, and 5\.17\.0 is installed.*pip install"
+    ):
+        load_engine(qwen2_path, device="cpu")
+    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    assert load_engine(qwen2_path, device="cpu").model is not None

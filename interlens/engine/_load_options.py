@@ -26,6 +26,7 @@ from typing import Any
 from .._core import ConfigurationError, ConfigurationTypeError, ModelLoadError
 
 __all__ = [
+    "TRANSFORMERS_FLOOR",
     "GGUFHeader",
     "check_load_kwargs",
     "gguf_error",
@@ -34,6 +35,7 @@ __all__ = [
     "no_chat_template",
     "read_gguf_header",
     "require_gguf",
+    "require_transformers",
     "tokenizer_load_kwargs",
 ]
 
@@ -55,6 +57,25 @@ _RESERVED = {
 #: The load_kwargs the tokenizer gets too (the rest are the model's own).
 _TOKENIZER_KEYS = ("trust_remote_code", "subfolder", "cache_dir", "force_download", "code_revision")
 _INSTALL_GGUF = "pip install gguf (or pip install 'interlens[gguf]')"
+
+
+#: The oldest transformers the engine works with: it passes ``cache=`` to the model's forward, which
+#: transformers takes only from 5.24 (5.17, measured: greedy tokens silently stop matching HF ``generate``
+#: after the first token, and shared-prefix batches raise). pyproject's ``local`` extra says the same.
+TRANSFORMERS_FLOOR = (5, 24)
+
+
+def require_transformers(version: str) -> None:
+    """Refuse a transformers older than :data:`TRANSFORMERS_FLOOR`, naming both versions and the fix."""
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    found = (int(numbers.group(1)), int(numbers.group(2))) if numbers else (0, 0)
+    if found < TRANSFORMERS_FLOOR:
+        floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+        raise ModelLoadError(
+            f"the local engine needs transformers >= {floor}, and {version} is installed (older releases "
+            f"take no cache= in a model's forward: tokens would silently differ); pip install -U "
+            f"'transformers>={floor}' (or pip install -U 'interlens[local]')"
+        )
 
 
 def check_load_kwargs(load_kwargs: Any, *, where: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ._load_options import (
     load_kwargs_key,
     no_chat_template,
     require_gguf,
+    require_transformers,
     tokenizer_load_kwargs,
 )
 
@@ -423,9 +424,11 @@ def _transformers() -> tuple[Any, Any]:
     'AutoModelForCausalLM'". The cache classes the engine imports later are resolved here too, so a
     generation starting while another model loads does not race either."""
     with _import_lock:
+        import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
 
         del DynamicCache, StaticCache
+    require_transformers(transformers.__version__)  # before a load, not after its minutes
     return AutoModelForCausalLM, AutoTokenizer
 
 
