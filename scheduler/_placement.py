@@ -19,7 +19,16 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerPlan", "group_members", "plan_workers", "set_worker_device", "worker_device"]
+from interlens.store import SecretGuard
+
+__all__ = [
+    "WORKER_CREDENTIALS",
+    "WorkerPlan",
+    "group_members",
+    "plan_workers",
+    "set_worker_device",
+    "worker_device",
+]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _device: str | None = None
@@ -60,8 +69,15 @@ class WorkerPlan:
     threads: int | None = None
 
     def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The complete environment of the spawned process: ``base`` (the parent's) plus :attr:`env`."""
-        return {**base, **self.env}
+        """The complete environment of the spawned process: ``base`` (the parent's) plus :attr:`env`, less its
+        credential-looking variables (API keys: the parent's gateway makes every API call, so a worker has
+        no use for one) except :data:`WORKER_CREDENTIALS`, which the worker loads weights with."""
+        dropped = {name for name in SecretGuard(base).names if name not in WORKER_CREDENTIALS}
+        return {**{k: v for k, v in base.items() if k not in dropped}, **self.env}
+
+
+#: Credentials a worker needs itself: the Hugging Face Hub token loads gated weights (Llama, Gemma).
+WORKER_CREDENTIALS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 
 
 def plan_workers(

@@ -51,7 +51,7 @@ import anyio
 from interlens.store import SecretGuard
 
 from ._errors import DeviceError, SchedulerConfigError, WorkerStartError
-from ._placement import WorkerPlan
+from ._placement import WORKER_CREDENTIALS, WorkerPlan
 from ._subprocess import Launch
 from ._wire import Init, Message
 
@@ -154,16 +154,12 @@ class RaySession:
         return dict(_ray().cluster_resources())
 
 
-#: Credentials the actors need themselves: the Hugging Face Hub token loads gated weights (Llama, Gemma).
-_WORKER_CREDENTIALS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
-
-
 @contextmanager
 def _without_credentials() -> Iterator[None]:
     """The local instance's processes (its actors too) inherit this environment: not its API keys (the
     parent's gateway makes every API call), but the Hub token the actors load weights with."""
     guard = SecretGuard()
-    names = [n for n in guard.names if not n.startswith("RAY_") and n not in _WORKER_CREDENTIALS]
+    names = [n for n in guard.names if not n.startswith("RAY_") and n not in WORKER_CREDENTIALS]
     saved = {n: os.environ.pop(n) for n in names if n in os.environ}
     try:
         yield

@@ -209,3 +209,35 @@ def test_error_info_redacts_message_and_traceback_before_it_travels(planted: str
     assert info.message == f"request to https://api/?key={MARK} failed"
     assert info.traceback.count(MARK) == 2  # the cause's message too
     assert planted.encode() not in pickle.dumps(info)  # what crosses a worker's pipe
+
+
+def _worker_environment(conv: Conversation) -> dict[str, Any]:
+    """What a worker process's environment holds (names and a comparison, never a credential's value)."""
+    return {
+        "pid": os.getpid(),
+        "keys": sorted(n for n in os.environ if n.endswith("_API_KEY")),
+        "hub": os.environ.get("HF_TOKEN") == HUB_TOKEN,
+    }
+
+
+HUB_TOKEN = "hf_planted-HUB-0123456789abcdef"
+
+
+def test_local_worker_processes_get_no_api_key_but_keep_the_hub_token(
+    planted: str, monkeypatch: pytest.MonkeyPatch, qwen2_path: str, tmp_path: Path
+) -> None:
+    """API calls run in the parent only: a worker process has no use for a key, and a job's code there (an
+    analyzer, a worker_init) could leak it. The Hub token stays: workers load gated weights with it."""
+    from interlens import AutoModelParticipant
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-planted-0123456789")
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    speaker = AutoModelParticipant.from_pretrained(qwen2_path, name="a", max_new_tokens=2)
+    conv = Conversation([speaker], shared_context="hi").turns(1).analyzer(_worker_environment)
+    report = conv.rollout(n=2, devices=["cpu", "cpu"], out_dir=tmp_path, progress=False)
+    assert report.failed == []
+    seen = [r.analysis for r in report.results.values()]
+    assert all(a["pid"] != os.getpid() for a in seen)  # it ran in the worker processes
+    assert [a["keys"] for a in seen] == [[], []]
+    assert all(a["hub"] for a in seen)
+    assert os.environ["OPENAI_API_KEY"] == planted  # the parent keeps its own
