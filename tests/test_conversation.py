@@ -202,6 +202,40 @@ def test_bad_template_value_rejected_at_construction():
         Conversation(participants=[ScriptedParticipant("s", ["x"])], shared_context=42)
 
 
+def test_a_template_callable_with_the_wrong_signature_or_none_in_a_tuple_is_refused_at_construction():
+    speaker = [ScriptedParticipant("s", ["x"])]
+    with pytest.raises(
+        ConfigurationError, match=r"shared_context: the template callable .*lambda.*\(\) cannot"
+    ):
+        Conversation(participants=speaker, shared_context=lambda: "no row taken")
+    with pytest.raises(
+        ConfigurationError, match=r"shared_system_prompt: the template callable .*\(row, style\)"
+    ):
+        Conversation(participants=speaker, shared_system_prompt=lambda row, style: "two taken")
+    with pytest.raises(ConfigurationError, match=r"s\.system_prompt: a template tuple holds None"):
+        ScriptedParticipant("s", ["x"], system_prompt=("Be ", None, "brief"))
+    Conversation(participants=speaker, shared_context=lambda row, style="x": "a default is fine")
+
+
+def test_a_template_callable_raising_on_one_row_fails_only_that_rows_job(tmp_path):
+    """The user's callable on a bad row: that job fails naming the field and the error, the others run, and a
+    rerun runs only the failed one again."""
+
+    def context(row):
+        return "Topic: " + row["topic"]
+
+    rows = [{"topic": "tabs"}, {"other": 1}, {"topic": "spaces"}]
+    conv = Conversation(participants=[ScriptedParticipant("s", ["ok"])], shared_context=context).turns(1)
+    report = conv.data(rows).rollout(out_dir=tmp_path, progress=False)
+    assert report.failed == ["row_00001"] and report.counts["done"] == 2
+    error = report.results["row_00001"].error
+    assert error is not None and error.type == "TemplateError"
+    assert "shared_context: the template callable" in error.message and "KeyError: 'topic'" in error.message
+    assert report.results["row_00000"].transcript[0].content == "Topic: tabs"
+    again = conv.data(rows).rollout(out_dir=tmp_path, progress=False)
+    assert again.counts["skipped"] == 2 and again.failed == ["row_00001"]
+
+
 class FakeTString:
     """The shape of a PEP 750 Template (strings + interpolations), as on Python 3.14."""
 

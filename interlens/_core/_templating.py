@@ -69,19 +69,49 @@ def is_templated(value: Template) -> bool:
     return False
 
 
-def check_template(value: Template, *, field: str) -> None:
-    """Reject a value that is not a template, at construction time, naming the field."""
-    if value is None or isinstance(value, str | DatasetField) or callable(value) or _is_tstring(value):
+def check_template(value: Template, *, field: str, _part: bool = False) -> None:
+    """Reject a value that is not a template, at construction time, naming the field: also ``None`` inside a
+    tuple (it would silently join as nothing) and a callable that cannot take the row as its one argument."""
+    if value is None and _part:
+        raise ConfigurationError(
+            f"{field}: a template tuple holds None, which would join as nothing; drop it, or use \"\" for an "
+            "intended empty part"
+        )
+    if callable(value) and not isinstance(value, DatasetField):
+        _check_signature(value, field=field)
+        return
+    if value is None or isinstance(value, str | DatasetField) or _is_tstring(value):
         return
     if isinstance(value, tuple):
         for part in value:
-            check_template(part, field=field)
+            check_template(part, field=field, _part=True)
         return
     raise ConfigurationError(
         f"{field} must be a str, dataset_field('col'), a callable(row) -> str, a tuple of those, or a "
         "t-string; "
         f"got {type(value).__name__}: {value!r}"
     )
+
+
+def _check_signature(value: Callable[..., Any], *, field: str) -> None:
+    """A template callable gets the row as its one positional argument: refuse one that cannot take it."""
+    import inspect
+
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without a signature: it will be tried on the row
+        return
+    try:
+        signature.bind({})
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"{field}: the template callable {_name(value)}{signature} cannot be called with the data row as "
+            f"its one argument ({exc}); write it as a function of the row, such as lambda row: ..."
+        ) from None
+
+
+def _name(value: Any) -> str:
+    return str(getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value))
 
 
 def resolve(value: Template, row: Mapping[str, Any] | None, *, field: str = "template") -> str | None:
@@ -107,7 +137,13 @@ def resolve(value: Template, row: Mapping[str, Any] | None, *, field: str = "tem
             )
         return str(row[value.column])
     if callable(value):
-        result = value(row)
+        try:
+            result = value(row)
+        except Exception as exc:  # the user's code on one row: that row's job fails, the rest go on
+            raise TemplateError(
+                f"{field}: the template callable {_name(value)} raised {type(exc).__name__}: {exc} on this "
+                f"row (its columns: {list(row)[:20]})"
+            ) from exc
         if not isinstance(result, str):
             raise TemplateError(
                 f"{field}: the template callable {value!r} returned {type(result).__name__}, not str"
