@@ -588,3 +588,24 @@ def test_foreign_errors_leave_the_package_boundary_as_interlens_errors():
         with as_interlens_errors():
             raise plain
     assert passed.value is plain
+
+
+def exiting_analyzer(conv):
+    if len(conv.transcript) > 0 and conv.seed % 2:
+        raise SystemExit(2)  # what an argparse call in an analyzer does on bad arguments
+    return {"ok": True}
+
+
+async def exiting_async_analyzer(conv):
+    return exiting_analyzer(conv)
+
+
+@pytest.mark.parametrize("analyzer", [exiting_analyzer, exiting_async_analyzer], ids=["sync", "async"])
+def test_an_analyzer_raising_system_exit_fails_its_job_not_the_rollout(analyzer, tmp_path):
+    conv, _ = scripted()
+    report = conv.analyzer(analyzer).rollout(n=4, seed=0, out_dir=tmp_path / "run")
+    assert report.failed == ["rollout_0001", "rollout_0003"]  # odd seeds exit; the others are analysed
+    error = report.results["rollout_0001"].error
+    assert error is not None and error.type == "AnalyzerError" and "SystemExit(2)" in error.message
+    assert report.results["rollout_0000"].analysis == {"ok": True}
+    assert len(report.results["rollout_0001"].transcript) == 3  # the conversation is kept

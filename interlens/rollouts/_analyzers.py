@@ -146,12 +146,18 @@ async def run_analyzer(analyzer: Callable[[Conversation], Any] | str, conv: Conv
     import anyio
 
     fn = resolve_analyzer(analyzer)
-    if inspect.iscoroutinefunction(fn):
-        value = await fn(conv)
-    else:
-        value = await anyio.to_thread.run_sync(fn, conv)
-        if inspect.isawaitable(value):
-            value = await value
+    try:
+        if inspect.iscoroutinefunction(fn):
+            value = await fn(conv)
+        else:
+            value = await anyio.to_thread.run_sync(fn, conv)
+            if inspect.isawaitable(value):
+                value = await value
+    except SystemExit as exc:  # sys.exit (or a CLI parser) inside the analyzer: this job's failure only
+        raise AnalyzerError(
+            f"the analyzer raised SystemExit({exc.code!r}) (sys.exit, or an argument parser it called): an "
+            "analyzer returns its value; raise an exception to fail the job"
+        ) from exc
     try:
         json.dumps(value, allow_nan=False)  # NaN/Infinity are not JSON: strict readers reject the file
     except ValueError as exc:
