@@ -365,6 +365,10 @@ def test_export_csv_and_parquet(finished: tuple[Path, Any], tmp_path: Path) -> N
     csv_file = tmp_path / "jobs.csv"
     assert interlens_cli("export", str(out), "-f", "csv", "-o", str(csv_file)).returncode == 0
     assert csv_file.read_text() == interlens_cli("export", str(out), "-f", "csv").stdout
+    for fmt in ("csv", "parquet"):  # a folder that is not there: a usage error, no traceback
+        nowhere = interlens_cli("export", str(out), "-f", fmt, "-o", str(tmp_path / "no" / f"jobs.{fmt}"))
+        assert nowhere.returncode == 2 and "Traceback" not in nowhere.stderr
+        assert f"the folder of output '{tmp_path / 'no' / f'jobs.{fmt}'}' does not exist" in nowhere.stderr
 
 
 # ------------------------------------------------------------------------------------------- RunReport

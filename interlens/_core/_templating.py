@@ -74,7 +74,7 @@ def check_template(value: Template, *, field: str, _part: bool = False) -> None:
     tuple (it would silently join as nothing) and a callable that cannot take the row as its one argument."""
     if value is None and _part:
         raise ConfigurationError(
-            f"{field}: a template tuple holds None, which would join as nothing; drop it, or use \"\" for an "
+            f'{field}: a template tuple holds None, which would join as nothing; drop it, or use "" for an '
             "intended empty part"
         )
     if callable(value) and not isinstance(value, DatasetField):

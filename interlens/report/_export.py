@@ -15,13 +15,14 @@ from __future__ import annotations
 import csv
 import html
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from interlens.store import JOB_STATES, LedgerReader
 
-from .._core import ConfigurationError
+from .._core import ConfigurationError, ConfigurationTypeError, type_name
 
 if TYPE_CHECKING:
     import datasets
@@ -222,6 +223,8 @@ def write_export(
     """
     if fmt not in EXPORT_FORMATS:
         raise ConfigurationError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
+    if output is not None:
+        output = output_file(output, where="export", example=f"runs.{fmt}")
     if fmt == "parquet":
         if output is None:
             raise ConfigurationError(
@@ -297,3 +300,24 @@ def summary_html(report: RunReport) -> str:
 
 def _e(text: str) -> str:
     return html.escape(text, quote=True)
+
+
+def output_file(output: Any, *, where: str, example: str) -> Path:
+    """``output`` as the path of a file to write, or a refusal saying why: not a path, a directory, or a
+    folder that does not exist (checked before anything is read or written)."""
+    if not isinstance(output, str | os.PathLike):
+        raise ConfigurationTypeError(
+            f"{where}: output must be the file to write (str or Path), got {type_name(output)}"
+        )
+    path = Path(output)
+    if path.is_dir():
+        raise ConfigurationError(
+            f"{where}: output {str(path)!r} is a directory: name the file to write, e.g. "
+            f"{str(path / example)!r}"
+        )
+    if not path.parent.is_dir():
+        raise ConfigurationError(
+            f"{where}: the folder of output {str(path)!r} does not exist: create "
+            f"{str(path.parent)!r} first or write the file elsewhere"
+        )
+    return path

@@ -30,13 +30,13 @@ from typing import Any
 from interlens.store import JOB_STATES, LEDGER_FILENAME, LedgerReader
 
 from .._core import (
-    ConfigurationError,
     ConfigurationTypeError,
     LedgerError,
     as_interlens_errors,
     check_int,
     type_name,
 )
+from ._export import output_file
 
 __all__ = ["write_report"]
 
@@ -104,22 +104,7 @@ def _run_dir(out_dir: Any) -> Path:
 
 
 def _output_path(output: Any) -> Path:
-    if not isinstance(output, str | os.PathLike):
-        raise ConfigurationTypeError(
-            f"write_report(): output must be the HTML file to write (str or Path), got {type_name(output)}"
-        )
-    path = Path(output)
-    if path.is_dir():
-        raise ConfigurationError(
-            f"write_report(): output {str(path)!r} is a directory: name the file to write, e.g. "
-            f"{str(path / 'report.html')!r}"
-        )
-    if not path.parent.is_dir():
-        raise ConfigurationError(
-            f"write_report(): the folder of output {str(path)!r} does not exist: create "
-            f"{str(path.parent)!r} first or write the report elsewhere"
-        )
-    return path
+    return output_file(output, where="write_report()", example="report.html")
 
 
 # ------------------------------------------------------------------------------------------ reading the run
