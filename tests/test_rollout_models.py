@@ -116,3 +116,20 @@ def test_token_budget_on_the_batched_path(qwen2_path):
         # stops once ITS OWN spend reaches the budget; the last turn is capped to what was left
         assert res.tokens_generated == 10
         assert any(m.metadata["batched"] for m in turns)
+
+
+def test_a_prompt_past_the_models_context_fails_its_job_naming_the_lengths(qwen2_path):
+    """A model past its positions gives no answer (RoPE extrapolates into noise): the job fails, saying how
+    long the prompt is, how long the context is, and what to do; the other rows are answered."""
+    from interlens import dataset_field
+
+    solver = AutoModelParticipant.from_pretrained(qwen2_path, name="solver", max_new_tokens=4)
+    context = solver.live_engine().engine.model.config.max_position_embeddings
+    rows = [{"q": "What is 2 plus 2?"}, {"q": "tabs " * (context + 50)}, {"q": "Name a color."}]
+    conv = Conversation(participants=[solver], shared_context=dataset_field("q")).turns(1).data(rows)
+    report = conv.rollout(devices=["cpu"], progress=False)
+    assert report.failed == ["row_00001"]
+    error = report.results["row_00001"].error
+    assert error is not None and error.type == "GenerationError"
+    assert f"this model's context holds {context:,} positions" in error.message
+    assert "the prompt is" in error.message and "shorten the conversation" in error.message

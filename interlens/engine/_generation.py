@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from interlens.scheduler import ExecutionMode
 
-from .._core import ConfigurationError
+from .._core import ConfigurationError, GenerationError
 from ..interp import text_config
 from ._batch_invariance import batch_invariant as _self_test
 from ._decode import ModelRunner, raise_if_cancelled
@@ -333,6 +333,16 @@ class LocalEngine:
             return ConfigurationError(
                 f"prompt token id {highest} is outside this model's vocabulary (size {vocab}); "
                 "tokenize the prompt with this model's own tokenizer."
+            )
+        context = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        if isinstance(context, int) and len(request.prompt_ids) >= context:
+            # past its positions a model's output is not an answer: RoPE extrapolates into noise, learned
+            # position tables fail with an index error deep in the forward pass
+            return GenerationError(
+                f"the prompt is {len(request.prompt_ids):,} tokens, and this model's context holds "
+                f"{context:,} positions (max_position_embeddings): shorten the conversation (fewer turns, "
+                "a TokenBudget stop condition, shorter system prompts or data rows) or use a model with a "
+                "longer context."
             )
         return self._hooked.check(request.capture, request.steering)
 
