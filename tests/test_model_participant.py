@@ -330,3 +330,27 @@ def test_a_transformers_older_than_the_floor_is_refused_naming_both_versions(
         load_engine(qwen2_path, device="cpu")
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
     assert load_engine(qwen2_path, device="cpu").model is not None
+
+
+def test_a_masked_lm_and_a_directory_without_a_tokenizer_are_refused_by_name(qwen2_path, tmp_path) -> None:
+    """transformers builds BertLMHeadModel for a BERT masked-LM checkpoint (it 'succeeds' and generates
+    noise), and a tokenizer of an empty vocabulary for a directory without tokenizer files (every prompt
+    empty): both are refused at load, saying what is wrong."""
+    import shutil
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer is there: only the head is wrong
+        shutil.copy(Path(qwen2_path) / name, tmp_path / "bert" / name)
+    with pytest.raises(
+        ModelLoadError, match=r"its checkpoint is BertForMaskedLM, not a causal language model"
+    ):
+        AutoModelParticipant.from_pretrained(str(tmp_path / "bert"), name="x").live_engine()
+    shutil.copytree(qwen2_path, tmp_path / "no_tokenizer")
+    for path in (tmp_path / "no_tokenizer").iterdir():
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            path.unlink()
+    with pytest.raises(ModelLoadError, match=r"it holds no tokenizer.*tokenizer\.save_pretrained"):
+        AutoModelParticipant.from_pretrained(str(tmp_path / "no_tokenizer"), name="x").live_engine()

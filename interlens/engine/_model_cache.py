@@ -348,6 +348,7 @@ def _from_pretrained(
             )
             if gguf_file is not None and not getattr(tokenizer, "chat_template", None):
                 raise no_chat_template(f"loading {source!r}", gguf_file)
+            _refuse_empty_tokenizer(source, tokenizer)
             model, info = AutoModelForCausalLM.from_pretrained(
                 source, local_files_only=local_files_only, output_loading_info=True, **kwargs
             )
@@ -359,6 +360,7 @@ def _from_pretrained(
             f"could not load {source!r} from {where}: {exc}. Check the name (a local directory written by "
             "save_pretrained, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct') and that it is downloaded."
         ) from exc
+    _refuse_non_causal(source, model)
     _refuse_missing_weights(source, model, info)
     if "device_map" not in kwargs:  # no accelerate: loaded on the CPU; a GPU gets it from there
         model = model.to(device)
@@ -370,6 +372,52 @@ def _from_pretrained(
     engine = LocalEngine(model, tokenizer, device=first)
     engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
     return engine
+
+
+def _refuse_empty_tokenizer(source: str, tokenizer: Any) -> None:
+    """A directory without tokenizer files still gives transformers a tokenizer, of an empty vocabulary, that
+    turns every prompt into nothing: say the tokenizer is missing instead of failing on an empty prompt."""
+    if len(tokenizer) < 2:
+        raise ModelLoadError(
+            f"loading {source!r}: it holds no tokenizer (transformers built one with an empty vocabulary); "
+            "save the model's tokenizer beside its weights (tokenizer.save_pretrained(the same directory))"
+        )
+
+
+def _refuse_non_causal(source: str, model: Any) -> None:
+    """Refuse a checkpoint whose architecture is not a causal language model (a BERT masked LM, a T5): the
+    causal class transformers builds for its config would generate from a head it was never trained as."""
+    architectures = getattr(model.config, "architectures", None) or []
+    if not architectures:  # a GGUF file's config, or a hand-built one: nothing to compare
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = {name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for name in _names(names)}
+    # A head trained for something else than the next token (a VLM's ForConditionalGeneration is not one:
+    # transformers builds its decoder as the causal class)
+    other = [a for a in architectures if a not in causal and a.endswith(_NOT_GENERATIVE)]
+    if other and not any(name in causal for name in architectures):
+        raise ModelLoadError(
+            f"loading {source!r}: its checkpoint is {', '.join(architectures)}, not a causal language model "
+            f"(transformers would run it as {type(model).__name__} and generate noise); interlens generates "
+            "with decoder-only chat models such as Qwen, Llama, Gemma or SmolLM"
+        )
+
+
+_NOT_GENERATIVE = (
+    "ForMaskedLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForPreTraining",
+    "ForNextSentencePrediction",
+    "Model",  # a bare encoder (BertModel); the causal ones are named ...LMHeadModel or ...ForCausalLM
+)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(value) if isinstance(value, list | tuple) else (str(value),)
 
 
 def _refuse_missing_weights(source: str, model: Any, info: dict[str, Any]) -> None:
