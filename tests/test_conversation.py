@@ -320,3 +320,18 @@ def test_participant_sync_generate_on_a_view():
     conv.run(turns=1)
     msg = conv.participant("b").generate(conv.view("b"))
     assert msg.author == "b" and msg.content == "b saw 2"
+
+
+def test_n_larger_than_the_data_warns_and_runs_one_job_per_row():
+    import warnings
+
+    rows = [{"q": "a"}, {"q": "b"}, {"q": "c"}]
+    conv = Conversation(participants=[ScriptedParticipant("s", ["ok"])], shared_context=dataset_field("q"))
+    conv = conv.turns(1).data(rows)
+    with pytest.warns(UserWarning, match=r"n=10 but the data has 3 row\(s\), so 3 job\(s\) run"):
+        report = conv.rollout(n=10, progress=False)
+    assert len(report.results) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every row, or fewer: no warning
+        assert len(conv.rollout(progress=False).results) == 3
+        assert len(conv.rollout(n=2, progress=False).results) == 2

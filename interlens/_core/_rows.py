@@ -8,6 +8,7 @@ rules are the same whoever asks.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -82,6 +83,14 @@ def row_reader(data: Any, n: int | None, lineup: str) -> RowReader:
         total: int | None = len(data)
     except TypeError:
         total = None
+    if n is not None and total is not None and n > total:
+        # n caps a data rollout (one job per row); a larger n is most likely a mistaken expectation
+        warnings.warn(
+            f"lineup {lineup!r}: n={n} but the data has {total} row(s), so {total} job(s) run (one per row); "
+            "pass n=None (every row) or n <= the number of rows",
+            UserWarning,
+            stacklevel=2,
+        )
     if n is not None:
         total = n if total is None else min(n, total)
     return RowReader(lambda: itertools.islice(iter(data), n), True, total)
