@@ -295,6 +295,16 @@ class LedgerReader:
             for run_id, started, ended, status, pid, host, versions in rows
         ]
 
+    def last_write(self) -> float | None:
+        """When the ledger last recorded progress (a job started or finished, a turn committed): where a run
+        whose process died stopped working. None for a ledger without any."""
+        rows = self._all(
+            "SELECT max(coalesce(max(finished_at), 0), coalesce(max(started_at), 0)) FROM jobs "
+            "UNION ALL SELECT coalesce(max(committed_at), 0) FROM turns"
+        )
+        latest = max((float(r[0]) for r in rows if r[0]), default=0.0)
+        return latest or None
+
     def batches(self, *, open_only: bool = False) -> list[BatchRecord]:
         """Recorded provider batches (only those not yet terminal with ``open_only``), oldest first."""
         rows = self._all(

@@ -247,7 +247,10 @@ def test_status_of_a_live_run_then_of_its_killed_process(tmp_path: Path) -> None
     after = interlens_cli("status", str(out))
     assert after.returncode == 0, after.stderr
     assert f"its process (pid {child.pid}) is gone" in after.stdout
-    assert json.loads(interlens_cli("status", str(out), "--json").stdout)["run"]["live"] is False
+    dead = json.loads(interlens_cli("status", str(out), "--json").stdout)["run"]
+    assert dead["live"] is False
+    again = json.loads(interlens_cli("status", str(out), "--json").stdout)["run"]
+    assert again["elapsed_s"] == dead["elapsed_s"]  # a dead run's clock stopped at its last recorded progress
 
 
 @pytest.mark.parametrize("command", [["status"], ["show", "JOB"], ["export"], ["export", "--format", "csv"]])

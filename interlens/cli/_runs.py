@@ -100,11 +100,15 @@ def run_status(reader: LedgerReader) -> dict[str, Any]:
     last = summary["last_run"]
     run: dict[str, Any] | None = None
     if last is not None:
+        live = _alive(last["pid"], last["host"]) if last["status"] == "running" else False
+        if last["status"] == "running" and live is False:
+            # its process died: the run ended with its last recorded progress, not now
+            now = max(reader.last_write() or last["started_at"], last["started_at"])
         end = last["ended_at"] if last["ended_at"] is not None else now
         run = {
             "run_id": last["run_id"],
             "status": last["status"],
-            "live": _alive(last["pid"], last["host"]) if last["status"] == "running" else False,
+            "live": live,
             "pid": last["pid"],
             "host": last["host"],
             "started_at": last["started_at"],
