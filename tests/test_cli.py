@@ -144,14 +144,16 @@ def test_status_of_a_finished_run(finished: tuple[Path, Any]) -> None:
     assert "provider batches in flight: none" in text
     data = json.loads(interlens_cli("status", str(out), "--json").stdout)
     assert data["counts"] == {"pending": 0, "running": 0, "done": 4, "failed": 1}
+    error = report.results[bad_job(report)].error
     assert data["failures"] == [
         {
             "job_id": bad_job(report),
-            "error_type": data["failures"][0]["error_type"],
-            "first_line": data["failures"][0]["first_line"],
+            "error_type": "ValueError",  # what the scripted reply raised
+            "first_line": error.message.splitlines()[0],
         }
     ]
     assert data["failures"][0]["first_line"].endswith("no opinion on bad")
+    assert error.type == "ValueError"
     with LedgerReader(out) as reader:
         tokens = sum(j.tokens_generated for j in (reader.job(i) for i in reader.job_ids()) if j is not None)
     assert tokens > 0 and data["tokens_generated"] == tokens

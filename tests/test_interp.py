@@ -237,7 +237,20 @@ def test_difference_of_means_from_two_small_activation_sets(qwen2_path: str) -> 
     ).float().mean(0)
     torch.testing.assert_close(spec.direction, expected)
     probe = Probe.difference_of_means(pos, neg, layer=1)
-    assert all(probe.read(r) > 0 for r in pos) or all(probe.read(r) < 0 for r in neg)
+    # by hand: each record pooled (mean over its tokens), the direction between the classes' means, the bias
+    # putting 0 halfway between them
+    pos_means = torch.stack([r.answer.float().mean(0) for r in pos])
+    neg_means = torch.stack([r.answer.float().mean(0) for r in neg])
+    d = pos_means.mean(0) - neg_means.mean(0)
+    bias = -float(d @ (pos_means.mean(0) + neg_means.mean(0))) / 2
+    for record in (*pos, *neg):
+        assert probe.read(record) == pytest.approx(float(d @ record.answer.float().mean(0)) + bias, rel=1e-5)
+    assert sum(probe.read(r) for r in pos) / 3 == pytest.approx(-sum(probe.read(r) for r in neg) / 3)
+    last = Probe.difference_of_means(pos, neg, layer=1, pool="last")
+    d_last = torch.stack([r.answer[-1].float() for r in pos]).mean(0) - torch.stack(
+        [r.answer[-1].float() for r in neg]
+    ).mean(0)
+    torch.testing.assert_close(last.direction, d_last)
     fitted = Probe.fit(pos, neg, layer=1)
     assert all(fitted.read(r) > 0 for r in pos) and all(fitted.read(r) < 0 for r in neg)
 
@@ -306,9 +319,13 @@ def test_probe_per_turn_from_a_deterministic_rollout_analyzer(qwen2_path: str, d
         assert all(isinstance(v, float) for v in scores.values())
         assert result.analysis["sample_rows"] >= 1
         assert all("steering" in m.metadata for m in result.transcript if m.author == "a")
-        # the same scalars, re-read here from the returned transcript
-        again = probe.per_turn(result.conversation.turn_activations("b", layers=[1]))
-        assert {str(k): v for k, v in again.items()} == pytest.approx(scores, abs=1e-4)
+        # the same scalars, re-read here from the returned transcript and computed by hand
+        cache = result.conversation.turn_activations("b", layers=[1])
+        by_hand = {
+            str(k): float(probe.direction @ cache.at(participant="b", message_idx=k, layer=1).float().mean(0))
+            for k in (2, 4)
+        }
+        assert by_hand == pytest.approx(scores, abs=1e-4)
     if len(devices) == 2:
         assert {r.analysis["pid"] for r in report.results.values()} != {os.getpid()}
 
