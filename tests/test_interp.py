@@ -330,6 +330,33 @@ def test_probe_per_turn_from_a_deterministic_rollout_analyzer(qwen2_path: str, d
         assert {r.analysis["pid"] for r in report.results.values()} != {os.getpid()}
 
 
+def test_steered_turns_in_worker_processes_equal_the_steered_turns_in_process(qwen2_path: str) -> None:
+    """The spec crosses the worker pipe intact: a two-worker deterministic rollout gives the in-process
+    rollout's steered transcripts (a direction changed on the way, negated say, would not), and every
+    steered turn records the spec's own digest; the steering changes the text at all."""
+    spec = SteeringSpec(direction(qwen2_path, seed=7) * 4, layers=[0, 1], coef=3.0)
+
+    def texts(report: Any) -> dict[str, list[str]]:
+        return {job: [m.content for m in r.transcript] for job, r in report.results.items()}
+
+    steered = Conversation(
+        [model(qwen2_path, "a", steering=spec, temperature=0.8), model(qwen2_path, "b", temperature=0.8)],
+        shared_context="Debate: tabs vs spaces.",
+    ).turns(3)
+    here = steered.rollout(n=3, devices=["cpu"], batched=False, seed=11, progress=False)
+    there = steered.rollout(n=3, devices=["cpu", "cpu"], batched=False, seed=11, progress=False)
+    assert here.failed == [] and there.failed == []
+    assert texts(there) == texts(here)
+    digests = {
+        m.metadata["steering"][0]["sha256"] for r in there.results.values() for m in r.transcript[1::2]
+    }
+    assert digests == {spec.sha256}
+    plain = steered.set(
+        participants=[model(qwen2_path, "a", temperature=0.8), model(qwen2_path, "b", temperature=0.8)]
+    )
+    assert texts(plain.rollout(n=3, devices=["cpu"], batched=False, seed=11, progress=False)) != texts(here)
+
+
 def test_the_steering_debate_example_runs_and_resumes(tmp_path: Path) -> None:
     import subprocess
     import sys
