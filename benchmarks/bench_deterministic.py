@@ -44,10 +44,24 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--family", default="qwen2")
+    parser.add_argument(
+        "--model", help="a model directory, or 'real' for SmolLM2-135M-Instruct (default: the tiny --family)"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
-    path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
+    if args.model == "real":
+        from interlens.testing import REAL_MODEL_INSTALL, real_model
+
+        found = real_model()
+        if found is None:
+            parser.error(f"--model real needs the real model: {REAL_MODEL_INSTALL}")
+        path = str(found)
+    elif args.model:
+        path = args.model
+    else:
+        path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
+    print(f"model: {path}; dtype {args.dtype}; CPU: {_cpu()}")
     conv = debate(path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype)
 
     from interlens.engine._model_cache import load_engine
@@ -55,7 +69,11 @@ def main() -> None:
     engine = load_engine(path, dtype=args.dtype)
     start = time.perf_counter()
     verdict = engine.batch_invariant
-    print(f"self-test: batch_invariant={verdict} ({time.perf_counter() - start:.3f} s)")
+    chunked = engine._slots.fixed_linear_rows
+    print(
+        f"self-test: batch_invariant={verdict} ({time.perf_counter() - start:.3f} s)"
+        + ("; linear layers in fixed-row chunks (the stock kernels failed it)" if chunked else "")
+    )
 
     runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
     seen: dict[bool, tuple[set[int], set[Any]]] = {}
@@ -76,6 +94,20 @@ def main() -> None:
         )
     ratio = statistics.median(rates[False]) / statistics.median(rates[True])
     print(f"  deterministic / batched = {ratio:.2f}x   (goal >= 0.8x)")
+
+
+def _cpu() -> str:
+    """The CPU's model name and the flags that decide the kernels (AVX-512, bf16, AMX)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line), "?")
+    flags = set(
+        next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    )
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(shown) or 'no AVX2'})"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -25,16 +26,7 @@ def gemma2_path() -> str:
     return tiny_model("gemma2")
 
 
-@pytest.fixture(scope="session")
-def co_step_dtype(qwen2_path: str) -> str:
-    """The dtype in which deterministic rows co-step on THIS CPU: float32, else bfloat16.
-
-    Whether the slot layout is batch-invariant depends on the kernels the BLAS picks for each matrix shape,
-    so it differs by CPU (measured: an Intel AVX-512 machine passed the engine's self-test in both dtypes; an
-    AMD AVX2 one in float32; an Intel AMX one only in bfloat16, its float32 GEMM switching kernels between 4
-    and 8-16 rows). Tests that check co-stepped deterministic rows run in the dtype that passes here, so they
-    exercise co-stepping on every CPU seen so far; a CPU where neither passes fails here, by name, since
-    deterministic turns then run alone at a fraction of batched speed."""
+def _first_dtype_passing(qwen2_path: str, passes: Any, what: str) -> str:
     import platform
 
     import torch
@@ -45,12 +37,36 @@ def co_step_dtype(qwen2_path: str) -> str:
     tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
     for name in ("float32", "bfloat16"):
         model = AutoModelForCausalLM.from_pretrained(qwen2_path, dtype=getattr(torch, name)).eval()
-        if LocalEngine(model, tokenizer, device="cpu").batch_invariant:
-            return name
+        with torch.inference_mode():
+            if passes(LocalEngine(model, tokenizer, device="cpu")):
+                return name
     pytest.fail(
-        f"the slot layout fails the batch-invariance self-test in float32 and bfloat16 on this CPU "
-        f"({platform.processor() or platform.machine()}, torch {torch.__version__}): deterministic rows "
-        "would all run alone here"
+        f"{what} fails the batch-invariance self-test in float32 and bfloat16 on this CPU "
+        f"({platform.processor() or platform.machine()}, torch {torch.__version__})"
+    )
+
+
+@pytest.fixture(scope="session")
+def co_step_dtype(qwen2_path: str) -> str:
+    """The dtype in which deterministic rows co-step on THIS CPU: float32, else bfloat16.
+
+    Whether the slot layout is batch-invariant depends on the kernels the BLAS picks for each matrix shape,
+    so it differs by CPU; where the stock kernels fail, the engine computes linear layers in fixed-row
+    chunks and tests again (``_slot_rows``). Tests that check co-stepped deterministic rows run in the dtype
+    that co-steps here; a CPU where neither does fails here, by name, since deterministic turns would then
+    run alone at a fraction of batched speed."""
+    return _first_dtype_passing(qwen2_path, lambda engine: engine.batch_invariant, "the engine")
+
+
+@pytest.fixture(scope="session")
+def stock_invariant_dtype(qwen2_path: str) -> str:
+    """The dtype whose STOCK kernels pass the self-test on the slot layout on this CPU (no fixed-row linear
+    chunks): measured, an Intel AVX-512 machine in both dtypes, an AMD AVX2 one in float32, an Intel AMX one
+    only in bfloat16 (its float32 GEMM picks another kernel for 4 rows than for 8 or 16)."""
+    from interlens.engine._batch_invariance import batch_invariant
+
+    return _first_dtype_passing(
+        qwen2_path, lambda engine: batch_invariant(engine._slots), "the slot layout on stock kernels"
     )
 
 

@@ -110,19 +110,44 @@ def test_the_slot_layout_computes_what_the_plain_path_computes(family: str) -> N
 
 @pytest.mark.parametrize("rule", ["ROW_BLOCK", "PREFILL_BLOCK", "SLOT_BLOCK"])
 def test_without_the_layouts_padding_the_stock_kernels_fail_the_self_test(
-    rule: str, monkeypatch: pytest.MonkeyPatch, co_step_dtype: str
+    rule: str, monkeypatch: pytest.MonkeyPatch, stock_invariant_dtype: str
 ) -> None:
-    monkeypatch.setattr(slot_rows, rule, 1)
-    engine = _engine(dtype=getattr(torch, co_step_dtype))
-    results = _ok(engine.generate_batch(_requests(engine), mode=DET))
-    if rule == "SLOT_BLOCK" and engine.batch_invariant:
+    from interlens.engine._batch_invariance import batch_invariant
+
+    engine = _engine(dtype=getattr(torch, stock_invariant_dtype))
+    with torch.inference_mode():
+        assert batch_invariant(engine._slots)  # with the padding: the stock kernels pass
+        monkeypatch.setattr(slot_rows, rule, 1)
+        passes = batch_invariant(engine._slots)
+    if rule == "SLOT_BLOCK" and passes:
         # measured: an Intel AMX CPU's bfloat16 attention does not depend on the cache length (MKL AVX-512
         # and AVX2 float32 kernels do); the rows and prefill paddings are needed everywhere measured
         pytest.skip(
-            f"this CPU's {co_step_dtype} kernels are invariant to the cache length without slot blocks"
+            f"this CPU's {stock_invariant_dtype} kernels are invariant to the cache length without slot "
+            "blocks"
         )
-    assert engine.batch_invariant is False
-    assert [(r.batch_size, r.batch_invariant) for r in results] == [(1, False)] * 5
+    assert passes is False
+
+
+def test_fixed_row_linear_chunks_give_each_row_its_own_output_whatever_its_company() -> None:
+    """What the engine falls back on where the stock GEMM picks its kernel by the row count: every F.linear
+    in chunks of one fixed shape, so a row's output is bitwise the same alone and among any others."""
+    engine = _engine()
+    layout = engine._slots
+    layer = torch.nn.Linear(96, 200)
+    rows = torch.randn(13, 96, generator=torch.Generator().manual_seed(0))
+    layout.fixed_linear_rows = True
+    with torch.inference_mode(), layout.linear_rows(slot_rows.ROW_BLOCK):
+        together = layer(rows)
+        alone = [layer(rows[i : i + 1]) for i in range(13)]
+        shuffled = layer(rows.flip(0))
+    assert together.shape == (13, 200)
+    for i in range(13):
+        assert torch.equal(together[i], alone[i][0]) and torch.equal(shuffled[12 - i], alone[i][0])
+    torch.testing.assert_close(together, torch.nn.functional.linear(rows, layer.weight, layer.bias))
+    layout.fixed_linear_rows = False
+    with layout.linear_rows(slot_rows.ROW_BLOCK):
+        assert not torch.overrides._get_current_function_mode_stack()  # off: the stock kernels, untouched
 
 
 def test_batch_dependent_logits_fail_the_self_test_and_deterministic_rows_run_alone() -> None:

@@ -128,10 +128,10 @@ def test_the_plain_batch_over_a_bare_runner_gives_the_engines_tokens(qwen2: tupl
 
 
 def test_the_slot_layout_over_a_bare_runner_passes_the_self_test_and_gives_the_engines_tokens(
-    co_step_dtype: str,
+    stock_invariant_dtype: str,
 ) -> None:
-    path = tiny_model("qwen2")  # in the dtype whose kernels pass the self-test on this CPU
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, co_step_dtype)).eval()
+    path = tiny_model("qwen2")  # in the dtype whose stock kernels pass the self-test on this CPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, stock_invariant_dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     requests = _requests(tokenizer)
     layout = SlotLayout(ModelRunner(model, tokenizer, device="cpu"))

@@ -23,6 +23,13 @@ So every deterministic batch, of one row or many, is laid out the same way here:
 * the rows of a step are padded to a multiple of :data:`ROW_BLOCK` with copies of the last row (their
   logits are dropped), so every matmul has a row count the BLAS serves with one kernel.
 
+Where that is not enough, every linear layer can also be computed in chunks of a fixed number of rows
+(:attr:`SlotLayout.fixed_linear_rows`): measured on an Intel AMX CPU, whose float32 GEMM picks another kernel
+for 4 rows than for 8 or 16 (by ``K``), the slot layout failed the self-test in float32 and passes it with
+every ``F.linear`` done in chunks of ``PREFILL_BLOCK`` rows (the prefill: each chunk one row's block of
+tokens) or ``ROW_BLOCK`` rows (the decode steps): one matrix shape, one kernel, whatever the batch. It
+costs one call per chunk, so the engine turns it on only where the stock kernels fail the self-test.
+
 That removes the sources measured here; it proves nothing about other kernels (another BLAS, a GPU), so the
 engine co-steps rows on this layout only after its self-test (``_batch_invariance``) ran probe rows alone and
 together through this very path and found every submodule output bitwise equal. Only for models whose
@@ -32,6 +39,7 @@ alone through the plain batch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -66,6 +74,9 @@ class SlotLayout:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        #: Compute every linear layer in fixed-row chunks on this layout (set by the engine when the stock
+        #: kernels fail the self-test and the chunked ones pass it).
+        self.fixed_linear_rows = False
         self._supported: bool | None = (
             None  # whether the model's cache layers allow the layout (checked once)
         )
@@ -110,7 +121,8 @@ class SlotLayout:
         logits = self.first(prompts, distinct, cache)
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
-        runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
+        with self.linear_rows(ROW_BLOCK):
+            runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
         seconds = time.perf_counter() - started
         uses = {p: prompts.count(p) for p in set(prompts)}
         return [
@@ -143,13 +155,14 @@ class SlotLayout:
         if width:  # else every prompt is one token: nothing before its last
             ids = [list(p[:-1]) + [self.runner.pad_id] * (width - len(p) + 1) for p in distinct]
             positions = torch.arange(width, device=device).expand(len(distinct), width)
-            model(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with self.linear_rows(PREFILL_BLOCK):
+                model(
+                    input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         return cache
 
     def first(
@@ -165,7 +178,48 @@ class SlotLayout:
         cache.reorder_cache(torch.tensor([index[p] for p in prompts], dtype=torch.long, device=device))
         last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=device)
         positions = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device)
-        return self.runner.step(last, positions, None, cache, 0, True)
+        with self.linear_rows(ROW_BLOCK):
+            return self.runner.step(last, positions, None, cache, 0, True)
+
+    def linear_rows(self, rows: int) -> contextlib.AbstractContextManager[Any]:
+        """Within it, every ``F.linear`` runs in chunks of ``rows`` rows when :attr:`fixed_linear_rows` is
+        set (a no-op context otherwise); the decode steps and the self-test's steps run in one."""
+        if not self.fixed_linear_rows:
+            return contextlib.nullcontext()
+        return _fixed_row_linear_mode()(rows)
+
+
+@functools.cache
+def _fixed_row_linear_mode() -> type:
+    """The torch function mode, built on first use (``import interlens`` does not import torch)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    linear = torch.nn.functional.linear
+
+    class FixedRowLinear(TorchFunctionMode):
+        """``F.linear`` over its input's rows in chunks of exactly ``rows`` (the last padded with copies of
+        the last row, their outputs dropped): every call the BLAS sees has one shape."""
+
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.rows = rows
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is not linear:
+                return func(*args, **kwargs)
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            flat = x.reshape(-1, x.shape[-1])
+            count = flat.shape[0]
+            pad = -count % self.rows
+            if pad:
+                flat = torch.cat([flat, flat[-1:].expand(pad, -1)])
+            out = torch.cat([func(chunk, weight, bias) for chunk in flat.split(self.rows)])
+            return out[:count].reshape(*x.shape[:-1], weight.shape[0])
+
+    return FixedRowLinear
 
 
 @functools.cache
