@@ -385,8 +385,9 @@ def _refuse_empty_tokenizer(source: str, tokenizer: Any) -> None:
 
 
 def _refuse_non_causal(source: str, model: Any) -> None:
-    """Refuse a checkpoint whose architecture is not a causal language model (a BERT masked LM, a T5): the
-    causal class transformers builds for its config would generate from a head it was never trained as."""
+    """Refuse a checkpoint whose head was trained for something else than the next token (a BERT masked LM,
+    a classifier, a bare encoder): the causal class transformers builds for its config would generate from a
+    head it was never trained as."""
     architectures = getattr(model.config, "architectures", None) or []
     if not architectures:  # a GGUF file's config, or a hand-built one: nothing to compare
         return
