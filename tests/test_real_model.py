@@ -71,14 +71,14 @@ def test_rows_end_at_the_end_token_mid_batch_and_the_batch_goes_on_without_them(
         "Write a long story about a dragon who learns to paint.",
         "Name the capital of France in one word.",
     ]
-    requests = [GenerationRequest(_chat(engine, q), max_new_tokens=40, temperature=0.0) for q in questions]
+    requests = [GenerationRequest(_chat(engine, q), max_new_tokens=28, temperature=0.0) for q in questions]
     results = engine.generate_batch(requests)
     assert all(isinstance(r, GenerationResult) for r in results), results
     eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     ended = [r for r in results if r.finish_reason == "eos"]
-    assert ended and all(r.token_ids[-1] == eos and len(r.token_ids) < 40 for r in ended)
+    assert ended and all(r.token_ids[-1] == eos and len(r.token_ids) < 28 for r in ended)
     # the others went on without them, to the token cap
-    assert any(r.finish_reason == "length" and len(r.token_ids) == 40 for r in results)
+    assert any(r.finish_reason == "length" and len(r.token_ids) == 28 for r in results)
     assert len({len(r.token_ids) for r in results}) > 1
     for result in results:
         text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -95,7 +95,7 @@ def test_rows_end_at_the_end_token_mid_batch_and_the_batch_goes_on_without_them(
         torch.tensor([first.prompt_ids]),
         attention_mask=torch.ones(1, len(first.prompt_ids), dtype=torch.long),
         do_sample=False,
-        max_new_tokens=40,
+        max_new_tokens=28,
         eos_token_id=eos,
         pad_token_id=eos,
     )
@@ -156,9 +156,9 @@ def test_kv_reuse_gives_the_same_greedy_debate_as_a_full_prefill_every_turn(
 
 def test_deterministic_runs_are_token_identical_and_co_stepped_turns_equal_turns_alone() -> None:
     def debate() -> Conversation:
-        a = _speaker("pro", temperature=0.8, max_new_tokens=12)
-        b = _speaker("con", temperature=0.8, max_new_tokens=12)
-        return Conversation([a, b], shared_context="Debate: tabs or spaces?").turns(3)
+        a = _speaker("pro", temperature=0.8, max_new_tokens=10)
+        b = _speaker("con", temperature=0.8, max_new_tokens=10)
+        return Conversation([a, b], shared_context="Debate: tabs or spaces?").turns(2)
 
     first = debate().rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False)
     second = debate().rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False)
