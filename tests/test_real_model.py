@@ -154,16 +154,16 @@ def test_kv_reuse_gives_the_same_greedy_debate_as_a_full_prefill_every_turn(
 # ---------------------------------------------------------------------------------------- deterministic
 
 
-def test_deterministic_runs_are_token_identical_and_co_stepped_turns_equal_turns_alone() -> None:
+def test_deterministic_rollouts_are_token_identical_run_to_run() -> None:
     def debate() -> Conversation:
         a = _speaker("pro", temperature=0.8, max_new_tokens=10)
         b = _speaker("con", temperature=0.8, max_new_tokens=10)
         return Conversation([a, b], shared_context="Debate: tabs or spaces?").turns(2)
 
+    # (co-stepped rows against each row alone: the first test of this module, at the engine)
     first = debate().rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False)
     second = debate().rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False)
-    alone = debate().rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False, max_batch_size=1)
-    assert _texts(first) == _texts(second) == _texts(alone)
+    assert _texts(first) == _texts(second)
     metas = [m.metadata for r in first.results.values() for m in r.transcript[1:]]
     invariant = {m["batch_invariant"] for m in metas}
     assert len(invariant) == 1  # one self-test verdict for the engine
