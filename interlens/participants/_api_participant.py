@@ -265,7 +265,9 @@ class APIParticipant(Participant):
             else min(self.max_tokens, options.max_new_tokens)
         )
         turn = None if options.ephemeral else sum(1 for m in view.messages if m.author != MODERATOR)
-        seeded = options.seed is not None and provider_named(self.provider).accepts_seed
+        # the turn's own seed (as a local turn's: the same on a rerun, another per job and turn), in the 31
+        # bits every OpenAI-compatible server takes
+        seed = options.seed & _SEED_MASK if options.seed is not None else None
         return APIRequest(
             provider=self.provider,
             model=self.model_id,
@@ -278,9 +280,7 @@ class APIParticipant(Participant):
             timeout=self.timeout,
             turn=turn,
             cache=self.prompt_cache,
-            # the turn's own seed (as a local turn's: the same on a rerun, another per job and turn), in the
-            # 31 bits every OpenAI-compatible server takes
-            seed=options.seed & _SEED_MASK if seeded and options.seed is not None else None,
+            seed=seed if provider_named(self.provider).accepts_seed else None,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:

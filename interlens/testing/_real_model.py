@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core import ModelLoadError
-from ._tiny_models import _save_quietly
+from ._tiny_models import _save_quietly, quiet_progress
 
 __all__ = ["REAL_MODEL_GGUF", "REAL_MODEL_INSTALL", "REAL_MODEL_NAME", "real_model", "real_model_gguf"]
 
@@ -159,20 +159,14 @@ def _convert_into(final: Path, source: Path) -> None:
 
 def _load_gguf(source: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        directory, name = str(source.parent), source.name
+    directory, name = str(source.parent), source.name
+    with quiet_progress():
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=name, output_loading_info=True
         )
-        model, info = loaded
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    model, info = loaded
     if info.get("missing_keys"):  # random weights would be saved as if they were the model's
         raise ModelLoadError(
             f"converting {source}: transformers left {sorted(info['missing_keys'])} out of the model it read "

@@ -17,6 +17,7 @@ pytest processes, spawned workers) never see a half-written model: the loser of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -26,6 +27,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -423,18 +425,25 @@ def _reachable_end(model: Any, end_id: int) -> None:
         head[end_id] *= _END_ROW_SCALE
 
 
-def _save_quietly(model: Any, tokenizer: Any, path: Path) -> None:
-    """Save without a progress bar: a test build is a detail, not something to report on stderr."""
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for the block: a test model's build is a detail, not something to
+    report on stderr."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def _save_quietly(model: Any, tokenizer: Any, path: Path) -> None:
+    with quiet_progress():
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
 
 
 def _corpus(dims: _Size) -> str:
