@@ -25,7 +25,7 @@ def tests(session: nox.Session) -> None:
             "the HTML report's tests need a Chromium and none is on PATH: install one (Debian: sudo apt-get "
             "install -y chromium), then run nox -s tests again"
         )
-    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"CI": "1"})
+    session.run("python", "-m", "pytest", "-q", "-n", "2", *session.posargs, env={"CI": "1"})
 
 
 @nox.session

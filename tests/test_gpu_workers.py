@@ -66,14 +66,28 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
     clear_engine_cache()
 
 
-def test_weights_load_straight_onto_the_device_through_the_device_map(qwen2_path: str) -> None:
+def test_weights_load_straight_onto_the_device_through_the_device_map(
+    qwen2_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("accelerate")  # how transformers honours device_map (interlens[local] installs it)
+    from transformers import AutoModelForCausalLM
+
     from interlens.engine._model_cache import load_engine
 
+    given: list[dict[str, Any]] = []  # what transformers' from_pretrained is called with (its wire)
+    real = AutoModelForCausalLM.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        given.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
     clear_engine_cache()
     engine = load_engine(qwen2_path, device="cpu")
-    # What from_pretrained was given: it placed the weights itself, no load-then-.to(). (transformers sets
-    # model.hf_device_map only for a map over several devices, so the engine keeps what it was given.)
+    # from_pretrained placed the weights itself, no load-then-.to(); on a CPU-only machine the parameters
+    # are on the CPU either way, so what tells is what transformers was given. (It sets model.hf_device_map
+    # only for a map over several devices, so the engine keeps what it gave: its placement.)
+    assert len(given) == 1 and given[0]["device_map"] == {"": "cpu"} and "dtype" not in given[0]
     assert engine.placement == {"device_map": {"": "cpu"}}
     assert {str(p.device) for p in engine.model.parameters()} == {"cpu"}
     assert str(engine.model.dtype) == "torch.float32"  # dtype=None keeps transformers' default off CUDA

@@ -179,16 +179,32 @@ def test_capture_across_the_sliding_window(family: str) -> None:
         torch.testing.assert_close(tensor, seen[(site, layer)], **TIGHT)
 
 
-def test_capture_can_stay_on_the_device() -> None:
+def _captured_kept_and_offloaded(device: str) -> tuple[Any, Any]:
     path = tiny_model("qwen2")
-    engine = LocalEngine(
-        AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), device="cpu"
-    )
-    on_device = _one(engine, _request(engine, capture=CaptureSpec(offload=None)))
-    to_cpu = _one(engine, _request(engine, capture=CaptureSpec()))
-    assert on_device.captured is not None and to_cpu.captured is not None
-    for key, tensor in on_device.captured.tensors.items():
-        torch.testing.assert_close(tensor, to_cpu.captured.tensors[key], rtol=0, atol=0)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map={"": device})
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(path), device=device)
+    kept = _one(engine, _request(engine, capture=CaptureSpec(offload=None)))
+    offloaded = _one(engine, _request(engine, capture=CaptureSpec()))
+    assert kept.captured is not None and offloaded.captured is not None
+    assert kept.captured.tensors.keys() == offloaded.captured.tensors.keys()
+    for key, tensor in kept.captured.tensors.items():
+        torch.testing.assert_close(tensor.cpu(), offloaded.captured.tensors[key], rtol=0, atol=0)
+    return kept.captured.tensors, offloaded.captured.tensors
+
+
+def test_a_capture_kept_on_the_device_holds_what_the_offloaded_one_holds() -> None:
+    _captured_kept_and_offloaded("cpu")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="offload=None keeps tensors on the model's device: only an accelerator tells it from offloading "
+    "(on a CPU-only machine both captures are on the CPU)",
+)
+def test_a_capture_with_offload_none_stays_on_the_accelerator() -> None:
+    kept, offloaded = _captured_kept_and_offloaded("cuda:0")
+    assert {t.device.type for t in kept.values()} == {"cuda"}
+    assert {t.device.type for t in offloaded.values()} == {"cpu"}
 
 
 def test_a_bfloat16_model_is_steered_in_float32_and_captured_in_its_own_dtype() -> None:

@@ -162,6 +162,27 @@ def test_ray_gives_the_local_results_runs_closures_and_sends_api_turns_to_the_pa
     assert ray.is_initialized()  # the run joined the module's Ray and left it up
 
 
+def test_the_default_batched_mode_co_steps_and_reuses_kept_kv_on_an_actor(
+    ray_session: RaySession, qwen2_path: str
+) -> None:
+    """What users get without options (batched, kv_reuse on): the actor co-steps the rows in one batch and
+    continues each stream's kept KV cache on its next turn, with the tokens of the same run in this process
+    (these tiny models' batched tokens equal the lone ones on CPU: tests/test_seeding.py)."""
+    a = AutoModelParticipant.from_pretrained(qwen2_path, name="a", max_new_tokens=6)  # settings as given
+    s = ScriptedParticipant("s", lambda view: f"reply {view.own_turns}")
+    rows = [{"i": i} for i in range(4)]
+    conv = Conversation([a, s], shared_context="Debate: tabs vs spaces.").turns(3).data(rows).name("b")
+    on_ray = interlens.run([conv], cluster="ray", devices=["cpu"], progress=False)
+    here = interlens.run([conv], devices=["cpu"], progress=False)
+    assert on_ray.failed == [] and texts(on_ray) == texts(here)
+    turns = [m for res in on_ray.results.values() for m in res.transcript if m.author == "a"]
+    assert len(turns) == 8 and {res.device for res in on_ray.results.values()} == {"ray/cpu:0"}
+    assert max(m.metadata["batch_size"] for m in turns) == 4  # the four rows in one batch
+    assert all(m.metadata["batched"] for m in turns)
+    second = [res.transcript[3] for res in on_ray.results.values()]  # a's second turn
+    assert all(m.author == "a" and m.metadata["kv_reused_tokens"] > 0 for m in second)
+
+
 def test_an_actor_killed_mid_run_loses_its_jobs_to_a_fresh_actor_and_the_run_completes(
     ray_session: RaySession, qwen2_path: str, local: dict[str, Any], tmp_path: Path
 ) -> None:

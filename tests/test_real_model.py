@@ -292,4 +292,5 @@ def test_a_damaged_conversion_is_detected_and_converted_again(tmp_path: Path) ->
     assert real_model(cache_dir=tmp_path, announce=said.append) == str(converted)
     assert len(said) == 1 and "converting SmolLM2-135M-Instruct" in said[0]
     assert weights.read_bytes() == (Path(PATH) / "model.safetensors").read_bytes()
-    assert [p.name for p in tmp_path.iterdir()] == [converted.name]  # nothing half-made left beside it
+    beside = sorted(p.name for p in tmp_path.iterdir())  # nothing half-made left beside it (the lock stays)
+    assert beside == [f".{converted.name}.lock", converted.name]

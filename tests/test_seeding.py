@@ -1,16 +1,20 @@
-"""What ``seed=`` guarantees for local models, in both execution modes, on real tiny models (issue #9).
+"""What ``seed=`` guarantees for local models, in both execution modes, on real tiny models (issues #9, #25).
 
 Every local turn and every ``sample()`` of a rollout draws from its own stream seeded from (participant seed,
-rollout seed, job id, turn index). Deterministic mode (``batched=False``) is token-identical on the same
-hardware whatever ran with or before it. Batched mode draws the same random numbers; its tokens are the same
-only where the batched forward pass is batch-invariant, which holds for these models on CPU (asserted here),
-not in general on GPUs (documented in ``turn_seed``).
+the job's rollout seed ``seed + i``, turn index) alone: per-rollout seeds are seed, seed+1, ... Deterministic
+mode (``batched=False``) is token-identical on the same hardware whatever ran with or before it. Batched mode
+draws the same random numbers; its tokens are the same only where the batched forward pass is
+batch-invariant, which holds for these models on CPU (asserted here), not in general on GPUs (documented in
+``turn_seed``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,11 +61,67 @@ def test_a_seeded_batched_rollout_equals_each_conversation_generated_alone(famil
     assert {m.metadata["batch_size"] for r in alone.results.values() for m in r.transcript[1:]} == {1}
 
 
-def test_lineups_of_one_run_do_not_share_streams(qwen2_path: str) -> None:
+def test_job_i_of_seed_s_draws_what_job_0_of_seed_s_plus_i_draws(qwen2_path: str) -> None:
+    """The spec: "per-rollout seeds are seed, seed+1, ...". Deterministic, so equal draws are equal tokens."""
     conv = debate(qwen2_path)
-    report = interlens.run([conv.name("x"), conv.name("y")], devices=["cpu"], seed=0, batched=False)
-    x, y = texts(report)["x"], texts(report)["y"]
-    assert x[0] == y[0] and x[1:] != y[1:]  # same recipe and rollout seed, different jobs
+    three = texts(conv.rollout(n=3, devices=["cpu"], seed=5, batched=False, progress=False))
+    for i in range(3):
+        alone = texts(conv.rollout(n=1, devices=["cpu"], seed=5 + i, batched=False, progress=False))
+        assert alone["rollout_0000"] == three[f"rollout_{i:04d}"]
+    assert len({tuple(turns) for turns in three.values()}) == 3  # and the three jobs differ
+
+
+def test_lineups_of_one_run_share_random_numbers_job_by_job(qwen2_path: str) -> None:
+    """Common random numbers across conditions: job i of every lineup draws from the same streams, so a
+    paired comparison sees the conditions' difference, not sampling noise. Here the two lineups differ in a
+    setting that does not touch the model's distribution before the first turn's 4th token (the cap), so
+    their first turns agree token for token up to it; the uncapped turns differ only through the cap."""
+    rows = [{"k": 0}, {"k": 1}]  # two jobs per lineup
+    conv = debate(qwen2_path).data(rows)
+    capped = debate(qwen2_path, max_new_tokens=4).data(rows)
+    report = interlens.run(
+        [conv.name("x"), conv.name("y"), capped.name("z")], devices=["cpu"], seed=0, batched=False
+    )
+    out = texts(report)
+    for i in range(2):
+        x, y, z = (out[f"{lineup}/row_{i:05d}"] for lineup in "xyz")
+        assert x == y  # the same recipe and seed: the same conversation
+        first_x, first_z = x[1], z[1]
+        assert first_x.startswith(first_z) and first_x != first_z  # the same draws, cut at 4 tokens
+    assert out["x/row_00000"] != out["x/row_00001"]
+
+
+def test_a_job_half_done_under_the_old_seed_rule_is_generated_again_and_finished_jobs_are_kept(
+    qwen2_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ledger an earlier release wrote: its local turns record no stream seed (they mixed the job's id into
+    it). Its finished jobs stay as they are; a half-done job is not continued from turns of another stream
+    (which no seed would reproduce) but generated again from its first such turn, with a warning."""
+    conv = debate(qwen2_path)
+    out = tmp_path / "run"
+    first = conv.rollout(n=3, devices=["cpu"], seed=2, batched=False, out_dir=out, progress=False)
+    fresh = texts(first)
+    with sqlite3.connect(out / "ledger.sqlite") as db:  # what the earlier release left: job 1 half done
+        db.execute("DELETE FROM turns WHERE job_id = 'rollout_0001' AND (idx >= 2 OR idx < 0)")
+        db.execute("UPDATE turns SET turn_json = json_remove(turn_json, '$.metadata.seed')")
+        db.execute(
+            "UPDATE turns SET turn_json = json_replace(turn_json, '$.content', 'OLD STREAM') "
+            "WHERE job_id = 'rollout_0001'"
+        )
+        db.execute("DELETE FROM results WHERE job_id = 'rollout_0001'")
+        db.execute("UPDATE jobs SET state = 'running' WHERE job_id = 'rollout_0001'")
+        done_before = dict(db.execute("SELECT job_id, finished_at FROM jobs WHERE state = 'done'"))
+    assert sorted(done_before) == ["rollout_0000", "rollout_0002"]
+
+    with caplog.at_level(logging.WARNING, logger="interlens"):
+        resumed = conv.rollout(n=3, devices=["cpu"], seed=2, batched=False, out_dir=out, progress=False)
+    assert texts(resumed) == fresh  # job 1 is the conversation its seed gives, as in a fresh run
+    warned = [r.getMessage() for r in caplog.records if "rollout_0001" in r.getMessage()]
+    assert len(warned) == 1 and "committed turn 0 (a)" in warned[0] and "generated again" in warned[0]
+    with sqlite3.connect(out / "ledger.sqlite") as db:  # the finished jobs were not run again
+        assert dict(db.execute("SELECT job_id, finished_at FROM jobs WHERE job_id != 'rollout_0001'")) == (
+            done_before
+        )
 
 
 def test_analyzer_samples_get_streams_of_their_own_and_reproduce(qwen2_path: str) -> None:

@@ -129,11 +129,15 @@ def test_prefix_groups_pick_long_common_prefixes() -> None:
 
 
 def test_data_rollout_records_its_shared_prefix(qwen2_path, tmp_path) -> None:
-    system = " ".join(f"Rule {i}: answer briefly and cite rule {i}." for i in range(20))
+    system = " ".join(f"Rule {i}: answer briefly." for i in range(8))
     solver = AutoModelParticipant.from_pretrained(
-        qwen2_path, name="solver", temperature=0, max_new_tokens=6, system_prompt=system
+        qwen2_path, name="solver", temperature=0, max_new_tokens=8, system_prompt=system
     )
-    rows = [{"q": q} for q in ("What is 2 + 2?", "Name a prime.", "hi", "Why is the sky blue today?")]
+    # suffixes of very different lengths: the short rows' holes (masked slots between the shared prefix and
+    # their suffix) are longer than their prompts, so attending to them would change their greedy answers
+    long = "Explain, step by step and with an example for each step, " * 6
+    questions = (long + "why is the sky blue?", "Name a prime.", "hi", "Why is the sky blue today?")
+    rows = [{"q": q} for q in questions]
     conv = Conversation(participants=[solver], shared_context=("Q: ", dataset_field("q"))).turns(1).data(rows)
     report = conv.rollout(devices=["cpu"], out_dir=tmp_path / "shared", seed=0)
     assert report.failed == []

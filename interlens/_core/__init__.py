@@ -2,7 +2,15 @@
 conditions, data rows, the speaker's view and the running job's context. Imports nothing of interlens.
 """
 
-from ._context import CURRENT_JOB, collecting_samples, in_job, record_sample, turn_seed
+from ._context import (
+    CURRENT_JOB,
+    collecting_samples,
+    in_job,
+    record_sample,
+    seed_of_turn,
+    turn_seed,
+    turns_on_this_seed_rule,
+)
 from ._exceptions import (
     AnalyzerError,
     ConfigurationError,
@@ -112,10 +120,12 @@ __all__ = [
     "record_sample",
     "resolve",
     "row_reader",
+    "seed_of_turn",
     "template_from_json",
     "template_to_json",
     "translate",
     "turn_cap",
     "turn_seed",
+    "turns_on_this_seed_rule",
     "type_name",
 ]

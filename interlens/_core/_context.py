@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from interlens.scheduler import JobContext
 
-__all__ = ["CURRENT_JOB", "collecting_samples", "in_job", "record_sample", "turn_seed"]
+__all__ = [
+    "CURRENT_JOB",
+    "collecting_samples",
+    "in_job",
+    "record_sample",
+    "seed_of_turn",
+    "turn_seed",
+    "turns_on_this_seed_rule",
+]
+
+log = logging.getLogger("interlens")
 
 CURRENT_JOB: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar(
     "interlens_current_job", default=None
@@ -82,9 +93,12 @@ def turn_seed(conv: _Seeded, participant: object, *, sample: int | None = None) 
     """The sampling seed of the next turn of ``participant`` in ``conv``, or None for torch's global RNG.
 
     Inside a rollout EVERY local turn is seeded, in both execution modes, from (participant ``seed=`` or 0,
-    the rollout seed of this job, the job's id, the turn index): two jobs, two lineups of one ``run`` or two
-    turns never share a random stream, and rerunning the same recipe with the same ``seed=`` draws the same
-    random numbers for every turn. What that buys depends on the mode:
+    the job's rollout seed, the turn index) alone. Job ``i`` of a rollout with ``seed=s`` has rollout seed
+    ``s + i`` (the spec: "per-rollout seeds are seed, seed+1, ..."), so it draws exactly the random numbers of
+    job 0 of ``seed=s + i``; and the lineups of one ``interlens.run`` share their random numbers job by job:
+    common random numbers across conditions, what a paired comparison wants (the conditions' differences are
+    not drowned in sampling noise). Two turns never share a stream, and rerunning the same recipe with the
+    same ``seed=`` draws the same random numbers for every turn. What that buys depends on the mode:
 
     * ``batched=False`` (deterministic): each turn is generated alone (or co-stepped where the engine
       passed its batch-invariance self-test: bitwise the same logits), so a rollout is token-identical on
@@ -101,15 +115,52 @@ def turn_seed(conv: _Seeded, participant: object, *, sample: int | None = None) 
     ``sample`` numbers the ``conv.sample()`` calls made on this conversation object (1, 2, ...): each gets a
     stream of its own, so an analyzer that samples five times gets five draws, the same five on a rerun,
     and a sample never shifts the seed of a turn. Outside a rollout (``conv.run()``, ``conv.sample()`` on a
-    result) a participant with ``seed=`` is seeded the same way without a job id; one without a seed draws
-    from torch's global RNG.
+    result) a participant with ``seed=`` is seeded the same way (rollout seed 0: a live run draws what job 0
+    of ``seed=0`` draws); one without a seed draws from torch's global RNG.
+
+    Each seeded turn records the seed it drew from (``metadata["seed"]``, see ``Participant.recorded_seed``),
+    which is how a resumed job tells turns committed under this rule from turns an older release committed
+    (streams derived from the job id as well): see ``Conversation.replay``.
     """
-    job = CURRENT_JOB.get()
-    pinned = getattr(participant, "seed", None)
-    if job is None and pinned is None:
+    if CURRENT_JOB.get() is None and getattr(participant, "seed", None) is None:
         return None
-    parts: list[int | str] = [pinned or 0, conv.seed or 0, job.job_id if job is not None else ""]
-    parts.append(conv.generated_turns)
+    return seed_of_turn(participant, conv.seed, conv.generated_turns, sample=sample)
+
+
+def seed_of_turn(
+    participant: object, rollout_seed: int | None, turn: int, *, sample: int | None = None
+) -> int:
+    """The stream seed of generated turn ``turn`` (0-based) of ``participant`` in a conversation of rollout
+    seed ``rollout_seed``: what :func:`turn_seed` gives inside a job (the rule, in one place)."""
+    parts: list[int | str] = [getattr(participant, "seed", None) or 0, rollout_seed or 0, turn]
     if sample is not None:
         parts += ["sample", sample]
     return _mix(*parts)
+
+
+def turns_on_this_seed_rule(
+    committed: Sequence[Any], speakers: Mapping[str, Any], rollout_seed: int | None, first: int, *, job: str
+) -> int:
+    """How many of a job's ``committed`` messages (generated turns ``first``, ``first + 1``, ...) a resumed
+    job may continue from: all of them, unless a local speaker's turn did not draw from the stream
+    :func:`seed_of_turn` gives it (a ledger an earlier release left half done mixed the job's id into each
+    stream); then the turns before it, with a warning (see ``Conversation.replay``)."""
+    for index, message in enumerate(committed):
+        speaker = speakers.get(message.author)
+        if speaker is None or not speaker.needs_device:
+            continue
+        drawn = speaker.recorded_seed(seed_of_turn(speaker, rollout_seed, first + index))
+        if message.metadata.get("seed") != drawn:
+            log.warning(
+                "job %s: committed turn %d (%s) did not draw from the random stream this release gives it "
+                "(an earlier release mixed the job's id into each stream): it and the %d turn(s) after it "
+                "are generated again, the %d before it kept, so that the conversation is the one its seed "
+                "gives",
+                job,
+                index,
+                message.author,
+                len(committed) - index - 1,
+                index,
+            )
+            return index
+    return len(committed)

@@ -51,6 +51,7 @@ from .._core import (
     row_reader,
     turn_cap,
     turn_seed,
+    turns_on_this_seed_rule,
 )
 from ..interp import ActivationCache, CaptureSpec, CaptureTarget, steering_from
 from ..participants import Participant
@@ -299,11 +300,21 @@ class Conversation:
 
     def replay(self, turns: Iterable[Mapping[str, Any]], *, stream_id: str) -> Conversation:
         """A copy that continues after ``turns`` (``Message.to_json()`` dicts, e.g. those a job already
-        committed) on its own stream ``stream_id`` (a job id: a local model keeps its KV cache per stream)."""
+        committed) on its own stream ``stream_id`` (a job id: a local model keeps its KV cache per stream).
+
+        A committed local turn that did not draw from the stream this release gives it (``seed_of_turn``; a
+        ledger that an earlier release left half-done mixed the job's id into each stream) ends the replay
+        there: that turn and the ones after it are generated again, with a warning, because continuing would
+        mix two random streams in one conversation, an answer no seed reproduces. The turns before it are
+        kept, and so are hosted turns: their seed is the provider's best-effort hint, and they were paid for.
+        """
         conv = self._copy()
         conv._stream_id = stream_id
-        for turn in turns:
-            conv.transcript.append(Message.from_json(turn))
+        committed = [Message.from_json(turn) for turn in turns]
+        speakers = {p.name: p for p in conv.participants}
+        kept = turns_on_this_seed_rule(committed, speakers, conv.seed, conv.generated_turns, job=stream_id)
+        for message in committed[:kept]:
+            conv.transcript.append(message)
         return conv
 
     def read_rows(self, n: int | None, *, lineup: str) -> RowReader:

@@ -267,7 +267,7 @@ class APIParticipant(Participant):
         turn = None if options.ephemeral else sum(1 for m in view.messages if m.author != MODERATOR)
         # the turn's own seed (as a local turn's: the same on a rerun, another per job and turn), in the 31
         # bits every OpenAI-compatible server takes
-        seed = options.seed & _SEED_MASK if options.seed is not None else None
+        seed = self.recorded_seed(options.seed) if options.seed is not None else None
         return APIRequest(
             provider=self.provider,
             model=self.model_id,
@@ -280,7 +280,7 @@ class APIParticipant(Participant):
             timeout=self.timeout,
             turn=turn,
             cache=self.prompt_cache,
-            seed=seed if provider_named(self.provider).accepts_seed else None,
+            seed=seed,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
@@ -331,6 +331,10 @@ class APIParticipant(Participant):
                 f"and the server wants one: set {variable} to the server's key"
             )
         return ""
+
+    def recorded_seed(self, seed: int) -> int | None:
+        """The request's ``seed`` field: the turn's seed in 31 bits, where the provider takes one."""
+        return seed & _SEED_MASK if provider_named(self.provider).accepts_seed else None
 
     def message(self, result: APIResult, seconds: float, *, seed: int | None = None) -> Message:
         """The turn, with what the provider reported about it (usage, finish reason, ids) as metadata.

@@ -301,9 +301,14 @@ class ModelParticipant(Participant):
             return Message(self.name, "", {"n_tokens": 0, "finish_reason": "length", "model": self.model_id})
         result = await self._send(request, options)
         message = self.message(result)
+        if options.seed is not None:
+            message.metadata["seed"] = options.seed  # the stream the turn drew from (see recorded_seed)
         if request.steering:
             message.metadata["steering"] = [spec.summary() for spec in request.steering]
         return message
+
+    def recorded_seed(self, seed: int) -> int:
+        return seed
 
     async def ascore(
         self, view: View, continuation: str, options: GenerationOptions | None = None

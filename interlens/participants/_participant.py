@@ -58,6 +58,13 @@ class Participant:
 
         return run_sync(self.agenerate, view, options)
 
+    def recorded_seed(self, seed: int) -> int | None:
+        """What this speaker's turn records in ``metadata["seed"]`` when its stream seed is ``seed`` (None:
+        its turns draw no seeded random numbers). A resumed job compares a local speaker's with each of its
+        committed turns, so that turns drawn under another seed rule are generated again
+        (``Conversation.replay``)."""
+        return None
+
     async def end_conversation(self, stream_id: str) -> None:
         """The conversation ``stream_id`` is over: let go of anything kept for it between turns (a rollout job
         calls this when it ends, in the process where it ran). Nothing is kept here."""

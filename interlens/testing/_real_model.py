@@ -18,6 +18,7 @@ weights header) is removed and converted again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -27,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,32 @@ def real_model(
     final = root / _cache_key(source)
     if _complete(final):
         return str(final)
-    with _lock:
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock, _other_processes_wait(root / f".{final.name}.lock"):
         if not _complete(final):
-            root.mkdir(parents=True, exist_ok=True)
             if final.exists():  # partial or damaged: moved aside first, so no reader meets half of it
                 _discard(final)
             if announce is not None:
                 announce(f"converting {REAL_MODEL_NAME} from {source.name} once, into {final} (cached)")
             _convert_into(final, source)
     return str(final)
+
+
+@contextlib.contextmanager
+def _other_processes_wait(lock_file: Path) -> Iterator[None]:
+    """One conversion at a time per cache across processes (two test processes on a fresh machine would
+    otherwise both spend the conversion's seconds, and one could move aside what the other just made)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the rename into place still keeps readers from half a conversion
+        yield
+        return
+    with lock_file.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _default_root() -> Path:
