@@ -10,6 +10,7 @@ scheduler reuses for that). Each message is stored once (the turns) and a result
 This package imports nothing from interlens or its scheduler.
 """
 
+from ._damage import UnreadableRecord
 from ._errors import (
     FingerprintMismatchError,
     LedgerCorruptError,
@@ -17,6 +18,7 @@ from ._errors import (
     LedgerNotFoundError,
     LedgerSchemaError,
     StoreError,
+    UnreadableRecordError,
 )
 from ._json import dumps as encode_json
 from ._ledger import Ledger
@@ -54,6 +56,8 @@ __all__ = [
     "SecretGuard",
     "StoreError",
     "TurnRecord",
+    "UnreadableRecord",
+    "UnreadableRecordError",
     "encode_json",
     "redacting_logger",
 ]

@@ -7,6 +7,7 @@ The hierarchy::
     ├── FingerprintMismatchError    a rerun's recipe fingerprint differs for existing job ids
     ├── LedgerSchemaError           written by a newer schema version, or an older one that cannot be upgraded
     ├── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
+    │   └── UnreadableRecordError   one job's record does not parse, in a ledger that otherwise reads
     └── LedgerNotFoundError         no ledger where a reader looked (also a FileNotFoundError)
 
 The store imports nothing from interlens, so these are its own classes; interlens translates them at its
@@ -22,6 +23,7 @@ __all__ = [
     "LedgerNotFoundError",
     "LedgerSchemaError",
     "StoreError",
+    "UnreadableRecordError",
 ]
 
 
@@ -44,6 +46,15 @@ class LedgerSchemaError(StoreError):
 
 class LedgerCorruptError(StoreError):
     """The file is not a readable SQLite ledger."""
+
+
+class UnreadableRecordError(LedgerCorruptError):
+    """One record of job ``job_id`` does not parse (turn ``idx``; None: its result); see ``_damage``."""
+
+    def __init__(self, message: str, *, job_id: str, idx: int | None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.idx = idx
 
 
 class LedgerNotFoundError(StoreError, FileNotFoundError):

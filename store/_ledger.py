@@ -24,6 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from ._batches import open_batches_op, record_batch_op, update_batch_op
+from ._damage import unreadable_jobs
 from ._errors import LedgerSchemaError, StoreError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
@@ -33,11 +34,14 @@ from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, Recorded
 from ._results import EncodedResult, encode_result, store_results
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
 from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
+from ._secrets import redacting_logger
 
 if TYPE_CHECKING:
     import aiosqlite
 
 __all__ = ["Ledger"]
+
+log = redacting_logger("interlens.store")
 
 _ADD_CHUNK = 5_000  # rows per add_jobs transaction: durable progress without one giant transaction
 _SCAN_PAGE = 4_096  # rows per fetch of the resume scan: few thread hops, no list of every row at once
@@ -249,7 +253,9 @@ class Ledger:
         op = begin_run_op(
             lineups, versions, describe, path=self.path, guard=self._guard, start_over=start_over
         )
-        self._run_id = await self._submit(op)
+        self._run_id, damaged = await self._submit(op)
+        for line in damaged:
+            log.warning("%s: %s", self.path, line)
         return self._run_id
 
     async def check_lineups(
@@ -337,6 +343,7 @@ class Ledger:
                         if done:
                             recorded.done.add(job_id)
                         recorded.per_lineup[lineup] = recorded.per_lineup.get(lineup, 0) + 1
+            recorded.done.difference_update(await unreadable_jobs(conn))  # run again: see _damage
             return recorded
 
         result: RecordedJobs = await self._submit(Op("recorded_jobs", apply=apply))

@@ -10,6 +10,7 @@ iterator holds nothing open and never pins the WAL.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,7 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._errors import LedgerNotFoundError
+from ._damage import UnreadableRecord, loads, unreadable_error, unreadable_records
+from ._errors import LedgerNotFoundError, UnreadableRecordError
 from ._records import (
     JOB_STATES,
     TERMINAL_BATCH_STATES,
@@ -32,6 +34,8 @@ from ._results import assemble, chunks
 from ._schema import LEDGER_FILENAME, check_existing, ro_uri
 
 __all__ = ["LedgerReader"]
+
+log = logging.getLogger("interlens.store")
 
 # The stored parts of a schema-3 result's conversation, in the order ``_assemble`` takes them.
 _V3_PARTS = "r.state_json, r.lineup_recipe, r.turn_order"
@@ -71,6 +75,8 @@ class LedgerReader:
         self._j_columns = ", ".join(
             c if c == "NULL" else f"j.{c}" for c in (c.strip() for c in self._job_columns.split(","))
         )
+        #: Jobs ``iter_results`` left out because a record of theirs does not parse (each also a warning).
+        self.left_out: list[UnreadableRecordError] = []
         self._conn = sqlite3.connect(ro_uri(path), uri=True, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA busy_timeout = 5000")
         self._conn.execute("PRAGMA query_only = ON")
@@ -144,7 +150,10 @@ class LedgerReader:
                 "JOIN jobs j ON j.job_id = r.job_id WHERE r.job_id = ?",
                 (job_id,),
             )
-            return _result(json.loads(rows[0][0]), *rows[0][1:]) if rows else None
+            if not rows:
+                return None
+            with self._unreadable_as_error(job_id):
+                return _result(json.loads(rows[0][0]), *rows[0][1:])
         with self._snapshot():
             rows = self._all(
                 f"SELECT j.lineup, {_V3_PARTS}, r.analysis_json, j.tokens_generated FROM results r "
@@ -155,7 +164,8 @@ class LedgerReader:
                 return None
             lineup, *stored, analysis, tokens = rows[0]
             turns = self._result_turns([job_id]).get(job_id, {})
-            return _result(self._assemble(lineup, stored, turns), analysis, tokens)
+            with self._unreadable_as_error(job_id):
+                return _result(self._assemble(lineup, stored, turns), analysis, tokens)
 
     def iter_results(
         self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256
@@ -190,14 +200,35 @@ class LedgerReader:
                 if not has_result:
                     yield job, None
                     continue
-                if self._version < 3:
-                    conversation = json.loads(parts[0])
-                else:
-                    conversation = self._assemble(job.lineup, parts, turns.get(job.job_id, {}))
-                yield job, _result(conversation, analysis, job.tokens_generated)
+                try:
+                    with self._unreadable_as_error(job.job_id):
+                        if self._version < 3:
+                            conversation = json.loads(parts[0])
+                        else:
+                            conversation = self._assemble(job.lineup, parts, turns.get(job.job_id, {}))
+                        result = _result(conversation, analysis, job.tokens_generated)
+                except UnreadableRecordError as exc:  # one job's loss: named, and the listing goes on
+                    log.warning("%s; left out here", exc)
+                    self.left_out.append(exc)
+                    continue
+                yield job, result
             if len(rows) < page_size:
                 return
             last = rows[-1][0]
+
+    @contextmanager
+    def _unreadable_as_error(self, job_id: str) -> Iterator[None]:
+        """A record of ``job_id`` that does not parse leaves as :class:`UnreadableRecordError` naming it."""
+        try:
+            yield
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            found = unreadable_records(self._conn, job_ids=[job_id])
+            record = found[0] if found else UnreadableRecord(job_id, None)
+            raise unreadable_error(record, self.path, exc) from exc
+
+    def unreadable_records(self) -> list[UnreadableRecord]:
+        """Every record that does not parse (one scan of turns and results; see ``_damage``)."""
+        return unreadable_records(self._conn)
 
     @contextmanager
     def _snapshot(self) -> Iterator[None]:
@@ -230,8 +261,11 @@ class LedgerReader:
     def turns(self, job_id: str) -> list[dict[str, Any]]:
         """The turns a job committed as it ran, in index order: what a resumed attempt replays. A stored
         result's whole transcript (seeded context included) is in :meth:`result`."""
-        rows = self._all("SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,))
-        return [json.loads(r[0]) for r in rows]
+        return [record.turn for record in self.turn_records(job_id)]
+
+    def turn_count(self, job_id: str) -> int:
+        """How many turns ``job_id`` committed (counted, not read: a damaged one counts too)."""
+        return int(self._all("SELECT count(*) FROM turns WHERE job_id = ? AND idx >= 0", (job_id,))[0][0])
 
     def turn_records(self, job_id: str) -> list[TurnRecord]:
         """Like :meth:`turns`, with index and commit time."""
@@ -239,15 +273,18 @@ class LedgerReader:
             "SELECT idx, turn_json, committed_at FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx",
             (job_id,),
         )
-        return [TurnRecord(job_id, idx, json.loads(turn), at) for idx, turn, at in rows]
+        return [
+            TurnRecord(job_id, idx, loads(turn, record=UnreadableRecord(job_id, idx), path=self.path), at)
+            for idx, turn, at in rows
+        ]
 
     def turn_values(self, json_path: str) -> Iterator[Any]:
         """The JSON value at ``json_path`` (an SQLite JSON path such as ``'$.metadata.usage'``) of every
         stored message that has one, whichever job, state or run it belongs to (each message is stored once):
         a scan for totals (what a run spent) without reading whole transcripts."""
-        sql = (
+        sql = (  # a record that does not parse is skipped here (``unreadable_records`` names it)
             "SELECT json_extract(turn_json, ?) FROM turns "
-            "WHERE json_type(turn_json, ?) IN ('object', 'array')"
+            "WHERE CASE WHEN json_valid(turn_json) THEN json_type(turn_json, ?) END IN ('object', 'array')"
         )
         for (text,) in self._conn.execute(sql, (json_path, json_path)):
             yield json.loads(text)
@@ -265,7 +302,7 @@ class LedgerReader:
         tables = ("results", "superseded_results") if self._version >= 4 else ("results",)
         sql = " UNION ALL ".join(
             f"SELECT json_extract({column}, ?) FROM {table} "
-            f"WHERE json_type({column}, ?) IN ('object', 'array')"
+            f"WHERE CASE WHEN json_valid({column}) THEN json_type({column}, ?) END IN ('object', 'array')"
             for table in tables
         )
         for (text,) in self._conn.execute(sql, (json_path, json_path) * len(tables)):

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._damage import rerun_unreadable
 from ._diff import mismatch_line
 from ._errors import FingerprintMismatchError
 from ._group import Op
@@ -105,8 +106,9 @@ def begin_run_op(
         for name in lineups
     }
 
-    async def apply(conn: aiosqlite.Connection) -> int:
+    async def apply(conn: aiosqlite.Connection) -> tuple[int, list[str]]:
         await _refuse_changed_lineups(conn, lineups, described, path=path, start_over=start_over)
+        damaged = await rerun_unreadable(conn)  # jobs with a record that does not parse run again
         now = time.time()
         await conn.execute("UPDATE runs SET status = 'crashed' WHERE status = 'running'")
         run_rows = await conn.execute_fetchall(
@@ -123,6 +125,6 @@ def begin_run_op(
             "INSERT INTO run_lineups (run_id, lineup, fingerprint) VALUES (?, ?, ?)",
             [(run_id, name, fp) for name, fp in lineups.items()],
         )
-        return run_id
+        return run_id, damaged
 
     return Op("begin_run", apply=apply)

@@ -134,10 +134,12 @@ def run_status(reader: LedgerReader) -> dict[str, Any]:
         "runs": summary["runs"],
         "run": run,
         "throughput": _throughput(reader, run, now),
-        "running_turns": sum(len(reader.turn_records(job_id)) for job_id in running),
+        "running_turns": sum(reader.turn_count(job_id) for job_id in running),
         "failures": failures,
         "failures_total": len(failed_ids),
         "failures_by_type": summary["failures_by_type"],
+        # records the file lost (a damaged write): named, left out of every total, run again by a rerun
+        "unreadable": [record.describe() for record in reader.unreadable_records()],
         "api_usage": [dataclasses.asdict(u) for u in summarize(recorded_metadata(reader)).api],
         "open_batches": [
             {
@@ -257,6 +259,14 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
                     style="dim",
                 )
             )
+    for what in data.get("unreadable") or []:
+        console.print(
+            Text(
+                f"unreadable: {what} is not valid JSON (the file was damaged there); left out of the figures "
+                "above, and run again by a rerun of the same recipe into this out_dir",
+                style="bold red",
+            )
+        )
     usage = data.get("api_usage") or []
     if usage:
         table = Table(title="API usage (tokens)", box=box.SIMPLE_HEAD, title_justify="left")
