@@ -53,6 +53,7 @@ def generations(server: FakeProviderServer) -> list[Any]:
 # -- live use
 
 
+@pytest.mark.floors
 def test_live_conversation_with_each_provider(server: FakeProviderServer) -> None:
     conv = Conversation(
         [
@@ -90,6 +91,7 @@ def test_live_conversation_with_each_provider(server: FakeProviderServer) -> Non
     assert conv.tokens_generated == sum(m.n_tokens for m in turns)
 
 
+@pytest.mark.floors
 def test_api_turns_carry_their_turn_seed_where_the_provider_takes_one(
     server: FakeProviderServer, tmp_path: Any
 ) -> None:

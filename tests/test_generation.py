@@ -576,6 +576,7 @@ def test_load_engine_errors_are_clear(tmp_path: object) -> None:
         load_engine(tiny_model("qwen2"), device="gpu-please")
 
 
+@pytest.mark.floors
 def test_importing_the_engine_modules_stays_cheap() -> None:
     code = (
         "import sys, interlens.engine._generation, interlens.engine._model_cache, interlens.testing\n"

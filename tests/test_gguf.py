@@ -73,6 +73,7 @@ def test_from_pretrained_with_gguf_file_is_lazy_and_cheap():
     assert took < 2.0, f"building a GGUF participant took {took:.2f}s: it should read the header only"
 
 
+@pytest.mark.floors
 def test_a_two_turn_greedy_debate_shares_one_engine_and_ends_turns_at_eos(debaters):
     a, b = debaters
     assert a.engine_key == b.engine_key
@@ -213,6 +214,7 @@ def _write_gguf(path, architecture: str, *, chat_template: str | None) -> None:
     writer.close()
 
 
+@pytest.mark.floors
 def test_a_gguf_file_without_a_chat_template_is_refused_naming_the_fix(tmp_path):
     _write_gguf(tmp_path / "base.gguf", "llama", chat_template=None)
     with pytest.raises(ModelLoadError, match="embeds no chat template") as info:
@@ -220,6 +222,7 @@ def test_a_gguf_file_without_a_chat_template_is_refused_naming_the_fix(tmp_path)
     assert "without gguf_file" in str(info.value)
 
 
+@pytest.mark.floors
 def test_an_architecture_transformers_cannot_dequantize_is_a_model_load_error(tmp_path):
     _write_gguf(tmp_path / "odd.gguf", "rwkv6", chat_template="{{ messages }}")
     p = AutoModelParticipant.from_pretrained(tmp_path, name="x", gguf_file="odd.gguf")

@@ -66,6 +66,7 @@ def test_a_model_no_remaining_lineup_needs_is_evicted_and_kept_kv_caches_end_wit
     clear_engine_cache()
 
 
+@pytest.mark.floors
 def test_weights_load_straight_onto_the_device_through_the_device_map(
     qwen2_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

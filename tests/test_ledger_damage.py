@@ -102,6 +102,7 @@ def test_readers_name_the_damaged_records_and_read_the_rest(
     assert "row_00000" in (out / "report.html").read_text()
 
 
+@pytest.mark.floors
 def test_a_rerun_runs_the_damaged_jobs_again_from_what_still_reads(
     damaged: tuple[Path, dict[str, list[str]]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -34,6 +34,7 @@ def test_public_names_are_documented(package):
             assert (obj.__doc__ or "").strip(), f"{package.__name__}.{name} has no docstring"
 
 
+@pytest.mark.floors
 def test_import_interlens_is_cheap():
     code = (
         "import sys, interlens; "

@@ -214,6 +214,7 @@ def test_a_ledger_that_did_not_record_inputs_is_refused(tmp_path: Path) -> None:
     assert _ran(report) == ["row_00000", "row_00001"] and again.asked == ["A0", "A1"]
 
 
+@pytest.mark.floors
 def test_datasets_are_read_again_and_a_changed_row_is_refused_before_anything_runs(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     for kind in ("dataset", "iterable"):

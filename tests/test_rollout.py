@@ -68,6 +68,7 @@ def _data_conv():
     )
 
 
+@pytest.mark.floors
 def test_data_rollout_over_dataset_iterable_dataset_and_generator():
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list(gsm_rows(5)).map(lambda r: {"gold": int(r["answer"])})

@@ -37,6 +37,7 @@ def texts(report: RunReport) -> dict[str, list[str]]:
     return {job: [m.content for m in res.transcript] for job, res in sorted(report.results.items())}
 
 
+@pytest.mark.floors
 def test_batched_rollouts_with_one_seed_are_identical_and_another_seed_differs(qwen2_path: str) -> None:
     conv = debate(qwen2_path)
     first = conv.rollout(n=6, devices=["cpu"], seed=5, progress=False)
@@ -61,6 +62,7 @@ def test_a_seeded_batched_rollout_equals_each_conversation_generated_alone(famil
     assert {m.metadata["batch_size"] for r in alone.results.values() for m in r.transcript[1:]} == {1}
 
 
+@pytest.mark.floors
 def test_job_i_of_seed_s_draws_what_job_0_of_seed_s_plus_i_draws(qwen2_path: str) -> None:
     """The spec: "per-rollout seeds are seed, seed+1, ...". Deterministic, so equal draws are equal tokens."""
     conv = debate(qwen2_path)
@@ -91,6 +93,7 @@ def test_lineups_of_one_run_share_random_numbers_job_by_job(qwen2_path: str) -> 
     assert out["x/row_00000"] != out["x/row_00001"]
 
 
+@pytest.mark.floors
 def test_a_job_half_done_under_the_old_seed_rule_is_generated_again_and_finished_jobs_are_kept(
     qwen2_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
