@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import debate
+from _common import cpu_summary, debate, fast_dtype
 
 from interlens import Conversation
 from interlens.testing import tiny_model
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument(
         "--model", help="a model directory, or 'real' for SmolLM2-135M-Instruct (default: the tiny --family)"
     )
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     if args.model == "real":
@@ -61,7 +61,8 @@ def main() -> None:
         path = args.model
     else:
         path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
-    print(f"model: {path}; dtype {args.dtype}; CPU: {_cpu()}")
+    args.dtype = fast_dtype(args.dtype)
+    print(f"model: {path}; dtype {args.dtype}; CPU: {cpu_summary()}")
     conv = debate(path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype)
 
     from interlens.engine._model_cache import load_engine
@@ -94,20 +95,6 @@ def main() -> None:
         )
     ratio = statistics.median(rates[False]) / statistics.median(rates[True])
     print(f"  deterministic / batched = {ratio:.2f}x   (goal >= 0.8x)")
-
-
-def _cpu() -> str:
-    """The CPU's model name and the flags that decide the kernels (AVX-512, bf16, AMX)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line), "?")
-    flags = set(
-        next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    )
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(shown) or 'no AVX2'})"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Long debates: cross-turn KV reuse in co-stepped batches vs re-prefilling every round (issue #14).
 
     python benchmarks/bench_long_debate.py [--rollouts 16] [--turns 8 12] [--new-tokens 32] [--repeats 3]
-                                           [--threads N] [--dtype bfloat16] [--mixed]
+                                           [--threads N] [--dtype auto] [--mixed]
 
 A two-speaker debate on the bench-size random-weight Qwen2 (the model of ``bench_deterministic.py``), 32
 tokens a turn at T = 0.9, rolled out ``--rollouts`` times, three ways, interleaved with a rotating start after
@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import debate, spread
+from _common import cpu_summary, debate, fast_dtype, spread
 
 from interlens import Conversation
 from interlens.testing import tiny_model
@@ -179,12 +179,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=[8, 12])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--mixed", action="store_true", help="also time a turn whose rows half lost their caches"
     )
     args = parser.parse_args()
+    args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
     import torch
@@ -193,7 +194,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = tiny_model("qwen2", size="bench")
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads; medians of {args.repeats} (min-max)")
+    print(f"torch {torch.__version__}, {threads} threads, {args.dtype}; medians of {args.repeats} (min-max)")
+    print(f"CPU: {cpu_summary()}; model: the toy qwen2 'bench' (25.6M)")
     for turns in args.turns:
         measure(path, args, turns)
     if args.mixed:

@@ -1,7 +1,7 @@
 """A mixed local + API debate against the local-only run of the same local turns (issue #14). Prints only.
 
     python benchmarks/bench_mixed.py [--rollouts 16] [--turns 4] [--new-tokens 32] [--latency 0.05]
-                                     [--repeats 3] [--threads N] [--dtype bfloat16]
+                                     [--repeats 3] [--threads N] [--dtype auto]
 
 Two rollouts of the same shape, interleaved after one warm-up of each:
 
@@ -34,7 +34,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _common import spread
+from _common import cpu_summary, fast_dtype, spread
 
 KEY = "sk-bench-not-a-real-key"
 
@@ -111,8 +111,9 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.05)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     args = parser.parse_args()
+    args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join(["python", *sys.argv]))
 
     ctx = mp.get_context("spawn")
@@ -133,7 +134,7 @@ def main() -> None:
     print(
         f"{args.rollouts} rollouts x {args.turns} turns (local first), {args.new_tokens} new tokens a local "
         f"turn, {hosted_rounds} hosted rounds at {args.latency * 1000:.0f} ms, "
-        f"{torch.get_num_threads()} torch threads"
+        f"{torch.get_num_threads()} torch threads, {args.dtype}; CPU: {cpu_summary()}"
     )
     runs: dict[str, list[tuple[float, list[int], int, list[float]]]] = {"local-only": [], "mixed": []}
     timed(alone, args.rollouts)  # warm-ups

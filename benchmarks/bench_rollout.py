@@ -1,7 +1,7 @@
 """Rollout throughput against fair baselines, side by side in one run (issues #4 and #14).
 
     python benchmarks/bench_rollout.py [--rollouts 64] [--turns 4] [--new-tokens 32] [--repeats 3]
-                                       [--dtype bfloat16] [--shared-rows 32] [--system-tokens 1000]
+                                       [--dtype auto] [--shared-rows 32] [--system-tokens 1000]
                                        [--threads N] [--skip debate|shared]
 
 Part 1, the 4-turn debate (two speakers on one bench-size random-weight Qwen2, T = 0.9, top_p = 1), rolled
@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import debate, spread
+from _common import cpu_summary, debate, fast_dtype, spread
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
 from interlens.testing import tiny_model
@@ -255,12 +255,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--shared-rows", type=int, default=32)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--skip", choices=["debate", "shared"], default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join(["python", *sys.argv]))
 
     import torch
@@ -276,7 +277,7 @@ def main() -> None:
     params = sum(p.numel() for p in engine.model.parameters())
     print(
         f"model: qwen2 'bench', {params / 1e6:.1f}M parameters, {args.dtype}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {torch.get_num_threads()} threads"
+        f"transformers {transformers.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_summary()}"
     )
     if args.skip != "debate":
         part_debate(args, path, engine)
