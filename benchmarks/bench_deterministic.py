@@ -48,6 +48,12 @@ def main() -> None:
         "--model", help="a model directory, or 'real' for SmolLM2-135M-Instruct (default: the tiny --family)"
     )
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
+    parser.add_argument(
+        "--no-kv-reuse",
+        action="store_true",
+        help="both modes prefill every turn in full (deterministic turns never reuse a kept KV cache): the "
+        "ratio then measures the co-stepped kernels alone",
+    )
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     if args.model == "real":
@@ -63,7 +69,9 @@ def main() -> None:
         path = tiny_model(args.family, size="bench") if args.family == "qwen2" else tiny_model(args.family)
     args.dtype = fast_dtype(args.dtype)
     print(f"model: {path}; dtype {args.dtype}; CPU: {cpu_summary()}")
-    conv = debate(path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype)
+    conv = debate(
+        path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype, kv_reuse=not args.no_kv_reuse
+    )
 
     from interlens.engine._model_cache import load_engine
 

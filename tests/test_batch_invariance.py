@@ -130,24 +130,27 @@ def test_without_the_layouts_padding_the_stock_kernels_fail_the_self_test(
 
 
 def test_fixed_row_linear_chunks_give_each_row_its_own_output_whatever_its_company() -> None:
-    """What the engine falls back on where the stock GEMM picks its kernel by the row count: every F.linear
-    in chunks of one fixed shape, so a row's output is bitwise the same alone and among any others."""
+    """What the engine falls back on where the stock GEMM picks its kernel by the row count: every linear
+    layer of the model in chunks of one fixed shape, so a row's output is bitwise the same alone and among
+    any others; only inside the layout's context, and only when it is on."""
     engine = _engine()
     layout = engine._slots
-    layer = torch.nn.Linear(96, 200)
-    rows = torch.randn(13, 96, generator=torch.Generator().manual_seed(0))
+    layer = next(m for m in engine.model.modules() if type(m) is torch.nn.Linear)  # one of the model's own
+    rows = torch.randn(13, layer.in_features, generator=torch.Generator().manual_seed(0))
     layout.fixed_linear_rows = True
-    with torch.inference_mode(), layout.linear_rows(slot_rows.ROW_BLOCK):
+    with torch.inference_mode(), layout.linear_rows(slot_rows.DECODE_CHUNK_ROWS):
+        assert "forward" in vars(layer)  # chunked, on this instance only
         together = layer(rows)
         alone = [layer(rows[i : i + 1]) for i in range(13)]
         shuffled = layer(rows.flip(0))
-    assert together.shape == (13, 200)
+    assert "forward" not in vars(layer)  # its own forward again on leaving
+    assert together.shape == (13, layer.out_features)
     for i in range(13):
         assert torch.equal(together[i], alone[i][0]) and torch.equal(shuffled[12 - i], alone[i][0])
     torch.testing.assert_close(together, torch.nn.functional.linear(rows, layer.weight, layer.bias))
     layout.fixed_linear_rows = False
-    with layout.linear_rows(slot_rows.ROW_BLOCK):
-        assert not torch.overrides._get_current_function_mode_stack()  # off: the stock kernels, untouched
+    with layout.linear_rows(slot_rows.DECODE_CHUNK_ROWS):
+        assert "forward" not in vars(layer)  # off: the stock kernels, untouched
 
 
 def test_batch_dependent_logits_fail_the_self_test_and_deterministic_rows_run_alone() -> None:

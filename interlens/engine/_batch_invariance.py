@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._slot_rows import ROW_BLOCK, SLOT_BLOCK
+from ._slot_rows import DECODE_CHUNK_ROWS, SLOT_BLOCK
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ def _run(
                 active = active[1:]
             tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
             seen.clear()
-            with layout.linear_rows(ROW_BLOCK):  # as the slot path's decode loop runs its steps
+            with layout.linear_rows(DECODE_CHUNK_ROWS):  # as the slot path's decode loop runs its steps
                 logits = runner.step(tokens, positions, None, cache, 0, True)
             positions = positions + 1
     finally:
