@@ -95,6 +95,7 @@ def bad_job(report: Any) -> str:
 # ------------------------------------------------------------------------------------------------ help
 
 
+@pytest.mark.floors
 def test_every_command_has_help_and_the_console_script_runs() -> None:
     result = subprocess.run([console_script(), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

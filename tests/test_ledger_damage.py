@@ -58,6 +58,7 @@ def damaged(tmp_path: Path) -> tuple[Path, dict[str, list[str]]]:
     return out, fresh
 
 
+@pytest.mark.floors
 def test_readers_name_the_damaged_records_and_read_the_rest(
     damaged: tuple[Path, dict[str, list[str]]], caplog: pytest.LogCaptureFixture
 ) -> None:
