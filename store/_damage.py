@@ -37,15 +37,18 @@ __all__ = [
     "unreadable_records",
 ]
 
-# idx of a turns row, or NULL for a results row whose state, analysis or turn order does not parse.
+# idx of a turns row, or NULL for a results row whose state, analysis or turn order does not parse; {job}:
+# every job ("1") or one (a primary-key lookup, where a reader names the record it just failed to read).
 _BROKEN = """
-SELECT job_id, idx FROM turns WHERE NOT json_valid(turn_json)
+SELECT job_id, idx FROM turns WHERE {job} AND NOT json_valid(turn_json)
 UNION ALL
-SELECT job_id, NULL FROM results WHERE NOT json_valid(state_json)
+SELECT job_id, NULL FROM results WHERE {job} AND (NOT json_valid(state_json)
     OR (analysis_json IS NOT NULL AND NOT json_valid(analysis_json))
-    OR (turn_order IS NOT NULL AND NOT json_valid(turn_order))
+    OR (turn_order IS NOT NULL AND NOT json_valid(turn_order)))
 ORDER BY 1, 2
 """
+_EVERY_JOB = _BROKEN.format(job="1")
+_ONE_JOB = _BROKEN.format(job="job_id = :job")
 
 
 @dataclass(frozen=True)
@@ -82,24 +85,22 @@ def unreadable_error(record: UnreadableRecord, path: Path, cause: BaseException)
     )
 
 
-def unreadable_records(
-    conn: sqlite3.Connection, *, job_ids: list[str] | None = None
-) -> list[UnreadableRecord]:
-    """Every record that does not parse (one scan of the turns and results), or those of ``job_ids``."""
-    found = [UnreadableRecord(job_id, idx) for job_id, idx in conn.execute(_BROKEN).fetchall()]
-    return found if job_ids is None else [r for r in found if r.job_id in job_ids]
+def unreadable_records(conn: sqlite3.Connection, *, job_id: str | None = None) -> list[UnreadableRecord]:
+    """Every record that does not parse (one scan of the turns and results), or those of ``job_id``."""
+    rows = conn.execute(_EVERY_JOB) if job_id is None else conn.execute(_ONE_JOB, {"job": job_id})
+    return [UnreadableRecord(job, idx) for job, idx in rows.fetchall()]
 
 
 async def unreadable_jobs(conn: aiosqlite.Connection) -> set[str]:
     """Ids of the jobs with a record that does not parse: not done for a rerun, whatever their state says."""
-    return {job_id for job_id, _ in await conn.execute_fetchall(_BROKEN)}
+    return {job_id for job_id, _ in await conn.execute_fetchall(_EVERY_JOB)}
 
 
 async def rerun_unreadable(conn: aiosqlite.Connection) -> list[str]:
     """Inside a rerun's first transaction: make every job with an unreadable record run again from what still
     reads (see the module docstring). Returns one line per such job, for the run's warning."""
     broken: dict[str, list[int | None]] = {}
-    for job_id, idx in await conn.execute_fetchall(_BROKEN):
+    for job_id, idx in await conn.execute_fetchall(_EVERY_JOB):
         broken.setdefault(job_id, []).append(idx)
     lines = []
     for job_id, indices in broken.items():

@@ -222,7 +222,7 @@ class LedgerReader:
         try:
             yield
         except (json.JSONDecodeError, TypeError, KeyError) as exc:
-            found = unreadable_records(self._conn, job_ids=[job_id])
+            found = unreadable_records(self._conn, job_id=job_id)
             record = found[0] if found else UnreadableRecord(job_id, None)
             raise unreadable_error(record, self.path, exc) from exc
 
