@@ -4,10 +4,9 @@ Sized to hold on a loaded 2-core machine (tracemalloc slows every allocation): 1
 process of their own (``scripts/scale_child.py``: no other test's threads allocating beside them), memory
 compared between jobs 2,000-3,000 and the last 1,000, each window's least traced memory (one sample alone can
 catch a transient: an in-flight commit). Measured growth is ~0 alone, but up to 0.42 MB beside the rest of
-the suite (growing with the rows under load: 0.75 MB over 21,000 rows beside another heavy process; the
-ledger writer's backlog while it falls behind, to be bounded: issue #24's note); state kept per job (a job id
-in a list, ~65 bytes) grows it by ~0.75 MB, past the 0.5 MB allowed (seen: ``scale_child.py OUT
---keep-per-row``).
+the suite (growing with the rows under load: 0.75 MB over 21,000 rows beside another heavy process; cause
+not found yet, see the issue notes); state kept per job (a job id in a list, ~65 bytes) grows it by ~0.75 MB,
+past the 0.5 MB allowed (seen: ``scale_child.py OUT --keep-per-row``).
 """
 
 from __future__ import annotations
