@@ -6,14 +6,21 @@ Imported by the scripts as ``from _common import ...`` (a script's own directory
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Any
 
 from interlens import AutoModelParticipant, Conversation
 
 
-def debate(path: str, *, turns: int, new_tokens: int, dtype: str | None, **settings: Any) -> Conversation:
-    """Two participants on the model at ``path`` arguing tabs vs spaces, T = 0.9; ``settings`` go to both."""
+def debate(
+    path: str, *, turns: int, new_tokens: int, dtype: str | None, system_tokens: int = 0, **settings: Any
+) -> Conversation:
+    """Two participants on the model at ``path`` arguing tabs vs spaces, T = 0.9; ``settings`` go to both.
+
+    ``system_tokens``: each speaker's system prompt grows to about that many tokens (debate rules written
+    out), as real debate prompts are: a few hundred tokens of instructions every turn re-reads."""
+    rules = _rules(path, system_tokens) if system_tokens else ""
 
     def speaker(name: str, side: str) -> Any:
         return AutoModelParticipant.from_pretrained(
@@ -22,13 +29,58 @@ def debate(path: str, *, turns: int, new_tokens: int, dtype: str | None, **setti
             temperature=0.9,
             max_new_tokens=new_tokens,
             dtype=dtype,
-            system_prompt=f"Argue for {side}.",
+            system_prompt=f"Argue for {side}.{rules}",
             **settings,
         )
 
     return Conversation(
         participants=[speaker("a", "tabs"), speaker("b", "spaces")], shared_context="Debate: tabs vs spaces."
     ).turns(turns)
+
+
+_RULE = (
+    " Rule {i}: answer the other speaker's last point before you make a new one, keep each answer short,"
+    " cite one concrete example from a real code base, and never repeat an argument already made."
+)
+
+
+def _rules(path: str, tokens: int) -> str:
+    """About ``tokens`` tokens (by the model's own tokenizer) of numbered debate rules."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = ""
+    i = 1
+    while len(tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += _RULE.format(i=i)
+        i += 1
+    return text
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """``--model``: ``real`` (SmolLM2-135M-Instruct, real weights), ``bench`` (the toy 25.6M random-weight
+    Qwen2, for figures that need a tiny model), or a model directory."""
+    parser.add_argument(
+        "--model",
+        default="real",
+        help="'real' (SmolLM2-135M-Instruct; the default), 'bench' (toy random-weight Qwen2), or a directory",
+    )
+
+
+def model_path(parser: argparse.ArgumentParser, model: str) -> tuple[str, str]:
+    """The directory for ``--model`` and a label saying what it is."""
+    if model == "real":
+        from interlens.testing import REAL_MODEL_INSTALL, real_model
+
+        found = real_model()
+        if found is None:
+            parser.error(f"--model real needs the real model: {REAL_MODEL_INSTALL}")
+        return str(found), "SmolLM2-135M-Instruct (real weights)"
+    if model == "bench":
+        from interlens.testing import tiny_model
+
+        return tiny_model("qwen2", size="bench"), "the toy qwen2 'bench' (25.6M, random weights)"
+    return model, model
 
 
 def spread(values: list[float], fmt: str = ".1f") -> str:

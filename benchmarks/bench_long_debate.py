@@ -31,10 +31,9 @@ import tempfile
 import time
 from typing import Any
 
-from _common import cpu_summary, debate, fast_dtype, spread
+from _common import add_model_option, cpu_summary, debate, fast_dtype, model_path, spread
 
 from interlens import Conversation
-from interlens.testing import tiny_model
 
 
 def rollout(conv: Conversation, n: int) -> tuple[float, int, list[Any], float]:
@@ -89,8 +88,14 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
 
 
 def measure(path: str, args: argparse.Namespace, turns: int) -> None:
-    reuse = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=True)
-    plain = debate(path, turns=turns, new_tokens=args.new_tokens, dtype=args.dtype, kv_reuse=False)
+    shape = {
+        "turns": turns,
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
+        "system_tokens": args.system_tokens,
+    }
+    reuse = debate(path, kv_reuse=True, **shape)
+    plain = debate(path, kv_reuse=False, **shape)
     _, _, transcripts, _ = rollout(plain, args.rollouts)  # warm-up, and the rounds generate replays
     rollout(reuse, args.rollouts)
     raw_generate(plain, transcripts, args.new_tokens)
@@ -179,6 +184,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=[8, 12])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=0, help="grow each system prompt to ~N tokens")
+    add_model_option(parser)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
@@ -192,10 +199,10 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = tiny_model("qwen2", size="bench")
+    path, label = model_path(parser, args.model)
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, {args.dtype}; medians of {args.repeats} (min-max)")
-    print(f"CPU: {cpu_summary()}; model: the toy qwen2 'bench' (25.6M)")
+    print(f"CPU: {cpu_summary()}; model: {label}; system prompts ~{args.system_tokens} tokens")
     for turns in args.turns:
         measure(path, args, turns)
     if args.mixed:

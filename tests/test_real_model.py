@@ -294,3 +294,20 @@ def test_a_damaged_conversion_is_detected_and_converted_again(tmp_path: Path) ->
     assert weights.read_bytes() == (Path(PATH) / "model.safetensors").read_bytes()
     beside = sorted(p.name for p in tmp_path.iterdir())  # nothing half-made left beside it (the lock stays)
     assert beside == [f".{converted.name}.lock", converted.name]
+
+
+def test_the_conversion_is_a_plain_checkpoint_that_loads_in_bfloat16_without_the_gguf_quantizer(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The weights saved are dequantized float32, so the config must not name the GGUF quantizer: with it,
+    ``from_pretrained`` went through the quantizer and warned that bfloat16 "casts every matmul"."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    assert PATH is not None
+    assert "quantization_config" not in json.loads((Path(PATH) / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.bfloat16)
+    assert getattr(model, "hf_quantizer", None) is None
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert "GGUF" not in capfd.readouterr().err

