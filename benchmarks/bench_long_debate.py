@@ -178,6 +178,65 @@ def mixed_batch(path: str, args: argparse.Namespace) -> None:
         print(f"  {mode:>5}: {spread(times[mode], '.3f')} s for the turn")
 
 
+def decision(path: str, args: argparse.Namespace) -> None:
+    """The per-batch reuse decision (``ReusedPrefixBatch.reuse_pays``): one engine turn of 16 rows whose
+    streams kept a prefix of n tokens of a 300-token prompt, timed with the kept prefixes laid out
+    ("reuse", forced), prefilled in full ("full": the plain path, a shared prefix once) and as the engine
+    decides ("auto"); rows distinct, or sharing a 200-token system block (which the plain path prefills
+    once, so laying out kept prefixes saves less there)."""
+    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._model_cache import load_engine
+
+    engine = load_engine(path, dtype=args.dtype)
+    words = engine.tokenizer(
+        " ".join(f"point{i % 50} about item{i % 37}" for i in range(700)), add_special_tokens=False
+    ).input_ids
+    system = engine.tokenizer(" ".join(f"rule{i}" for i in range(200)), add_special_tokens=False).input_ids
+    keys = [f"decide{i}" for i in range(16)]
+
+    def turn(prompts: list[tuple[int, ...]]) -> list[Any]:
+        requests = [
+            GenerationRequest(
+                prompt_ids=p, max_new_tokens=args.new_tokens, temperature=0.9, seed=i, reuse_key=k
+            )
+            for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
+        ]
+        return engine.generate_batch(requests)
+
+    def once(mode: str, head: list[list[int]], kept: int) -> tuple[float, int]:
+        engine.clear_reuse()
+        turn([tuple(h[:kept]) for h in head])
+        if mode == "full":
+            for key in keys:
+                engine.release(key)
+        engine._reused.always_reuse = mode == "reuse"
+        start = time.perf_counter()
+        results = turn([tuple(h[:300]) for h in head])
+        seconds = time.perf_counter() - start
+        engine._reused.always_reuse = False
+        return seconds, sum(r.kv_reused_tokens for r in results) // len(results)
+
+    shapes = [("distinct", 0, n) for n in (40, 100, 200, 280)] + [
+        ("shared 200", 200, n) for n in (220, 250, 280)
+    ]
+    modes = ["reuse", "full", "auto"]
+    print(f"reuse decision: 16 rows, 300-token prompts, {args.new_tokens} new tokens; seconds for the turn")
+    for family, shared, kept in shapes:
+        head = [(system[:shared] if shared else []) + words[7 * i : 7 * i + 300] for i in range(16)]
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        reused: dict[str, int] = {}
+        for mode in modes:
+            once(mode, head, kept)  # warm-up
+        for repeat in range(args.repeats):
+            for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
+                seconds, reused[mode] = once(mode, head, kept)
+                times[mode].append(seconds)
+        auto = "laid out" if reused["auto"] else "full"
+        cells = "  ".join(f"{mode} {spread(times[mode], '.2f')}" for mode in modes)
+        print(f"  {family:>10}, kept {kept:3d} (reused {reused['reuse']:3d}): {cells}  -> auto chose {auto}")
+    engine.clear_reuse()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=16)
@@ -191,6 +250,9 @@ def main() -> None:
     parser.add_argument(
         "--mixed", action="store_true", help="also time a turn whose rows half lost their caches"
     )
+    parser.add_argument(
+        "--decision", action="store_true", help="only time the per-batch reuse decision on single turns"
+    )
     args = parser.parse_args()
     args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
@@ -203,6 +265,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, {args.dtype}; medians of {args.repeats} (min-max)")
     print(f"CPU: {cpu_summary()}; model: {label}; system prompts ~{args.system_tokens} tokens")
+    if args.decision:
+        decision(path, args)
+        return
     for turns in args.turns:
         measure(path, args, turns)
     if args.mixed:

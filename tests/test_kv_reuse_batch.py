@@ -81,6 +81,9 @@ def test_a_co_stepped_batch_reusing_kept_caches_equals_a_full_re_prefill(
     (the default), or joins the layout with a hole where a kept prefix would be."""
     reusing, full = _engine(family), _engine(family, kv_reuse_capacity=0)
     reusing._reused.split_fresh_rows = split
+    # Joined, the long fresh row widens every suffix so the layout saves little and the engine would
+    # prefill in full (``reuse_pays``): forced here, to keep the joined layout's exactness tested.
+    reusing._reused.always_reuse = not split
     keys = ["s0", "s1", "s2", None, "s4"]  # a row with no stream co-steps with them
     prompts = [_prompt(reusing, _TOPICS[i % 4] + " " * i) for i in range(5)]
     first = _ok(reusing.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
@@ -262,4 +265,52 @@ def test_caches_kept_from_a_shared_prefix_batch_are_each_rows_own_prompt(tempera
     second = _ok(reusing.generate_batch(_requests(second_prompts, temperature=temperature, keys=keys)))
     reference = _ok(full.generate_batch(_requests(second_prompts, temperature=temperature, keys=keys)))
     assert all(r.kv_reused_tokens > len(p) // 2 for r, p in zip(second, prompts, strict=True))
+    assert [r.token_ids for r in second] == [r.token_ids for r in reference]
+
+
+def test_the_plain_paths_prefill_is_counted_as_it_runs_a_shared_prefix_once_and_length_groups() -> None:
+    plain = _engine("qwen2")._plain
+    head = tuple(range(10, 50))  # 40 tokens: a shared prefix past MIN_SHARED_PREFIX (32)
+    assert plain.prefill_tokens([(*head, 1, 2, 3)] * 4) == 42 + 4  # identical: once, then a last token each
+    assert plain.prefill_tokens([(*head, 1), (*head, 2, 3, 4)]) == 40 + 2 * 3  # prefix once, suffixes padded
+    short, long = tuple(range(100, 120)), tuple(range(200, 300))
+    lengths = [short] * 4 + [long] * 4  # no shared prefix; two length groups save half the padding
+    assert plain.prefill_tokens([(i, *p) for i, p in enumerate(lengths)]) == 4 * 21 + 4 * 101
+    plain.shared_prefill = False
+    assert plain.prefill_tokens([(*head, 1, 2, 3)] * 4) == 4 * 43
+
+
+@pytest.mark.parametrize("kept_tokens", [6, 110])
+def test_a_batch_lays_kept_prefixes_out_only_where_that_prefills_less_and_keeps_caches_either_way(
+    kept_tokens: int,
+) -> None:
+    """8 streams kept ``kept_tokens`` of their next 120-token prompt: 6 saves 5 % of the prefill (the layout
+    is not worth its copies and holes: prefilled in full), 110 saves 90 % (laid out). Either way the tokens
+    are a full prefill's, and each stream's new KV is kept for its next turn."""
+    reusing, full = _engine("qwen2"), _engine("qwen2", kv_reuse_capacity=0)
+    words = reusing.tokenizer(" ".join(f"w{i}" for i in range(400)), add_special_tokens=False).input_ids
+    heads = [tuple(words[9 * i : 9 * i + 120]) for i in range(8)]  # no two rows share 32 leading tokens
+    keys = [f"s{i}" for i in range(8)]
+    _ok(reusing.generate_batch(_requests([h[:kept_tokens] for h in heads], temperature=0.9, keys=keys)))
+    second = _ok(reusing.generate_batch(_requests(heads, temperature=0.9, keys=keys)))
+    reference = _ok(full.generate_batch(_requests(heads, temperature=0.9, keys=keys)))
+    assert [r.token_ids for r in second] == [r.token_ids for r in reference]
+    reused = [r.kv_reused_tokens for r in second]
+    assert reused == ([0] * 8 if kept_tokens == 6 else [kept_tokens] * 8)
+    assert set(reusing._kept) == set(keys)
+    third = [(*h, *r.token_ids[:-1], *words[:5]) for h, r in zip(heads, second, strict=True)]
+    later = _ok(reusing.generate_batch(_requests(third, temperature=0.9, keys=keys)))
+    assert all(r.kv_reused_tokens >= 120 for r in later)  # the turn prefilled in full kept its KV too
+
+
+def test_a_forced_layout_of_a_small_kept_prefix_gives_the_same_tokens() -> None:
+    reusing, full = _engine("qwen2"), _engine("qwen2", kv_reuse_capacity=0)
+    reusing._reused.always_reuse = True
+    words = reusing.tokenizer(" ".join(f"w{i}" for i in range(400)), add_special_tokens=False).input_ids
+    heads = [tuple(words[9 * i : 9 * i + 120]) for i in range(8)]
+    keys = [f"s{i}" for i in range(8)]
+    _ok(reusing.generate_batch(_requests([h[:6] for h in heads], temperature=0.9, keys=keys)))
+    second = _ok(reusing.generate_batch(_requests(heads, temperature=0.9, keys=keys)))
+    reference = _ok(full.generate_batch(_requests(heads, temperature=0.9, keys=keys)))
+    assert [r.kv_reused_tokens for r in second] == [6] * 8
     assert [r.token_ids for r in second] == [r.token_ids for r in reference]

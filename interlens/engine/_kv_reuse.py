@@ -17,7 +17,10 @@ the same decode loop: if its prompt fits in the suffix region it is a suffix aft
 if longer, it is prefilled apart at its own width and its KV copied in next to the others, since widening
 every row's suffix to it would cost more prefill than the kept prefixes save (measured:
 ``bench_long_debate.py --mixed``). A batch where nothing is reused takes the plain path (``_prefill``: static
-cache, shared and grouped prefill) and only copies each row's KV out as it leaves.
+cache, shared and grouped prefill) and only copies each row's KV out as it leaves. So does a batch whose
+kept prefixes would save little (:meth:`ReusedPrefixBatch.reuse_pays`): the plain path prefills a prefix the
+rows share once (a debate's system prompt, identical greedy rows), so a short kept prefix can save less than
+the layout's copies, holes and wider cache cost.
 
 Kept KV is copied out of the batch cache per row (its real slots only, gathered), so a stream's memory is its
 own tokens. The kept caches live in the engine's ``_kept_kv.KeptKV`` store (an LRU bounded in streams and
@@ -46,7 +49,11 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["ReusedPrefixBatch", "common_prefix"]
+__all__ = ["REUSE_AT_MOST", "ReusedPrefixBatch", "common_prefix"]
+
+#: A batch lays kept prefixes out only when its prefill then feeds at most this share of the token rows the
+#: plain path would (measured: ``bench_long_debate.py --decision``).
+REUSE_AT_MOST = 0.9
 
 
 class ReusedPrefixBatch:
@@ -60,6 +67,10 @@ class ReusedPrefixBatch:
         #: Rows without a kept prefix, longer than the suffixes, prefilled apart (True) or joining the layout
         #: with a hole (False): the benchmark (``bench_long_debate.py --mixed``) compares the two.
         self.split_fresh_rows = True
+        #: Lay kept prefixes out whenever any row has one (True), or only where that prefills well under
+        #: what the plain path would (False, the default: :meth:`reuse_pays`). Tests and the benchmark
+        #: (``bench_long_debate.py --decision``) force it to compare.
+        self.always_reuse = False
         self._plain_kv: bool | None = None  # whether the model's cache layers can be laid out (checked once)
 
     def plain_kv_layers(self) -> bool:
@@ -83,6 +94,8 @@ class ReusedPrefixBatch:
         started = time.perf_counter()
         entries = [self.kept.take(r.reuse_key) for r in requests]
         reused = [_usable(entry, r.prompt_ids) for entry, r in zip(entries, requests, strict=True)]
+        if any(reused) and not self.always_reuse and not self.reuse_pays(requests, reused):
+            reused = [0] * len(requests)  # prefilled in full; each row's new KV is still kept after
         collector = _Collector(self.kept.keep)
         if not any(reused):
             done = self.plain.prefill_and_decode(requests, cancelled, on_leave=collector)
@@ -99,6 +112,22 @@ class ReusedPrefixBatch:
             else self.runner.result(row, seconds=seconds, batch_size=len(rows), shared=s, reused=n)
             for row, s, n in zip(rows, shared, reused, strict=True)
         ]
+
+    def reuse_pays(self, requests: list[GenerationRequest], reused: list[int]) -> bool:
+        """Whether laying the kept prefixes out prefills well under the plain path (:data:`REUSE_AT_MOST` of
+        its token rows). The plain path shares a long common prefix once (a debate's system prompt) and
+        groups lengths, so a short kept prefix may save little; the layout then still costs its copies
+        (every kept prefix into the batch cache), masked holes in every decode step and a cache as wide as
+        the longest kept prefix plus the widest suffix."""
+        prompts = [r.prompt_ids for r in requests]
+        kept = [i for i, n in enumerate(reused) if n]
+        width = max(len(prompts[i]) - reused[i] for i in kept)
+        fresh = [len(p) for p, n in zip(prompts, reused, strict=True) if not n]
+        if fresh and self.split_fresh_rows and max(fresh) > width and self.plain.batch_cache == "static":
+            laid = len(kept) * width + len(fresh) * max(fresh)
+        else:
+            laid = len(prompts) * max([width, *fresh])
+        return laid <= REUSE_AT_MOST * self.plain.prefill_tokens(prompts)
 
     def _decode_laid_out(
         self,

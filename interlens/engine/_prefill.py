@@ -175,6 +175,23 @@ class PlainBatch:
         )
         return Decoded(rows, shared_tokens, started, cache, static)
 
+    def prefill_tokens(self, prompts: list[tuple[int, ...]]) -> int:
+        """The token rows this path would feed the model to prefill ``prompts`` (padding included, a shared
+        prefix counted once): the reused-prefix path weighs its own layout against it."""
+        lengths = [len(p) for p in prompts]
+        sharing = self.shared_prefill and len(prompts) > 1 and self.batch_cache == "static"
+        if sharing and len(set(prompts)) < len(prompts) and min(lengths) >= 2:
+            return len(set(prompts)) * (max(lengths) - 1) + len(prompts)
+        groups = prefix_groups(prompts) if sharing else []
+        grouped = {r for _, members in groups for r in members}
+        rest = [r for r in range(len(prompts)) if r not in grouped]
+        tokens = sum(p + len(rows) * (max(lengths[r] for r in rows) - p) for p, rows in groups)
+        if rest:
+            rest_lengths = [lengths[r] for r in rest]
+            for group in prefill_groups(rest_lengths) if self.batch_cache == "static" else [rest]:
+                tokens += len(group) * max(rest_lengths[i] for i in group)
+        return tokens
+
     def new_cache(self, max_len: int) -> tuple[Any, bool]:
         """A cache for one batch, and whether it is static (preallocated to ``max_len``)."""
         from transformers import DynamicCache, StaticCache
