@@ -83,6 +83,32 @@ def model_path(parser: argparse.ArgumentParser, model: str) -> tuple[str, str]:
     return model, model
 
 
+def bare_step_ms(model: Any, rows: int, context: int, *, steps: int = 6, repeats: int = 3) -> float:
+    """Milliseconds of one bare decode step of ``model``: ``rows`` rows, one token each, over ``context``
+    cached tokens in a static cache, logits of the whole vocabulary included (median over ``repeats`` runs
+    of ``steps`` steps after an untimed prefill). The limit a decode loop can reach at that shape."""
+    import time
+
+    import torch
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            cache = StaticCache(config=model.config, max_cache_len=context + steps)
+            ids = torch.randint(100, 1000, (rows, context), device=device)
+            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            token = torch.randint(100, 1000, (rows, 1), device=device)
+            start = time.perf_counter()
+            for s in range(steps):
+                position = torch.full((rows, 1), context + s, dtype=torch.long, device=device)
+                out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+            times.append((time.perf_counter() - start) * 1000 / steps)
+    return statistics.median(times)
+
+
 def spread(values: list[float], fmt: str = ".1f") -> str:
     """``median (min–max)``."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"

@@ -1,26 +1,34 @@
-"""Benchmark: the decode loop's own cost per step (everything but the model's forward passes).
+"""Benchmark: the engine's decode step against the bare model's, and the loop's own cost per step.
 
-Run:  python benchmarks/bench_decode_step.py [--device cpu] [--rows 64] [--new 64] [--repeats 5] [--threads N]
+Run:  python benchmarks/bench_decode_step.py [--model real] [--rows 1 16 64] [--new 32] [--repeats 3]
+                                             [--dtype auto] [--device cpu] [--threads N]
 
-``LocalEngine.generate_batch`` on the "bench" qwen2 tiny model (~27 M parameters, random weights), seeded
-sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``:
+``LocalEngine.generate_batch`` on the real model (``--model bench``: the toy random-weight Qwen2), seeded
+sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``, at each
+``--rows`` batch size:
 
 * uniform: every row stops at ``--new`` tokens (no row leaves early: no cache compaction);
 * staggered: row i stops at ``1 + i * new // rows`` tokens, so a row leaves the batch at almost every step
   (the cache is compacted, the sampler rebuilt, the mask re-checked each time).
 
-The model's calls (prefill and each one-token step) are timed apart; what remains of the generate call,
-divided by the number of decode steps, is the loop's per-step overhead: sampling, the host sync of the
-chosen tokens, the non-finite check, stop checks, and dropping finished rows. Medians of ``--repeats`` runs
-after a warm-up.
+The model's calls (prefill and each one-token step) are timed apart: the engine's step is the generate
+call less its prefill, divided by the decode steps; what the one-token calls leave of it is the loop's own
+cost: sampling, the host sync of the chosen tokens, the non-finite check, stop checks, and dropping finished
+rows. The bare model's step (``_common.bare_step_ms``: one token per row into a static cache, the same kind
+the engine uses, at the uniform case's mean context, logits included) is the limit: engine / bare, goal
+<= 1.05. Medians of ``--repeats`` runs after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 import time
 from typing import Any
+
+from _common import add_model_option, bare_step_ms, cpu_summary, fast_dtype, model_path
 
 
 def main() -> None:
@@ -28,12 +36,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--size", default="bench", help="tiny model size: bench (~27 M) or tiny")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    add_model_option(parser)
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
     import torch
 
@@ -42,17 +52,16 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from interlens.engine._generation import GenerationRequest
-    from interlens.testing import tiny_model
 
-    path = tiny_model("qwen2", size=args.size)
-    model = AutoModelForCausalLM.from_pretrained(path).to(args.device).eval()
+    path, label = model_path(parser, args.model)
+    dtype = fast_dtype(args.dtype) if args.device == "cpu" else "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
     engine, timer = timed_engine(model, tokenizer, device=args.device)
     timer.eos_ids = frozenset()  # every row runs to its own max_new_tokens
-    vocab = model.config.vocab_size
     print(
-        f"model: qwen2 {args.size}, vocab {vocab}, device={args.device}, threads={torch.get_num_threads()}, "
-        f"{args.rows} rows, up to {args.new} new tokens, seeded T=0.9"
+        f"model: {label}, vocab {model.config.vocab_size}, {dtype}, device={args.device}, "
+        f"threads={torch.get_num_threads()}, up to {args.new} new tokens, seeded T=0.9; CPU: {cpu_summary()}"
     )
     prompt = tuple(
         tokenizer.apply_chat_template(
@@ -61,32 +70,43 @@ def main() -> None:
             return_dict=False,
         )
     )
-    cases = {
-        "uniform": [args.new] * args.rows,
-        "staggered": [1 + i * args.new // args.rows for i in range(args.rows)],
-    }
-    for name, caps in cases.items():
-        requests = [
-            # distinct prompts (a row index in front) so the batch is not one shared prefill
-            GenerationRequest(
-                prompt_ids=(prompt[0], 100 + i, *prompt[1:]), max_new_tokens=cap, temperature=0.9, seed=i
+    for rows in args.rows:
+        cases = {"uniform": [args.new] * rows}
+        if rows > 1:
+            cases["staggered"] = [1 + i * args.new // rows for i in range(rows)]
+        # the bare model's step at the uniform case's mean context, in the same (static) cache kind
+        bare = bare_step_ms(model, rows, len(prompt) + 1 + args.new // 2, repeats=args.repeats)
+        for name, caps in cases.items():
+            requests = [
+                # distinct prompts (a row index in front) so the batch is not one shared prefill
+                GenerationRequest(
+                    prompt_ids=(prompt[0], 100 + i, *prompt[1:]), max_new_tokens=cap, temperature=0.9, seed=i
+                )
+                for i, cap in enumerate(caps)
+            ]
+            engine.generate_batch(requests)  # warm-up
+            figures = []
+            for _ in range(args.repeats):
+                timer.reset()
+                start = time.perf_counter()
+                engine.generate_batch(requests)
+                total = time.perf_counter() - start
+                decoding = total - timer.prefill_seconds  # the decode loop: steps, sampling, bookkeeping
+                figures.append(
+                    (
+                        decoding / timer.steps,
+                        timer.step_seconds / timer.steps,
+                        (decoding - timer.step_seconds) / timer.steps,
+                    )
+                )
+            step, model_step, overhead = (statistics.median(f[i] for f in figures) for i in range(3))
+            line = (
+                f"  B={rows:3d} {name:9s}: engine {step * 1e3:7.2f} ms/step (model {model_step * 1e3:7.2f}, "
+                f"loop {overhead * 1e3:6.3f})"
             )
-            for i, cap in enumerate(caps)
-        ]
-        engine.generate_batch(requests)  # warm-up
-        figures = []
-        for _ in range(args.repeats):
-            timer.reset()
-            start = time.perf_counter()
-            engine.generate_batch(requests)
-            total = time.perf_counter() - start
-            loop = total - timer.model_seconds
-            figures.append((total, timer.model_seconds / timer.steps, loop / timer.steps, timer.steps))
-        total, model_step, overhead, steps = (statistics.median(f[i] for f in figures) for i in range(4))
-        print(
-            f"  {name:9s}: {total * 1e3:8.1f} ms per batch, {int(steps)} steps, "
-            f"model {model_step * 1e3:6.2f} ms/step, loop overhead {overhead * 1e3:6.3f} ms/step"
-        )
+            if name == "uniform":
+                line += f"; bare model step {bare:7.2f} ms: engine / bare = {step * 1e3 / bare:.3f}"
+            print(line)
 
 
 def timed_engine(model: Any, tokenizer: Any, *, device: str) -> tuple[Any, Any]:
@@ -96,24 +116,25 @@ def timed_engine(model: Any, tokenizer: Any, *, device: str) -> tuple[Any, Any]:
     from interlens.engine._generation import LocalEngine
 
     class Timed(ModelRunner):
-        model_seconds = 0.0
+        prefill_seconds = 0.0  # the prefill's model calls
+        step_seconds = 0.0  # the one-token model calls of the decode loop
         steps = 0
 
         def reset(self) -> None:
-            self.model_seconds, self.steps = 0.0, 0
+            self.prefill_seconds, self.step_seconds, self.steps = 0.0, 0.0, 0
 
         def forward(self, *a: Any, **k: Any) -> Any:
             start = time.perf_counter()
             out = super().forward(*a, **k)
             _sync(self.device)
-            self.model_seconds += time.perf_counter() - start
+            self.prefill_seconds += time.perf_counter() - start
             return out
 
         def step(self, *a: Any, **k: Any) -> Any:
             start = time.perf_counter()
             out = super().step(*a, **k)
             _sync(self.device)
-            self.model_seconds += time.perf_counter() - start
+            self.step_seconds += time.perf_counter() - start
             self.steps += 1
             return out
 

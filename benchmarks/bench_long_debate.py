@@ -31,9 +31,34 @@ import tempfile
 import time
 from typing import Any
 
-from _common import add_model_option, cpu_summary, debate, fast_dtype, model_path, spread
+from _common import add_model_option, bare_step_ms, cpu_summary, debate, fast_dtype, model_path, spread
 
 from interlens import Conversation
+
+
+def decode_limit(conv: Conversation, transcripts: list[Any], rollouts: int) -> float:
+    """Generated tok/s if every round's prefill cost nothing and each decode step cost the bare model's step
+    at that step's live row count (``bare_step_ms`` at the round's mean context; row counts between the
+    measured 1, 2, 4, 8, 16, ... interpolated): the decode limit of these rounds on this machine."""
+    import numpy as np
+
+    model = conv.participants[0].live_engine().engine.model
+    rounds = len(transcripts[0]) - 1
+    sizes = sorted({1, rollouts} | {2**k for k in range(1, rollouts.bit_length()) if 2**k < rollouts})
+    context = int(np.mean([m.metadata["prompt_tokens"] for t in transcripts for m in t[1:]]))
+    measured = [bare_step_ms(model, b, context) for b in sizes]
+    total_ms, tokens = 0.0, 0
+    for turn in range(1, rounds + 1):
+        lengths = [t[turn].metadata["n_tokens"] for t in transcripts]
+        tokens += sum(lengths)
+        for step in range(max(lengths)):
+            live = sum(n > step for n in lengths)
+            total_ms += float(np.interp(live, sizes, measured))
+    print(
+        f"  bare decode step at ~{context} cached tokens: "
+        + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in zip(sizes, measured, strict=True))
+    )
+    return tokens * 1000 / total_ms
 
 
 def rollout(conv: Conversation, n: int) -> tuple[float, int, list[Any], float]:
@@ -103,14 +128,16 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
     def run(name: str) -> tuple[float, int]:
         if name == "generate":
             return raw_generate(plain, transcripts, args.new_tokens)
-        seconds, tokens, _, share = rollout(reuse if name == "reuse" else plain, args.rollouts)
+        seconds, tokens, done, share = rollout(reuse if name == "reuse" else plain, args.rollouts)
         if name == "reuse":
             shares.append(share)
+            kept_transcripts[:] = done
         return seconds, tokens
 
     names = ["reuse", "no reuse", "generate"]
     rates: dict[str, list[float]] = {name: [] for name in names}
     shares: list[float] = []
+    kept_transcripts: list[Any] = []
     for repeat in range(args.repeats):
         order = names[repeat % 3 :] + names[: repeat % 3]
         for name in order:
@@ -126,6 +153,12 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
     print(f"  reuse / no reuse  = {spread(vs_plain, '.2f')}x")
     print(f"  no reuse / generate = {spread(plain_vs_generate, '.2f')}x")
     print(f"  prompt tokens reused (reuse runs): {spread([100 * s for s in shares], '.1f')} %")
+    if args.limit:
+        limit = decode_limit(reuse, kept_transcripts, args.rollouts)
+        print(
+            f"  decode limit of the reuse runs' rounds: {limit:.0f} tok/s; reuse / limit = "
+            f"{spread([r / limit for r in rates['reuse']], '.2f')}"
+        )
 
 
 def mixed_batch(path: str, args: argparse.Namespace) -> None:
@@ -249,6 +282,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--mixed", action="store_true", help="also time a turn whose rows half lost their caches"
+    )
+    parser.add_argument(
+        "--limit", action="store_true", help="also the rounds' decode limit (bare model steps, no prefill)"
     )
     parser.add_argument(
         "--decision", action="store_true", help="only time the per-batch reuse decision on single turns"

@@ -2,9 +2,10 @@
 
     python benchmarks/bench_rollout.py [--rollouts 64] [--turns 4] [--new-tokens 32] [--repeats 3]
                                        [--dtype auto] [--shared-rows 32] [--system-tokens 1000]
-                                       [--threads N] [--skip debate|shared]
+                                       [--threads N] [--skip debate shared data samples] [--model real]
 
-Part 1, the 4-turn debate (two speakers on one bench-size random-weight Qwen2, T = 0.9, top_p = 1), rolled
+Part 1, the 4-turn debate (two speakers on one model: ``--model real``, SmolLM2-135M-Instruct, the default;
+``bench``, the toy random-weight Qwen2; or a directory; T = 0.9, top_p = 1), rolled
 out ``--rollouts`` times, and two baselines doing the SAME work:
 
 * ``rollout``: ``conv.rollout(n, out_dir=tmp)``, the default batched path, ledger included. Every batch the
@@ -19,18 +20,20 @@ out ``--rollouts`` times, and two baselines doing the SAME work:
   ``top_k=0`` (HF's default top_k=50 off), the batch's max_new_tokens, the model's end-of-turn ids; with
   the default dynamic cache and with ``cache_implementation="static"``.
 
-Rates are generated tokens per second; the random-weight model rarely samples its end-of-turn token, so
-the paths generate within ~1 % of the same number of tokens. Every measured call runs in a fresh thread,
-as a rollout's generation does (its in-process worker's thread): on this shared 2-core VM under load,
-torch ops called from the MAIN thread ran 2-4x slower than the same ops in another thread (a 512x512 matmul
-loop: 1.6-3.4 s vs 0.8 s), which would slow the baselines and flatter the rollout.
+Rates are generated tokens per second (the random-weight model rarely samples its end-of-turn token; the
+real one ends its turns, so the paths' token counts differ with their sampling: rates, not times, compare).
+Every measured call runs in a fresh thread, as a rollout's generation does (its in-process worker's thread):
+on this shared 2-core VM under load, torch ops called from the MAIN thread ran 2-4x slower than the same ops
+in another thread (a 512x512 matmul loop: 1.6-3.4 s vs 0.8 s), which would slow the baselines and flatter
+the rollout.
 Runs are interleaved (rollout, engine, hf dynamic, hf static, rollout, ...) after one warm-up of each;
 medians of ``--repeats`` with (min–max), and the per-repeat ratios' medians.
 
 Part 2, shared-prefix prefill (``interlens.engine._prefill``): a data rollout of ``--shared-rows`` rows whose
 speaker has a ``--system-tokens``-token system prompt and a short per-row question, 1 turn, with the
 engine's shared prefill on vs off (off: one plain left-padded prefill of every row), interleaved; and n
-samples of one 1,000-token prompt (identical prompts), on vs off.
+samples of one ``--system-tokens``-token prompt (identical prompts), on vs off (``--skip data`` / ``samples``
+leaves one out).
 """
 
 from __future__ import annotations
@@ -44,10 +47,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import cpu_summary, debate, fast_dtype, spread
+from _common import add_model_option, cpu_summary, debate, fast_dtype, model_path, spread
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
-from interlens.testing import tiny_model
 
 
 def in_thread(fn: Callable[[], Any]) -> Any:
@@ -227,14 +229,17 @@ def part_shared(args: argparse.Namespace, path: str, engine: Any) -> None:
     )
     rows = [{"q": f"What is {i} plus {i + 1}? Answer in one line."} for i in range(args.shared_rows)]
     data = Conversation(participants=[solver], shared_context=("Q: ", dataset_field("q"))).turns(1).data(rows)
-    on_off(
-        f"data rollout: {args.shared_rows} rows, a {args.system_tokens}-token system prompt + a short "
-        f"question, {args.new_tokens} new tokens, 1 turn",
-        data,
-        None,
-        engine,
-        args.repeats,
-    )
+    if "data" not in args.skip:
+        on_off(
+            f"data rollout: {args.shared_rows} rows, a {args.system_tokens}-token system prompt + a short "
+            f"question, {args.new_tokens} new tokens, 1 turn",
+            data,
+            None,
+            engine,
+            args.repeats,
+        )
+    if "samples" in args.skip:
+        return
     plain = AutoModelParticipant.from_pretrained(
         path, name="s", temperature=0.9, max_new_tokens=args.new_tokens, dtype=args.dtype
     )
@@ -258,7 +263,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--shared-rows", type=int, default=32)
     parser.add_argument("--system-tokens", type=int, default=1000)
-    parser.add_argument("--skip", choices=["debate", "shared"], default=None)
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        choices=["debate", "shared", "data", "samples"],
+        default=[],
+        help="parts left out",
+    )
+    add_model_option(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
     args.dtype = fast_dtype(args.dtype)
@@ -272,16 +284,16 @@ def main() -> None:
 
     from interlens.engine._model_cache import load_engine
 
-    path = tiny_model("qwen2", size="bench")
+    path, label = model_path(parser, args.model)
     engine = load_engine(path, dtype=args.dtype)
     params = sum(p.numel() for p in engine.model.parameters())
     print(
-        f"model: qwen2 'bench', {params / 1e6:.1f}M parameters, {args.dtype}, torch {torch.__version__}, "
+        f"model: {label}, {params / 1e6:.1f}M parameters, {args.dtype}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_summary()}"
     )
-    if args.skip != "debate":
+    if "debate" not in args.skip:
         part_debate(args, path, engine)
-    if args.skip != "shared":
+    if "shared" not in args.skip:
         part_shared(args, path, engine)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interlens.engine._sampling import Sampler, SamplingSettings, _inverse_cdf
+from interlens.engine._sampling import Sampler, SamplingSettings, _draw, _inverse_cdf
 
 # Six tokens: probabilities .4 .3 .2 .1, then two that are impossible (-inf logits).
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
@@ -118,3 +118,51 @@ def test_seeds_differing_only_in_sign_are_different_streams() -> None:
     sampler = Sampler([_request(seed=5), _request(seed=-5)], "cpu")
     draws = torch.stack([sampler(logits) for _ in range(10)])
     assert draws[:, 0].tolist() != draws[:, 1].tolist()
+
+
+# ------------------------------------------------------------------- draws at a real vocabulary's size
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_100])  # a whole number of blocks, and a tail block
+def test_a_blocked_draw_is_the_inverse_cdf_of_the_whole_vocabulary(vocab: int) -> None:
+    """The sampler draws by block sums, then a cumsum inside one block: in float64 (no rounding to speak of)
+    every draw is the token a cumsum over the whole vocabulary gives."""
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.rand(8, vocab, generator=generator, dtype=torch.float64) ** 8  # uneven, every block
+    weights[:, ::7] = 0.0  # tokens without mass, some at block edges
+    for _ in range(50):
+        u = torch.rand(8, generator=generator, dtype=torch.float64)
+        assert _draw(weights, u).tolist() == _inverse_cdf(weights.cumsum(dim=-1), u).tolist()
+
+
+def test_a_blocked_draw_follows_the_distribution_and_never_picks_a_token_without_mass() -> None:
+    n, vocab = 20_000, 49_152
+    weights = torch.zeros(vocab)
+    chosen = torch.tensor([0, 255, 256, 30_000, vocab - 1])  # block edges, and the tail's last token
+    weights[chosen] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    tokens = Sampler([_request(seed=i) for i in range(n)], "cpu")(weights.log().expand(n, -1))
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    assert freq[chosen].sum() == 1.0
+    assert (freq[chosen] - weights[chosen].double()).abs().max() < 0.015, freq[chosen]
+
+
+def test_a_blocked_draw_at_the_top_of_the_unit_interval_takes_the_last_token_with_mass() -> None:
+    """The last block's own cumsum may round below what the block sums left for it: the draw still lands on
+    a token with mass, the last one, never on the zeros after it."""
+    weights = torch.zeros(3, 2_048)
+    weights[:, :1500] = torch.rand(3, 1500, generator=torch.Generator().manual_seed(4))
+    u = torch.tensor([0.0, 1.0 - 2**-24, 1.0])
+    picked = _draw(weights, u).tolist()
+    assert picked[0] == int(weights[0].nonzero()[0]) and picked[1:] == [1499, 1499]
+
+
+def test_a_block_whose_own_cumsum_rounds_short_of_its_sum_still_yields_a_token_with_mass() -> None:
+    """One heavy token and many tiny ones: the block's vectorised sum keeps more of the tiny mass than its
+    cumsum does, so a draw near the top overshoots the block's cumsum. It must land on the block's last
+    token with mass, not on the next block's first token (which has none)."""
+    weights = torch.zeros(2, 2_048)
+    weights[:, 1536] = 1.0
+    weights[:, 1537:1792] = 1e-8
+    block = weights[0, 1536:1792]
+    assert block.sum() > block.cumsum(0)[-1]  # the rounding this test is about
+    assert _draw(weights, torch.tensor([1.0 - 2**-24, 1.0])).tolist() == [1791, 1791]
