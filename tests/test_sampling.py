@@ -166,3 +166,20 @@ def test_a_block_whose_own_cumsum_rounds_short_of_its_sum_still_yields_a_token_w
     block = weights[0, 1536:1792]
     assert block.sum() > block.cumsum(0)[-1]  # the rounding this test is about
     assert _draw(weights, torch.tensor([1.0 - 2**-24, 1.0])).tolist() == [1791, 1791]
+
+
+@pytest.mark.parametrize(
+    "temperatures", [[0.0] * 4, [0.9] * 4, [0.0, 0.9, 0.0, 0.9]], ids=["greedy", "sampling", "mixed"]
+)
+def test_rows_whose_logits_went_nan_or_infinite_are_reported_and_a_ruled_out_token_is_not(
+    temperatures: list[float],
+) -> None:
+    logits = torch.zeros(4, 2_048)
+    logits[0, 5] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2] = float("-inf")  # no token left to choose
+    logits[3, :100] = float("-inf")  # tokens the model rules out: a usable row
+    sampler = Sampler([_request(seed=i, temperature=t) for i, t in enumerate(temperatures)], "cpu")
+    tokens, finite = sampler.choose(logits.to(torch.bfloat16))
+    assert finite.tolist() == [False, False, False, True]
+    assert 100 <= int(tokens[3]) < 2_048

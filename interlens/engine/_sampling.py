@@ -166,16 +166,24 @@ class Sampler:
         return torch.tensor(draws, dtype=torch.float32, device=self.device)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.choose(logits)[0]
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token, and whether the row's logits were usable: False where one is NaN or +inf, or
+        every one is -inf (a -inf logit alone is a token the model rules out). The check is the row maximum
+        the sampling computes anyway, so it costs no pass of its own over rows × vocab."""
         import torch
 
         if self.all_greedy:
-            return logits.argmax(dim=-1)
+            top, chosen = logits.max(dim=-1)
+            return chosen, top.isfinite()
         scores = logits if self.all_sampling else logits.index_select(0, self.sampling_idx)
         # Unnormalised weights exp(x / T - max), in place on one float32 copy: inverse CDF needs no
         # normalising (the target is u × the row's total), and each pass over rows × vocab counts (at 64
         # rows of a 49k vocabulary the sampler was ~5 ms of a ~120 ms CPU step).
         weights = scores.to(torch.float32, copy=True).div_(self.temperatures)
-        weights.sub_(weights.amax(dim=-1, keepdim=True)).exp_()
+        top = weights.amax(dim=-1, keepdim=True)
+        weights.sub_(top).exp_()
         u = self.uniforms()
         if self.nucleus_idx is None:
             picked = _draw(weights, u)
@@ -191,10 +199,10 @@ class Sampler:
                 nucleus / nucleus.sum(dim=-1, keepdim=True), self.top_p, u.index_select(0, self.nucleus_idx)
             )
         if self.all_sampling:
-            return picked
-        chosen = logits.argmax(dim=-1)
+            return picked, top.squeeze(1).isfinite()
+        best, chosen = logits.max(dim=-1)  # NaN propagates: a row with one is not finite here either
         chosen[self.sampling_idx] = picked
-        return chosen
+        return chosen, best.isfinite()
 
 
 #: The vocabulary is cut into blocks of this many tokens for a draw (:func:`_draw`).
