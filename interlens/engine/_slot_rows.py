@@ -232,6 +232,8 @@ def _chunked_linear(module: Any, rows: int, x: torch.Tensor) -> torch.Tensor:
 
     flat = x.reshape(-1, x.shape[-1])
     count = flat.shape[0]
+    if count == rows:  # exactly one chunk (a decode step of a full block of rows): the plain call
+        return torch.nn.functional.linear(x, module.weight, module.bias)
     pad = -count % rows
     if pad:
         flat = torch.cat([flat, flat[-1:].expand(pad, -1)])
