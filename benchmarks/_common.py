@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from interlens import AutoModelParticipant, Conversation
@@ -107,6 +109,29 @@ def bare_step_ms(model: Any, rows: int, context: int, *, steps: int = 6, repeats
                 token = out.logits[:, -1:].argmax(-1)
             times.append((time.perf_counter() - start) * 1000 / steps)
     return statistics.median(times)
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a fresh thread, its exception re-raised here. Torch work on the MAIN thread slows every
+    later rollout of the process: after 50 matmuls of 512x512 on the main thread, the 4-turn real-model debate
+    ran at 174 instead of 255 tok/s, for good (its generation runs in the rollout's worker thread; measured
+    2026-12-03, torch 2.13 CPU, 2 cores; not the allocator, not OpenMP's spin count). So a baseline that runs
+    torch runs here, in a thread that ends with it."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # re-raised in the caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def spread(values: list[float], fmt: str = ".1f") -> str:

@@ -31,7 +31,16 @@ import tempfile
 import time
 from typing import Any
 
-from _common import add_model_option, bare_step_ms, cpu_summary, debate, fast_dtype, model_path, spread
+from _common import (
+    add_model_option,
+    bare_step_ms,
+    cpu_summary,
+    debate,
+    fast_dtype,
+    in_thread,
+    model_path,
+    spread,
+)
 
 from interlens import Conversation
 
@@ -46,7 +55,7 @@ def decode_limit(conv: Conversation, transcripts: list[Any], rollouts: int) -> f
     rounds = len(transcripts[0]) - 1
     sizes = sorted({1, rollouts} | {2**k for k in range(1, rollouts.bit_length()) if 2**k < rollouts})
     context = int(np.mean([m.metadata["prompt_tokens"] for t in transcripts for m in t[1:]]))
-    measured = [bare_step_ms(model, b, context) for b in sizes]
+    measured = [in_thread(lambda b=b: bare_step_ms(model, b, context)) for b in sizes]
     total_ms, tokens = 0.0, 0
     for turn in range(1, rounds + 1):
         lengths = [t[turn].metadata["n_tokens"] for t in transcripts]
@@ -123,11 +132,11 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
     plain = debate(path, kv_reuse=False, **shape)
     _, _, transcripts, _ = rollout(plain, args.rollouts)  # warm-up, and the rounds generate replays
     rollout(reuse, args.rollouts)
-    raw_generate(plain, transcripts, args.new_tokens)
+    in_thread(lambda: raw_generate(plain, transcripts, args.new_tokens))
 
     def run(name: str) -> tuple[float, int]:
-        if name == "generate":
-            return raw_generate(plain, transcripts, args.new_tokens)
+        if name == "generate":  # not on the main thread: that would slow every later rollout (in_thread)
+            return in_thread(lambda: raw_generate(plain, transcripts, args.new_tokens))
         seconds, tokens, done, share = rollout(reuse if name == "reuse" else plain, args.rollouts)
         if name == "reuse":
             shares.append(share)

@@ -42,33 +42,13 @@ import argparse
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import add_model_option, cpu_summary, debate, fast_dtype, model_path, spread
+from _common import add_model_option, cpu_summary, debate, fast_dtype, in_thread, model_path, spread
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
-
-
-def in_thread(fn: Callable[[], Any]) -> Any:
-    """``fn()`` in a fresh thread (see the module docstring: the main thread is slower under load)."""
-    out: list[Any] = []
-    failed: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:  # re-raised in the caller
-            failed.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return out[0]
 
 
 class Recorder:
