@@ -63,7 +63,13 @@ async def test_run_sync_inside_a_running_loop_uses_a_helper_thread() -> None:
 # A child process that runs a real run with a ledger whose batch blocks until cancelled; it prints READY
 # once the batch is on the device, then the parent presses Ctrl-C (SIGINT).
 CHILD = """
-import asyncio, sys, threading
+import asyncio, signal, sys, threading
+# Start as a terminal's process does: a child inherits its parent's signal mask, and under the suite's two
+# xdist processes it twice came up with SIGINT blocked, deaf to Ctrl-C (the run waited out its 30 s and
+# finished: the same failure as a test process that blocks SIGINT before spawning it). What blocked it in
+# the test process was not found (a per-test watch of the main thread's mask in a later run saw no change).
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {testdir!r})
 from scheduler_testkit import EchoEngine, EchoSpec, TurnsJob, lineup
 from interlens.scheduler import RunConfig, run_jobs, run_sync
