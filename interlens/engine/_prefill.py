@@ -177,19 +177,21 @@ class PlainBatch:
 
     def prefill_tokens(self, prompts: list[tuple[int, ...]]) -> int:
         """The token rows this path would feed the model to prefill ``prompts`` (padding included, a shared
-        prefix counted once): the reused-prefix path weighs its own layout against it."""
+        prefix counted once): the reused-prefix path weighs its own layout against it. The cases are
+        :meth:`prefill_and_decode`'s, in its order: long shared prefixes, else identical prompts (the
+        distinct ones once, less their last token, then a step of every row), else length groups."""
         lengths = [len(p) for p in prompts]
-        sharing = self.shared_prefill and len(prompts) > 1 and self.batch_cache == "static"
-        if sharing and len(set(prompts)) < len(prompts) and min(lengths) >= 2:
+        sharing = self.shared_prefill and len(prompts) > 1
+        static = self.batch_cache == "static"
+        prefixes = prefix_groups(prompts) if sharing and static else []
+        if not prefixes and sharing and len(set(prompts)) < len(prompts) and min(lengths) >= 2:
             return len(set(prompts)) * (max(lengths) - 1) + len(prompts)
-        groups = prefix_groups(prompts) if sharing else []
-        grouped = {r for _, members in groups for r in members}
-        rest = [r for r in range(len(prompts)) if r not in grouped]
-        tokens = sum(p + len(rows) * (max(lengths[r] for r in rows) - p) for p, rows in groups)
+        grouped = {r for _, members in prefixes for r in members}
+        rest = [lengths[r] for r in range(len(prompts)) if r not in grouped]
+        tokens = sum(p + len(rows) * (max(lengths[r] for r in rows) - p) for p, rows in prefixes)
         if rest:
-            rest_lengths = [lengths[r] for r in rest]
-            for group in prefill_groups(rest_lengths) if self.batch_cache == "static" else [rest]:
-                tokens += len(group) * max(rest_lengths[i] for i in group)
+            groups = prefill_groups(rest) if static else [list(range(len(rest)))]
+            tokens += sum(len(group) * max(rest[i] for i in group) for group in groups)
         return tokens
 
     def new_cache(self, max_len: int) -> tuple[Any, bool]:
