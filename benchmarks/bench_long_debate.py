@@ -29,7 +29,8 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from _common import (
     add_model_option,
@@ -43,6 +44,8 @@ from _common import (
 )
 
 from interlens import Conversation
+
+R = TypeVar("R")
 
 
 def decode_limit(conv: Conversation, transcripts: list[Any], rollouts: int) -> float:
@@ -170,11 +173,36 @@ def measure(path: str, args: argparse.Namespace, turns: int) -> None:
         )
 
 
+def interleaved(modes: list[str], repeats: int, once: Callable[[str], R]) -> dict[str, list[R]]:
+    """``once(mode)`` for each mode ``repeats`` times, the order rotating each repeat, after one warm-up of
+    each (not kept): a drift of the machine's speed then lands on every mode alike."""
+    for mode in modes:
+        once(mode)
+    runs: dict[str, list[R]] = {mode: [] for mode in modes}
+    for repeat in range(repeats):
+        for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
+            runs[mode].append(once(mode))
+    return runs
+
+
+def keyed_turn(engine: Any, keys: list[str], new_tokens: int) -> Callable[[list[tuple[int, ...]]], list[Any]]:
+    """One engine turn of these prompts, row i on the reuse stream ``keys[i]`` with seed i, T = 0.9."""
+    from interlens.engine._generation import GenerationRequest
+
+    def turn(prompts: list[tuple[int, ...]]) -> list[Any]:
+        requests = [
+            GenerationRequest(prompt_ids=p, max_new_tokens=new_tokens, temperature=0.9, seed=i, reuse_key=k)
+            for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
+        ]
+        return engine.generate_batch(requests)
+
+    return turn
+
+
 def mixed_batch(path: str, args: argparse.Namespace) -> None:
     """One turn of 16 rows where half the streams lost their kept caches (evicted, or new jobs that start
     with a long prompt): those rows prefilled apart and laid in next to the reusing rows ("split", the
     default), joining the reusing rows' layout with a hole ("join"), or no reuse at all ("full")."""
-    from interlens.engine._generation import GenerationRequest
     from interlens.engine._model_cache import load_engine
 
     engine = load_engine(path, dtype=args.dtype)
@@ -184,14 +212,7 @@ def mixed_batch(path: str, args: argparse.Namespace) -> None:
     prompts = [tuple(words[i : i + 300 + 8 * i]) for i in range(16)]
     keys = [f"mixed{i}" for i in range(16)]
 
-    def turn(batch: list[tuple[int, ...]]) -> list[Any]:
-        requests = [
-            GenerationRequest(
-                prompt_ids=p, max_new_tokens=args.new_tokens, temperature=0.9, seed=i, reuse_key=k
-            )
-            for i, (p, k) in enumerate(zip(batch, keys, strict=True))
-        ]
-        return engine.generate_batch(requests)
+    turn = keyed_turn(engine, keys, args.new_tokens)
 
     def once(mode: str) -> float:
         engine.clear_reuse()
@@ -200,20 +221,16 @@ def mixed_batch(path: str, args: argparse.Namespace) -> None:
         for key in keys[8:] if mode != "full" else keys:
             engine.release(key)
         engine._reused.split_fresh_rows = mode != "join"
+        engine._reused.always_reuse = mode != "full"  # the layouts compared, whatever the decision says
         start = time.perf_counter()
         results = turn(later)
         seconds = time.perf_counter() - start
-        engine._reused.split_fresh_rows = True
+        engine._reused.split_fresh_rows, engine._reused.always_reuse = True, False
         assert sum(r.kv_reused_tokens > 0 for r in results) == (8 if mode != "full" else 0)
         return seconds
 
     modes = ["split", "join", "full"]
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for mode in modes:
-        once(mode)  # warm-up
-    for repeat in range(args.repeats):
-        for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
-            times[mode].append(once(mode))
+    times = interleaved(modes, args.repeats, once)
     engine.clear_reuse()
     print(f"mixed batch: 16 rows (prompts 300-420 + {args.new_tokens} + 40 tokens), 8 with kept caches:")
     for mode in modes:
@@ -226,7 +243,6 @@ def decision(path: str, args: argparse.Namespace) -> None:
     ("reuse", forced), prefilled in full ("full": the plain path, a shared prefix once) and as the engine
     decides ("auto"); rows distinct, or sharing a 200-token system block (which the plain path prefills
     once, so laying out kept prefixes saves less there)."""
-    from interlens.engine._generation import GenerationRequest
     from interlens.engine._model_cache import load_engine
 
     engine = load_engine(path, dtype=args.dtype)
@@ -236,14 +252,7 @@ def decision(path: str, args: argparse.Namespace) -> None:
     system = engine.tokenizer(" ".join(f"rule{i}" for i in range(200)), add_special_tokens=False).input_ids
     keys = [f"decide{i}" for i in range(16)]
 
-    def turn(prompts: list[tuple[int, ...]]) -> list[Any]:
-        requests = [
-            GenerationRequest(
-                prompt_ids=p, max_new_tokens=args.new_tokens, temperature=0.9, seed=i, reuse_key=k
-            )
-            for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
-        ]
-        return engine.generate_batch(requests)
+    turn = keyed_turn(engine, keys, args.new_tokens)
 
     def once(mode: str, head: list[list[int]], kept: int) -> tuple[float, int]:
         engine.clear_reuse()
@@ -265,14 +274,9 @@ def decision(path: str, args: argparse.Namespace) -> None:
     print(f"reuse decision: 16 rows, 300-token prompts, {args.new_tokens} new tokens; seconds for the turn")
     for family, shared, kept in shapes:
         head = [(system[:shared] if shared else []) + words[7 * i : 7 * i + 300] for i in range(16)]
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
-        reused: dict[str, int] = {}
-        for mode in modes:
-            once(mode, head, kept)  # warm-up
-        for repeat in range(args.repeats):
-            for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
-                seconds, reused[mode] = once(mode, head, kept)
-                times[mode].append(seconds)
+        runs = interleaved(modes, args.repeats, lambda mode, head=head, kept=kept: once(mode, head, kept))
+        times = {mode: [seconds for seconds, _ in runs[mode]] for mode in modes}
+        reused = {mode: runs[mode][-1][1] for mode in modes}
         auto = "laid out" if reused["auto"] else "full"
         cells = "  ".join(f"{mode} {spread(times[mode], '.2f')}" for mode in modes)
         print(f"  {family:>10}, kept {kept:3d} (reused {reused['reuse']:3d}): {cells}  -> auto chose {auto}")
