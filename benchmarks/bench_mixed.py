@@ -1,23 +1,28 @@
-"""A mixed local + API debate against the local-only run of the same local turns (issue #14). Prints only.
+"""A mixed local + API debate against the local-only run of the same local turns (#14, #24). Prints only.
 
-    python benchmarks/bench_mixed.py [--rollouts 16] [--turns 4] [--new-tokens 32] [--latency 0.05]
-                                     [--repeats 3] [--threads N] [--dtype auto]
+    python benchmarks/bench_mixed.py [--model real] [--server fake|serve] [--rollouts 16] [--turns 4]
+                                     [--new-tokens 32] [--latency 0.05] [--repeats 3] [--threads N]
+                                     [--dtype auto]
 
 Two rollouts of the same shape, interleaved after one warm-up of each:
 
-* mixed: speaker ``local`` (the bench-size random-weight Qwen2, T = 0.9) and speaker ``hosted``, an
-  ``APIParticipant`` (openai, single requests) against ``interlens.testing.FakeProviderServer`` answering
-  each request after ``--latency`` seconds; the server runs in its OWN process (in-process its thread would
-  fight the rollout for the GIL, see bench_api.py);
+* mixed: speaker ``local`` (``--model``: the real SmolLM2-135M-Instruct by default, T = 0.9) and speaker
+  ``hosted``, an ``APIParticipant`` (openai, single requests, through the official SDK) against
+  - ``--server fake``: ``interlens.testing.FakeProviderServer`` answering each request after ``--latency``
+    seconds, in its OWN process (in-process its thread would fight the rollout for the GIL, see bench_api.py);
+  - ``--server serve``: ``transformers serve --continuous-batching`` (a real OpenAI-compatible server:
+    FastAPI, uvicorn, transformers' continuous batching) serving the same model on loopback, on the same CPU
+    cores as the local speaker, asked for ``--new-tokens`` tokens at T = 0.9;
 * local-only: the same ``local`` speaker and a ``ScriptedParticipant`` answering at once with a reply of the
-  same shape, so the local turns (how many, their batches, their tokens) are the same.
+  hosted one's shape, so the local turns (how many, their batches, their tokens) are the same or close.
 
-The hosted turns of one round run concurrently, so the mixed run can at best take local-only + one latency
-per hosted round. Goal: mixed ≤ local-only + 0.2 s (API turns never hold local batches back). Also printed:
-the local turns' batch sizes in each run (a local batch that left before every conversation had caught up
-would show as smaller batches), and the gap from each hosted round's last reply to the next local batch's
-start (from the turns' recorded ``at`` and ``seconds``: a batch held back by the batcher would show here).
-Medians of ``--repeats`` with (min–max).
+The hosted turns of one round run concurrently, so the mixed run can at best take local-only + the hosted
+rounds' own time (fake: one latency each; serve: the server's time for the round, printed). Goal with the fake
+server: mixed <= local-only + 0.2 s (API turns never hold local batches back). Also printed: the local turns'
+batch sizes in each run (a local batch that left before every conversation had caught up would show as smaller
+batches), and the gap from each hosted round's last reply to the next local batch's start (from the turns'
+recorded ``at`` and ``seconds``: a batch held back by the batcher would show here). Medians of ``--repeats``
+with (min-max).
 """
 
 from __future__ import annotations
@@ -25,21 +30,27 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-from _common import cpu_summary, fast_dtype, spread
+from _common import add_model_option, cpu_summary, fast_dtype, model_path, spread
 
 KEY = "sk-bench-not-a-real-key"
 
 
-def _serve(conn: Connection, latency: float) -> None:
+def _serve_fake(conn: Connection, latency: float) -> None:
     from interlens.testing._fake_provider import FakeProviderServer
 
     with FakeProviderServer(latency=latency) as server:
@@ -48,18 +59,77 @@ def _serve(conn: Connection, latency: float) -> None:
             conn.send({"requests": len(server.requests), "errors": len(server.handler_errors)})
 
 
-def conversations(path: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    from interlens import AutoModelParticipant, Conversation, ScriptedParticipant
-    from interlens.participants._api_participant import APIParticipant
+@contextmanager
+def fake_server(latency: float) -> Iterator[dict[str, Any]]:
+    """The fake server in its own process; yields the settings of the hosted speaker, and on exit prints its
+    request count (the meters say every hosted turn reached it)."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_serve_fake, args=(theirs, latency), daemon=True)
+    server.start()
+    os.environ.update(ours.recv())
+    try:
+        yield {"model_id": "bench-model"}
+        ours.send("meters")
+        meters = ours.recv()
+        print(f"  fake server: {meters['requests']} requests, {meters['errors']} handler errors")
+    finally:
+        ours.send("stop")
+        server.join(timeout=10)
+
+
+@contextmanager
+def transformers_serve(path: str, dtype: str) -> Iterator[dict[str, Any]]:
+    """``transformers serve`` of the model at ``path`` in ``dtype`` on a free loopback port (continuous
+    batching, CPU); yields the hosted speaker's settings once uvicorn says it is up."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    command = [str(Path(sys.executable).parent / "transformers"), "serve", path, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", dtype]
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert server.stderr is not None
+        for line in server.stderr:
+            lines.put(line)
+        lines.put("")  # it exited
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        while "Application startup complete" not in (line := lines.get(timeout=300)):
+            if not line:
+                raise RuntimeError(f"transformers serve exited with {server.wait()}")
+        print(f"transformers serve: {shlex.join(command)}")
+        yield {"model_id": path, "base_url": f"http://127.0.0.1:{port}/v1"}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def conversations(path: str, hosted_settings: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Any]:
+    from interlens import APIParticipant, AutoModelParticipant, Conversation, ScriptedParticipant
 
     local = AutoModelParticipant.from_pretrained(
         path, name="local", temperature=0.9, max_new_tokens=args.new_tokens, dtype=args.dtype
     )
     hosted = APIParticipant(
-        name="hosted", provider="openai", model_id="bench-model", system_prompt="Disagree."
+        name="hosted",
+        provider="openai",
+        system_prompt="Disagree.",
+        temperature=0.9,
+        max_tokens=args.new_tokens,
+        **hosted_settings,
     )
-    # the fake server answers "reply to <the last user message's first 40 chars> [<8 hex digits>]"; the script
-    # answers the same shape at once
+    # the fake server answers "reply to <the last user message's first 40 chars> [<8 hex digits>]", the
+    # script the same shape at once (a real server's replies are longer: the local prompts differ by that)
     scripted = ScriptedParticipant(
         "hosted",
         lambda view: f"reply to {' '.join(view.messages[-1].content.split())[:40]} [0123abcd]",
@@ -71,10 +141,11 @@ def conversations(path: str, args: argparse.Namespace) -> tuple[Any, Any]:
     return mixed, alone
 
 
-def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float]]:
-    """Wall seconds, the local turns' batch sizes, tokens generated locally, and for each local turn after a
-    hosted round the gap from that round's LAST reply to the local batch's start (run in a fresh thread:
-    the main thread's torch ops are slower on a loaded VM, see bench_rollout.py)."""
+def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float], float]:
+    """Wall seconds, the local turns' batch sizes, tokens generated locally, for each local turn after a
+    hosted round the gap from that round's LAST reply to the local batch's start, and the hosted rounds' own
+    seconds (each round from its first request to its last reply, summed). Run in a fresh thread: torch work
+    on the main thread slows later rollouts (``_common.in_thread``)."""
     out: list[Any] = []
 
     def target() -> None:
@@ -86,14 +157,17 @@ def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float]]:
             transcripts = [list(r.transcript[1:]) for r in report.results.values()]
         local = [m for t in transcripts for m in t if m.author == "local"]
         gaps = []
-        for k in range(2, len(transcripts[0]), 2):  # a local turn after a hosted one
-            if any("at" not in t[k - 1].metadata for t in transcripts):
+        hosted_s = 0.0
+        for k in range(1, len(transcripts[0]), 2):  # the hosted turns
+            if any("at" not in t[k].metadata for t in transcripts):
                 break  # scripted replies carry no time
-            last_reply = max(t[k - 1].metadata["at"] for t in transcripts)
-            batch_start = min(t[k].metadata["at"] - t[k].metadata["seconds"] for t in transcripts)
-            gaps.append(batch_start - last_reply)
+            last_reply = max(t[k].metadata["at"] for t in transcripts)
+            hosted_s += last_reply - min(t[k].metadata["at"] - t[k].metadata["seconds"] for t in transcripts)
+            if k + 1 < len(transcripts[0]):  # a local turn follows
+                batch_start = min(t[k + 1].metadata["at"] - t[k + 1].metadata["seconds"] for t in transcripts)
+                gaps.append(batch_start - last_reply)
         sizes = sorted({m.metadata["batch_size"] for m in local})
-        out.append((seconds, sizes, sum(m.n_tokens for m in local), gaps))
+        out.append((seconds, sizes, sum(m.n_tokens for m in local), gaps, hosted_s))
 
     thread = threading.Thread(target=target)
     thread.start()
@@ -105,62 +179,67 @@ def timed(conv: Any, n: int) -> tuple[float, list[int], int, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_option(parser)
+    parser.add_argument("--server", choices=("fake", "serve"), default="fake")
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--latency", type=float, default=0.05)
+    parser.add_argument("--latency", type=float, default=0.05, help="the fake server's seconds a request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     args = parser.parse_args()
     args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join(["python", *sys.argv]))
+    path, label = model_path(parser, args.model)
+    serving = fake_server(args.latency) if args.server == "fake" else transformers_serve(path, args.dtype)
+    with serving as hosted_settings:
+        import torch
 
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(theirs, args.latency), daemon=True)
-    server.start()
-    os.environ.update(ours.recv())
-
-    import torch
-
-    from interlens.testing import tiny_model
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    path = tiny_model("qwen2", size="bench")
-    mixed, alone = conversations(path, args)
-    hosted_rounds = args.turns // 2
-    print(
-        f"{args.rollouts} rollouts x {args.turns} turns (local first), {args.new_tokens} new tokens a local "
-        f"turn, {hosted_rounds} hosted rounds at {args.latency * 1000:.0f} ms, "
-        f"{torch.get_num_threads()} torch threads, {args.dtype}; CPU: {cpu_summary()}"
-    )
-    runs: dict[str, list[tuple[float, list[int], int, list[float]]]] = {"local-only": [], "mixed": []}
-    timed(alone, args.rollouts)  # warm-ups
-    timed(mixed, args.rollouts)
-    for _ in range(args.repeats):
-        runs["local-only"].append(timed(alone, args.rollouts))
-        runs["mixed"].append(timed(mixed, args.rollouts))
-    for name, rs in runs.items():
-        sizes = sorted({s for _, batch, _, _ in rs for s in batch})
-        walls = spread([r[0] for r in rs], ".2f")
-        print(f"  {name:10s} wall {walls} s; local tokens {rs[-1][2]}; local batch sizes {sizes}")
-    extra = [m[0] - a[0] for a, m in zip(runs["local-only"], runs["mixed"], strict=True)]
-    floor = hosted_rounds * args.latency
-    print(f"  mixed - local-only = {spread(extra, '.2f')} s per run (floor {floor:.2f} s; goal <= 0.20 s)")
-    gaps = [g * 1000 for r in runs["mixed"] for g in r[3]]
-    if gaps:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        mixed, alone = conversations(path, hosted_settings, args)
+        hosted_rounds = args.turns // 2
+        answers = f"at {args.latency * 1000:.0f} ms" if args.server == "fake" else "by transformers serve"
         print(
-            "  mixed: a hosted round's last reply -> the next local batch's start: median "
-            f"{statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ms ({len(gaps)} rounds; a batch held "
-            "back would show as a long gap)"
+            f"{label}; {args.rollouts} rollouts x {args.turns} turns (local first), "
+            f"{args.new_tokens} new tokens a turn, {hosted_rounds} hosted rounds {answers}, "
+            f"{torch.get_num_threads()} torch threads, {args.dtype}; CPU: {cpu_summary()}"
         )
-    ours.send("meters")
-    meters = ours.recv()
-    print(f"  fake server: {meters['requests']} requests, {meters['errors']} handler errors")
-    ours.send("stop")
-    server.join(timeout=10)
+        runs: dict[str, list[tuple[float, list[int], int, list[float], float]]] = {
+            "local-only": [],
+            "mixed": [],
+        }
+        timed(alone, args.rollouts)  # warm-ups
+        timed(mixed, args.rollouts)
+        for _ in range(args.repeats):
+            runs["local-only"].append(timed(alone, args.rollouts))
+            runs["mixed"].append(timed(mixed, args.rollouts))
+        for name, rs in runs.items():
+            sizes = sorted({s for r in rs for s in r[1]})
+            walls = spread([r[0] for r in rs], ".2f")
+            tokens = spread([float(r[2]) for r in rs], ".0f")
+            print(f"  {name:10s} wall {walls} s; local tokens {tokens}; local batch sizes {sizes}")
+        pairs = list(zip(runs["local-only"], runs["mixed"], strict=True))
+        extra = [m[0] - a[0] for a, m in pairs]
+        hosted = [m[4] for _, m in pairs]
+        print(f"  mixed - local-only = {spread(extra, '.2f')} s per run")
+        print(
+            f"  the hosted rounds' own time (first request to last reply, summed): {spread(hosted, '.2f')} s"
+        )
+        left = [e - h for e, h in zip(extra, hosted, strict=True)]
+        print(f"  mixed - local-only - hosted rounds = {spread(left, '.2f')} s (the mix's cost beyond them)")
+        if args.server == "fake":
+            print(
+                f"  (hosted floor {hosted_rounds * args.latency:.2f} s; goal: mixed - local-only <= 0.20 s)"
+            )
+        gaps = [g * 1000 for r in runs["mixed"] for g in r[3]]
+        if gaps:
+            print(
+                "  mixed: a hosted round's last reply -> the next local batch's start: median "
+                f"{statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ms ({len(gaps)} rounds; a batch held "
+                "back would show as a long gap)"
+            )
 
 
 if __name__ == "__main__":
