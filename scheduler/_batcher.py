@@ -48,7 +48,15 @@ from ._threads import run_in_thread
 
 __all__ = ["Batcher", "Waiter", "is_out_of_memory"]
 
-_OOM_PHRASES = ("out of memory", "can't allocate memory")
+#: cuBLAS and cuDNN report a failed allocation of their own (a handle, a workspace) as a CUDA error
+#: ("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"): under memory pressure that is an
+#: out-of-memory like any other, which a smaller batch cures, not a poisoned context.
+_OOM_PHRASES = (
+    "out of memory",
+    "can't allocate memory",
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+)
 
 log = logging.getLogger("interlens.scheduler")
 

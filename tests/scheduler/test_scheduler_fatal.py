@@ -13,10 +13,12 @@ import pytest
 from workers_testkit import FaultyEngineSpec, WorkerJob, children, exited, lineup
 
 from interlens.scheduler import RunConfig, WorkerLostError, run_jobs
+from interlens.scheduler._batcher import is_out_of_memory
 from interlens.scheduler._worker import is_fatal_device_error
 
 TWO = ["cpu", "cpu"]
 ASSERT = "CUDA error: device-side assert triggered"
+CUBLAS_ALLOC = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
 
 def test_what_counts_as_a_poisoning_device_error() -> None:
@@ -27,6 +29,9 @@ def test_what_counts_as_a_poisoning_device_error() -> None:
     assert is_fatal_device_error(wrapped)
     assert not is_fatal_device_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not is_fatal_device_error(RuntimeError("CUDA error: out of memory"))
+    assert not is_fatal_device_error(RuntimeError(CUBLAS_ALLOC))  # cuBLAS's own allocation failed: an OOM
+    assert is_out_of_memory(RuntimeError(CUBLAS_ALLOC))
+    assert not is_fatal_device_error(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert not is_fatal_device_error(ValueError("bad prompt"))
 
 
@@ -51,9 +56,10 @@ async def test_a_worker_hit_by_a_device_side_assert_exits_and_is_replaced(tmp_pa
     assert children() == set()
 
 
-async def test_an_out_of_memory_fails_its_job_and_keeps_the_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("error", ["CUDA out of memory. Tried to allocate 2.00 GiB", CUBLAS_ALLOC])
+async def test_an_out_of_memory_fails_its_job_and_keeps_the_worker(tmp_path: Path, error: str) -> None:
     log = tmp_path / "loads.txt"
-    oom = FaultyEngineSpec("big", error="CUDA out of memory. Tried to allocate 2.00 GiB", log=str(log))
+    oom = FaultyEngineSpec("big", error=error, log=str(log))
     jobs = [WorkerJob(turns=2) for _ in range(4)] + [WorkerJob(turns=2, engine=oom)]
     with anyio.fail_after(120):
         out = await run_jobs(
