@@ -97,6 +97,26 @@ def test_a_row_keeps_its_stream_when_its_batch_mates_finish() -> None:
         assert full(rows)[-1].item() == alone(logits[2:]).item()
 
 
+def test_draws_made_ahead_follow_a_row_past_block_edges_and_batch_changes() -> None:
+    """The seeded rows' uniforms are drawn a block of steps ahead (16, then 32, ...): a row that outlives two
+    blocks and two batch reductions, beside an unseeded row, still draws exactly what it draws alone."""
+    generator = torch.Generator().manual_seed(3)
+    steps = [torch.randn(4, 300, generator=generator) for _ in range(60)]
+    rows = [_request(seed=1), _request(), _request(seed=3), _request(seed=4, top_p=0.9)]
+    batch = Sampler(rows, "cpu")
+    alone = {j: Sampler([rows[j]], "cpu") for j in (0, 2, 3)}
+    live = [0, 1, 2, 3]
+    for step, logits in enumerate(steps):
+        if step == 20:  # inside the second block
+            batch, live = batch.select([0, 2, 3]), [0, 2, 3]
+        if step == 48:  # the third block's first step: an empty remainder is handed on
+            batch, live = batch.select([1, 2]), [2, 3]
+        together = batch(logits[live])
+        for k, j in enumerate(live):
+            if j in alone:  # the unseeded row draws from torch's global RNG
+                assert together[k].item() == alone[j](logits[j : j + 1]).item(), (step, j)
+
+
 def test_unseeded_rows_follow_torch_manual_seed() -> None:
     logits = torch.randn(4, 300)
     sampler = Sampler([_request() for _ in range(4)], "cpu")

@@ -128,6 +128,15 @@ class Sampler:
         sampling = [j for j, r in enumerate(requests) if r.temperature > 0]
         self.all_greedy = not sampling
         self.all_sampling = len(sampling) == len(requests)
+        # The seeded rows' uniforms are drawn ahead, a block of steps at a time, and sent to the device in
+        # one copy (a copy a step from pageable memory waits on the device's stream: a host sync per step on
+        # CUDA). A row's draws are its stream's next values whatever the block size, and a batch reduced by
+        # ``select`` hands the rest of the block on, so a row's tokens never depend on its batch mates.
+        self._sampling = sampling
+        self._seeded: list[int] = []  # positions in ``sampling`` of the seeded rows: the block's columns
+        self._block: torch.Tensor | None = None  # (steps, seeded rows) drawn ahead, on the device
+        self._cursor = 0
+        self._block_steps = _FIRST_BLOCK
         if self.all_greedy:
             return
         self.sampling_idx = torch.tensor(sampling, dtype=torch.long, device=device)
@@ -136,6 +145,20 @@ class Sampler:
         )
         self.row_streams = [streams[j] for j in sampling]
         self.n_unseeded = sum(s is None for s in self.row_streams)
+        self._seeded = [k for k, s in enumerate(self.row_streams) if s is not None]
+        # where both kinds share a batch, the rows each kind's uniforms go to
+        self._seeded_idx = (
+            torch.tensor(self._seeded, dtype=torch.long, device=device)
+            if self._seeded and self.n_unseeded
+            else None
+        )
+        self._unseeded_idx = (
+            torch.tensor(
+                [k for k, s in enumerate(self.row_streams) if s is None], dtype=torch.long, device=device
+            )
+            if self.n_unseeded and self._seeded
+            else None
+        )
         # Rows with a nucleus (top_p < 1) are sampled in sorted order; the others in vocabulary order.
         nucleus = [k for k, j in enumerate(sampling) if requests[j].top_p < 1.0]
         plain = [k for k, j in enumerate(sampling) if requests[j].top_p >= 1.0]
@@ -151,19 +174,47 @@ class Sampler:
         )
 
     def select(self, keep: list[int]) -> Sampler:
-        """The sampler for a batch reduced to rows ``keep`` (each row's stream carries on where it was)."""
-        return Sampler([self.requests[j] for j in keep], self.device, [self.streams[j] for j in keep])
+        """The sampler for a batch reduced to rows ``keep``: each row's stream carries on where it was, the
+        draws it already made ahead included."""
+        reduced = Sampler([self.requests[j] for j in keep], self.device, [self.streams[j] for j in keep])
+        if self._block is not None and reduced._seeded:
+            column = {j: c for c, j in enumerate(self._seeded_rows())}
+            columns = [column[j] for j in keep if j in column]
+            import torch
+
+            index = torch.tensor(columns, dtype=torch.long, device=self._block.device)
+            reduced._block = self._block[self._cursor :].index_select(1, index)
+            reduced._block_steps = self._block_steps
+        return reduced
+
+    def _seeded_rows(self) -> list[int]:
+        """The batch rows (indices into ``requests``) of the seeded sampling rows, in block column order."""
+        return [self._sampling[k] for k in self._seeded]
 
     def uniforms(self) -> torch.Tensor:
         """One uniform in [0, 1) per sampling row: its own stream's next draw, or the global RNG's."""
         import torch
 
-        if self.n_unseeded:
-            shared = iter(torch.rand(self.n_unseeded, dtype=torch.float64).tolist())
-            draws = [next(shared) if s is None else s.random() for s in self.row_streams]
-        else:
-            draws = [s.random() for s in self.row_streams if s is not None]
-        return torch.tensor(draws, dtype=torch.float32, device=self.device)
+        seeded = None
+        if self._seeded:
+            if self._block is None or self._cursor == self._block.shape[0]:
+                steps = self._block_steps
+                self._block_steps = min(2 * steps, _LAST_BLOCK)
+                streams = [self.row_streams[k] for k in self._seeded]
+                draws = [[s.random() for s in streams] for _ in range(steps)]  # type: ignore[union-attr]
+                self._block = torch.tensor(draws, dtype=torch.float32, device=self.device)
+                self._cursor = 0
+            seeded = self._block[self._cursor]
+            self._cursor += 1
+            if not self.n_unseeded:
+                return seeded
+        shared = torch.rand(self.n_unseeded, dtype=torch.float64, device=self.device).float()
+        if seeded is None:
+            return shared
+        u = torch.empty(len(self.row_streams), dtype=torch.float32, device=self.device)
+        u[self._seeded_idx] = seeded
+        u[self._unseeded_idx] = shared
+        return u
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return self.choose(logits)[0]
@@ -204,6 +255,11 @@ class Sampler:
         chosen[self.sampling_idx] = picked
         return chosen, best.isfinite()
 
+
+#: Steps of uniforms drawn ahead in a batch's first block, doubling up to the last size: a short turn draws
+#: little it will not use, a long one sends its draws to the device every 256 steps.
+_FIRST_BLOCK = 16
+_LAST_BLOCK = 256
 
 #: The vocabulary is cut into blocks of this many tokens for a draw (:func:`_draw`).
 _BLOCK = 256

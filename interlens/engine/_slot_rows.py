@@ -284,9 +284,9 @@ def _slot_cache_class() -> type:
                 tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)])
                 positions = torch.cat([positions, positions[-1:].expand(pad)])
             self.slots = positions
-            top = int(positions.max())
+            top = positions.max()  # stays on the device: reading it would be a host sync every step
             for layer in self.slot_layers:
-                layer.cumulative_length.fill_(top)  # the causal mask's query offset: the furthest row
+                layer.cumulative_length.copy_(top)  # the causal mask's query offset: the furthest row
             slots = torch.arange(self.length, device=positions.device)
             mask = (slots.unsqueeze(0) <= positions.unsqueeze(1)).long()
             ids = positions.unsqueeze(1)

@@ -138,6 +138,7 @@ class Recorder:
         self.spec = spec
         self.chunks: dict[tuple[str, int], list[torch.Tensor]] = {key: [] for key in keys}
         self._skip = dict.fromkeys(keys, skip)
+        self._copying: torch.device | None = None  # a device whose copies to pinned memory may be in flight
 
     def record(self, key: tuple[str, int], output: Any) -> None:
         hidden = _first(output)
@@ -152,13 +153,26 @@ class Recorder:
             if rows.shape[0] == 0:
                 return
         rows = rows.detach()
-        self.chunks[key].append(rows.to("cpu", copy=True) if self.spec.offload == "cpu" else rows.clone())
+        if self.spec.offload != "cpu":
+            self.chunks[key].append(rows.clone())
+        elif rows.device.type == "cuda":
+            # into pinned memory without waiting (a blocking copy a layer a step would stall the stream's
+            # queue every time); :meth:`captured` waits for the copies once, before reading them
+            import torch
+
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self.chunks[key].append(host.copy_(rows, non_blocking=True))
+            self._copying = rows.device
+        else:
+            self.chunks[key].append(rows.to("cpu", copy=True))
 
     def captured(self, *, prompt_len: int, answer_ids: Sequence[int]) -> Captured:
         """The row's :class:`Captured`: ``prompt_len + len(answer_ids)`` positions per key (prompt kept), or
         ``len(answer_ids)``. Built outside inference mode, so the tensors work with autograd (a probe)."""
         import torch
 
+        if self._copying is not None:
+            torch.cuda.synchronize(self._copying)
         want = len(answer_ids) + (prompt_len if self.spec.prompt else 0)
         tensors: dict[tuple[str, int], torch.Tensor] = {}
         with torch.inference_mode(False):
