@@ -1,9 +1,16 @@
-"""The GPU check (issue 15): one short script for a lent GPU machine, under 10 minutes on one H200.
+"""The GPU check (issues 15, 26): one short script for a lent GPU machine, under 10 minutes on one H200.
 
-    python benchmarks/gpu_check.py [--size bench] [--rollouts 16] [--mem-fraction 0.003]
+    python -u benchmarks/gpu_check.py [--size bench] [--rollouts 16] [--mem-fraction 0.003] [--out DIR]
 
-Seven parts, each printing what it saw and the memory in use per GPU afterwards:
+Each part runs in its own ``try`` (``part``): a failure prints its traceback, is recorded, and the next part
+runs. ``--out`` (default ``$OUT``) gets ``gpu_check.json``: every part's figures, ``ok``, ``error`` and
+seconds. Read it with ``docs/gpu.md``. Parts, each printing what it saw and the memory in use per GPU:
 
+versions. Python, CUDA and the packages the image has (a missing one is null), checked before anything runs.
+0. Greedy tokens vs HF ``generate`` in float32 on the first device: one batch of mixed lengths whose first
+   two prompts share a long prefix, and a batch of one; every row must match.
+0b. Host syncs per decode step, batched and deterministic (CUDA: ``torch.cuda.set_sync_debug_mode``; CPU:
+   the calls that would sync, counted as they pass torch's dispatch). 1 is the floor.
 1. A 2-worker rollout: two GPUs (or two workers on one GPU, or two CPU workers without a GPU). Each job's
    analyzer reports its worker's device as the worker sees it (``interlens.worker_device()``, "cuda:0" in
    every CUDA worker), ``CUDA_VISIBLE_DEVICES`` and the torch memory it holds.
@@ -24,20 +31,26 @@ Seven parts, each printing what it saw and the memory in use per GPU afterwards:
 
 The model is a real architecture built locally (``interlens.testing.tiny_model``: qwen2, random weights;
 ``--size bench`` is ~27M parameters). Without a GPU every part still runs on the CPU (the GPU-only parts say
-they are skipped), which is how this script is tested.
+they are skipped), which is how the test suite runs it (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import interlens
@@ -96,8 +109,27 @@ def gpu_memory() -> str:
     return "no GPU (nvidia-smi not found)"
 
 
-def section(title: str) -> None:
+#: What each part saw, by part title: written to ``gpu_check.json`` under ``--out`` at the end.
+FIGURES: dict[str, dict[str, Any]] = {}
+
+
+@contextmanager
+def part(title: str) -> Iterator[dict[str, Any]]:
+    """One part of the check: its figures go in the dict it yields; an exception is printed and recorded as
+    the part's error, and the script goes on to the next part (one failure never loses the rest)."""
     print(f"\n== {title}", flush=True)
+    figures: dict[str, Any] = {}
+    FIGURES[title] = figures
+    started = time.perf_counter()
+    try:
+        yield figures
+        figures["ok"] = True
+    except Exception as exc:
+        traceback.print_exc()
+        figures.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        figures["seconds"] = round(time.perf_counter() - started, 2)
+        sys.stdout.flush()
 
 
 def debate(path: str, *, new_tokens: int, name: str, **settings: Any) -> Conversation:
@@ -106,7 +138,7 @@ def debate(path: str, *, new_tokens: int, name: str, **settings: Any) -> Convers
     return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(4).name(name)
 
 
-def kv_reuse_check(path: str, device: str) -> None:
+def kv_reuse_check(path: str, device: str) -> list[bool]:
     """Engine level, float32: a shared-prefix batch, then each row's next turn on its kept cache; both turns
     compared with the same engine code with reuse off."""
     import torch
@@ -140,11 +172,12 @@ def kv_reuse_check(path: str, device: str) -> None:
     first, same = turn(prompts)
     print(f"  turn 1: shared_prefix_tokens {[r.shared_prefix_tokens for r in first]}; equal: {same}")
     more = tuple(tokenizer(" And the other side says no.", add_special_tokens=False).input_ids)
-    second, same = turn([(*p, *r.token_ids, *more) for p, r in zip(prompts, first, strict=True)])
-    print(f"  turn 2: kv_reused_tokens {[r.kv_reused_tokens for r in second]}; equal: {same}")
+    second, again = turn([(*p, *r.token_ids, *more) for p, r in zip(prompts, first, strict=True)])
+    print(f"  turn 2: kv_reused_tokens {[r.kv_reused_tokens for r in second]}; equal: {again}")
+    return [same, again]
 
 
-def deterministic_check(path: str, device: str) -> None:
+def deterministic_check(path: str, device: str) -> dict[str, Any]:
     """Engine level: the self-test's verdict on this device, then 6 deterministic rows together vs alone."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,6 +187,7 @@ def deterministic_check(path: str, device: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     topics = ["Tabs.", "Spaces, always.", "Neither: a formatter.", "Both.", "Why argue?", "Tabs. " * 30]
+    figures: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         engine = LocalEngine(model, tokenizer, device=device)
@@ -185,7 +219,133 @@ def deterministic_check(path: str, device: str) -> None:
             f"  {str(dtype).removeprefix('torch.')}: batch_invariant={verdict} (self-test {took:.2f} s); "
             f"batch sizes {sizes}; rows equal to alone: {sum(same)}/{len(same)}"
         )
+        figures[str(dtype).removeprefix("torch.")] = {"batch_invariant": verdict, "equal_to_alone": same}
         del engine, model
+    return figures
+
+
+def versions() -> dict[str, Any]:
+    """What the image has: checked first, so a missing package is the first line of the log, not a crash in
+    part 4."""
+    import importlib.metadata as metadata
+
+    import torch
+
+    found: dict[str, Any] = {"python": sys.version.split()[0], "cuda": torch.version.cuda}
+    for name in ("torch", "transformers", "accelerate", "anyio", "aiosqlite", "interlens"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    print("  " + ", ".join(f"{k} {v}" for k, v in found.items()))
+    return found
+
+
+def _chat(tokenizer: Any, text: str) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": text}]
+    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def generate_check(path: str, device: str) -> dict[str, Any]:
+    """Part 0, float32 on ``device``: the engine's greedy tokens against HF ``generate`` of each prompt alone,
+    for one batch of mixed lengths whose first two prompts share a long prefix, and for a batch of one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens.engine._generation import GenerationRequest, LocalEngine
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = LocalEngine(model, tokenizer, device=device)
+    rules = "Rules: be brief, cite one fact, answer the other side's last point. " * 6
+    prompts = [_chat(tokenizer, t) for t in (rules + "Tabs.", rules + "Spaces.", "Why argue?", "No. " * 15)]
+    eos = set(engine._runner.eos_ids)
+
+    def reference(prompt: tuple[int, ...]) -> list[int]:
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+        tokens = out[0, len(prompt) :].tolist()
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        return tokens[: ends[0] + 1] if ends else tokens
+
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=16, temperature=0) for p in prompts]
+    batch = engine.generate_batch(requests)
+    alone = engine.generate_batch(requests[2:3])[0]
+    expected = [reference(p) for p in prompts]
+    figures = {
+        "batch_equal": [getattr(r, "token_ids", r) == e for r, e in zip(batch, expected, strict=True)],
+        "alone_equal": getattr(alone, "token_ids", alone) == expected[2],
+        "shared_prefix_tokens": [getattr(r, "shared_prefix_tokens", None) for r in batch],
+    }
+    print(f"  {figures}")
+    return figures
+
+
+@contextmanager
+def host_syncs(device: str) -> Iterator[Counter[str]]:
+    """Counts the host's waits on the device inside: on CUDA the synchronising calls torch reports
+    (``set_sync_debug_mode``), on the CPU the calls that would be one there (host reads of tensor values,
+    tensors built from host data) as they pass torch's function dispatch."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    counts: Counter[str] = Counter()
+    if device.startswith("cuda"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counts
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts["sync"] = sum("synchroniz" in str(w.message) for w in seen)
+        return
+    reads = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+    class Counted(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") in reads or func is torch.tensor:
+                counts["sync"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counted():
+        yield counts
+
+
+def syncs_check(path: str, device: str) -> dict[str, Any]:
+    """Host syncs per decode step (batched and deterministic, 6 rows of mixed lengths): the difference
+    between batches of 24 and 8 tokens over 16 steps. One is the floor (reading the chosen tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.scheduler import ExecutionMode
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    figures: dict[str, Any] = {}
+    for mode in (ExecutionMode.BATCHED, ExecutionMode.DETERMINISTIC):
+        counts = []
+        for new in (8, 24):
+            engine = LocalEngine(model, tokenizer, device=device)
+            engine._runner.eos_ids = frozenset()  # every row runs to its cap
+            requests = [
+                GenerationRequest(
+                    prompt_ids=_chat(tokenizer, "tabs " * (1 + 3 * i)),
+                    max_new_tokens=new,
+                    temperature=0.9,
+                    seed=i,
+                )
+                for i in range(6)
+            ]
+            engine.generate_batch(requests, mode=mode)  # the first call runs one-off checks
+            with host_syncs(device) as counted:
+                engine.generate_batch(requests, mode=mode)
+            counts.append(counted["sync"])
+        figures[mode.value] = (counts[1] - counts[0]) / 16
+    print(f"  host syncs per decode step: {figures} (1 = reading the chosen tokens)")
+    return figures
 
 
 def nan_model(path: str, into: str) -> str:
@@ -206,7 +366,12 @@ def main() -> None:
     parser.add_argument("--size", default=None, help="tiny_model size (default: bench on GPU, tiny on CPU)")
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--mem-fraction", type=float, default=0.003, help="allocator cap for the OOM part")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT"), help="where gpu_check.json goes (default: $OUT, else nowhere)"
+    )
     args = parser.parse_args()
+    with part("versions") as fig:
+        fig.update(versions())
 
     import torch
 
@@ -218,137 +383,168 @@ def main() -> None:
     path = tiny_model("qwen2", size=size)
     llama = tiny_model("llama", size=size)
     started = time.perf_counter()
-
-    section(f"1. a 2-worker rollout on {devices}")
-    t0 = time.perf_counter()
-    report = (
-        debate(path, new_tokens=32, name="two").analyzer(where_am_i).rollout(n=args.rollouts, devices=devices)
-    )
-    seconds = time.perf_counter() - t0
-    tokens = sum(r.tokens_generated for r in report.results.values())
-    print(f"{len(report.results)} jobs, failed {report.failed}, {tokens} tokens in {seconds:.1f} s")
-    seen = Counter(
-        (r.device, a["worker_device"], a["visible"], a["threads"], a["pid"])
-        for r in report.results.values()
-        if (a := r.analysis)
-    )
-    for (device, inner, visible, threads, pid), count in sorted(seen.items()):
-        print(
-            f"  {count} jobs on {device!r}: pid {pid} sees {inner!r}, "
-            f"CUDA_VISIBLE_DEVICES={visible}, torch threads {threads}"
-        )
-    print(f"memory: {gpu_memory()}")
-
-    section("2. an induced OOM")
-    if gpus:
-        os.environ[_FRACTION_VAR] = str(args.mem_fraction)
-        try:
-            a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=16)
-            long = (
-                Conversation(participants=[a], shared_context="tabs or spaces? " * 400).turns(1).name("oom")
-            )
-            t0 = time.perf_counter()
-            report = long.rollout(n=64, devices=devices, max_batch_size=64, seed=1)
-            sizes = Counter(
-                m.metadata.get("batch_size") for r in report.results.values() for m in r.transcript[1:]
-            )
-            errors = Counter(r.error.type for r in report.results.values() if r.error is not None)
-            print(
-                f"{len(report.results)} jobs in {time.perf_counter() - t0:.1f} s; batch sizes {dict(sizes)}"
-            )
-            print(f"failed: {len(report.failed)} {dict(errors)}")
-        finally:
-            os.environ.pop(_FRACTION_VAR, None)
-    else:
-        print("skipped: no GPU (the OOM bisection is tested on CPU with injected OOMs)")
-    print(f"memory: {gpu_memory()}")
-
-    section("3. a NaN model next to a good one")
-    with tempfile.TemporaryDirectory() as tmp:
-        bad = nan_model(path, os.path.join(tmp, "nan"))
-        good = debate(path, new_tokens=16, name="good").turns(2)
-        broken = debate(bad, new_tokens=16, name="nan").turns(2)
-        t0 = time.perf_counter()
-        report = interlens.run([good.data([{}] * 4), broken.data([{}] * 4)], devices=devices, max_attempts=2)
-        print(f"{len(report.results)} jobs in {time.perf_counter() - t0:.1f} s")
-        for job_id, res in sorted(report.results.items()):
-            what = "ok" if res.error is None else f"{res.error.type}: {res.error.message[:300]}"
-            print(f"  {job_id}: {what}")
-    print(f"memory: {gpu_memory()}")
-
-    section("4. steering + capture")
-    import torch
-
     first = devices[0]
-    from transformers import AutoConfig
 
-    d_model = AutoConfig.from_pretrained(path).hidden_size
-    spec = SteeringSpec(torch.ones(d_model), layers=[0], coef=2.0)
-    a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=8, device=first)
-    b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=8, device=first)
-    conv = Conversation(participants=[a, b], shared_context="Say something.")
-    with conv.capture(layers=[0, 1]) as cache:
-        message = conv.step("a", steering=spec)
-    record = next(iter(cache))
-    print(
-        f"live on {first}: {len(cache)} records, answer {list(record.answer.shape)} on {record.answer.device}"
-    )
-    print(f"  steering metadata: {message.metadata.get('steering')}")
-    steered = debate(path, new_tokens=8, name="steered").turns(2)
-    held = [p.set(steering=spec) if p.name == "a" else p for p in steered.participants]
-    steered = Conversation(participants=held, shared_context="Debate: tabs vs spaces.").turns(2)
-    report = steered.analyzer(activations).rollout(n=4, devices=devices, batched=False)
-    for job_id, res in sorted(report.results.items()):
-        print(f"  {job_id} on {res.device}: {res.analysis if res.error is None else res.error.message[:200]}")
-    print(f"memory: {gpu_memory()}")
+    with part(f"0. greedy tokens vs HF generate, float32 on {first}") as fig:
+        fig.update(generate_check(path, first))
 
-    section("5. eviction: two models, one after the other, on one device")
-    report = interlens.run(
-        [
-            debate(path, new_tokens=8, name="first").turns(2),
-            debate(llama, new_tokens=8, name="second").turns(2),
-        ],
-        devices=[first],
-        max_batch_size=1,
-    )
-    from interlens.engine._model_cache import cached_engines
+    with part(f"0b. host syncs per decode step on {first}") as fig:
+        fig.update(syncs_check(path, first))
 
-    gc.collect()
-    names = [os.path.basename(e.model.config._name_or_path) for e in cached_engines()]
-    print(f"failed {report.failed}; models still cached after the run: {names}")
-    print(f"memory: {gpu_memory()}")
-
-    section(f"6. KV reuse and shared-prefix prefill on {first}")
-    kv_reuse_check(path, first)
-    for reuse in (True, False):
-        conv = debate(path, new_tokens=32, name=f"reuse_{reuse}", kv_reuse=reuse, temperature=0.9).turns(8)
+    with part(f"1. a 2-worker rollout on {devices}") as fig:
         t0 = time.perf_counter()
-        report = conv.rollout(n=args.rollouts, devices=[first], seed=1)
-        metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
-        share = sum(m["kv_reused_tokens"] for m in metas) / max(1, sum(m["prompt_tokens"] for m in metas))
-        tokens = sum(r.tokens_generated for r in report.results.values())
-        print(
-            f"  kv_reuse={reuse}: 8-turn debate x {args.rollouts}: {time.perf_counter() - t0:.2f} s, "
-            f"{tokens} tokens, reused {100 * share:.0f} % of prompt tokens, failed {report.failed}"
+        report = (
+            debate(path, new_tokens=32, name="two")
+            .analyzer(where_am_i)
+            .rollout(n=args.rollouts, devices=devices)
         )
-    print(f"memory: {gpu_memory()}")
-
-    section(f"7. deterministic co-stepping on {first}")
-    deterministic_check(path, first)
-    rates = {}
-    for batched in (True, False):
-        conv = debate(path, new_tokens=32, name=f"batched_{batched}", temperature=0.9, seed=1)
-        t0 = time.perf_counter()
-        report = conv.rollout(n=args.rollouts, devices=[first], seed=1, batched=batched)
+        seconds = time.perf_counter() - t0
         tokens = sum(r.tokens_generated for r in report.results.values())
-        rates[batched] = tokens / (time.perf_counter() - t0)
-        sizes = sorted({m.metadata["batch_size"] for r in report.results.values() for m in r.transcript[1:]})
-        print(f"  batched={batched}: {rates[batched]:.0f} tok/s, batch sizes {sizes}, failed {report.failed}")
-    print(
-        f"  deterministic / batched = {rates[False] / rates[True]:.2f}x (one run each, each loads the model)"
-    )
-    print(f"memory: {gpu_memory()}")
-    print(f"\ntotal {time.perf_counter() - started:.1f} s")
+        print(f"{len(report.results)} jobs, failed {report.failed}, {tokens} tokens in {seconds:.1f} s")
+        fig.update(jobs=len(report.results), failed=report.failed, tok_s=round(tokens / seconds, 1))
+        seen = Counter(
+            (r.device, a["worker_device"], a["visible"], a["threads"], a["pid"])
+            for r in report.results.values()
+            if (a := r.analysis)
+        )
+        for (device, inner, visible, threads, pid), count in sorted(seen.items()):
+            print(
+                f"  {count} jobs on {device!r}: pid {pid} sees {inner!r}, "
+                f"CUDA_VISIBLE_DEVICES={visible}, torch threads {threads}"
+            )
+        print(f"memory: {gpu_memory()}")
+
+    with part("2. an induced OOM") as fig:
+        if gpus:
+            os.environ[_FRACTION_VAR] = str(args.mem_fraction)
+            try:
+                a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=16)
+                long = (
+                    Conversation(participants=[a], shared_context="tabs or spaces? " * 400)
+                    .turns(1)
+                    .name("oom")
+                )
+                t0 = time.perf_counter()
+                report = long.rollout(n=64, devices=devices, max_batch_size=64, seed=1)
+                sizes = Counter(
+                    m.metadata.get("batch_size") for r in report.results.values() for m in r.transcript[1:]
+                )
+                errors = Counter(r.error.type for r in report.results.values() if r.error is not None)
+                took = time.perf_counter() - t0
+                print(f"{len(report.results)} jobs in {took:.1f} s; batch sizes {dict(sizes)}")
+                print(f"failed: {len(report.failed)} {dict(errors)}")
+                fig.update(batch_sizes=dict(sizes), failed=len(report.failed))
+            finally:
+                os.environ.pop(_FRACTION_VAR, None)
+        else:
+            print("skipped: no GPU (the OOM bisection is tested on CPU with injected OOMs)")
+            fig["skipped"] = "no GPU"
+        print(f"memory: {gpu_memory()}")
+
+    with part("3. a NaN model next to a good one") as fig:
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = nan_model(path, os.path.join(tmp, "nan"))
+            good = debate(path, new_tokens=16, name="good").turns(2)
+            broken = debate(bad, new_tokens=16, name="nan").turns(2)
+            t0 = time.perf_counter()
+            report = interlens.run(
+                [good.data([{}] * 4), broken.data([{}] * 4)], devices=devices, max_attempts=2
+            )
+            print(f"{len(report.results)} jobs in {time.perf_counter() - t0:.1f} s")
+            for job_id, res in sorted(report.results.items()):
+                what = "ok" if res.error is None else f"{res.error.type}: {res.error.message[:300]}"
+                print(f"  {job_id}: {what}")
+            fig["failed"] = sorted(report.failed)
+        print(f"memory: {gpu_memory()}")
+
+    with part("4. steering + capture") as fig:
+        from transformers import AutoConfig
+
+        d_model = AutoConfig.from_pretrained(path).hidden_size
+        spec = SteeringSpec(torch.ones(d_model), layers=[0], coef=2.0)
+        a = AutoModelParticipant.from_pretrained(path, name="a", max_new_tokens=8, device=first)
+        b = AutoModelParticipant.from_pretrained(path, name="b", max_new_tokens=8, device=first)
+        conv = Conversation(participants=[a, b], shared_context="Say something.")
+        with conv.capture(layers=[0, 1]) as cache:
+            message = conv.step("a", steering=spec)
+        record = next(iter(cache))
+        shape, where = list(record.answer.shape), record.answer.device
+        print(f"live on {first}: {len(cache)} records, answer {shape} on {where}")
+        fig.update(records=len(cache), answer_shape=shape)
+        print(f"  steering metadata: {message.metadata.get('steering')}")
+        steered = debate(path, new_tokens=8, name="steered").turns(2)
+        held = [p.set(steering=spec) if p.name == "a" else p for p in steered.participants]
+        steered = Conversation(participants=held, shared_context="Debate: tabs vs spaces.").turns(2)
+        report = steered.analyzer(activations).rollout(n=4, devices=devices, batched=False)
+        for job_id, res in sorted(report.results.items()):
+            seen = res.analysis if res.error is None else res.error.message[:200]
+            print(f"  {job_id} on {res.device}: {seen}")
+        fig["rollout_failed"] = sorted(report.failed)
+        print(f"memory: {gpu_memory()}")
+
+    with part("5. eviction: two models, one after the other, on one device") as fig:
+        report = interlens.run(
+            [
+                debate(path, new_tokens=8, name="first").turns(2),
+                debate(llama, new_tokens=8, name="second").turns(2),
+            ],
+            devices=[first],
+            max_batch_size=1,
+        )
+        from interlens.engine._model_cache import cached_engines
+
+        gc.collect()
+        names = [os.path.basename(e.model.config._name_or_path) for e in cached_engines()]
+        print(f"failed {report.failed}; models still cached after the run: {names}")
+        fig.update(failed=sorted(report.failed), cached=names)
+        print(f"memory: {gpu_memory()}")
+
+    with part(f"6. KV reuse and shared-prefix prefill on {first}") as fig:
+        fig["engine_turns_equal"] = kv_reuse_check(path, first)
+        for reuse in (True, False):
+            conv = debate(path, new_tokens=32, name=f"reuse_{reuse}", kv_reuse=reuse, temperature=0.9)
+            conv = conv.turns(8)
+            t0 = time.perf_counter()
+            report = conv.rollout(n=args.rollouts, devices=[first], seed=1)
+            metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
+            prompt_tokens = max(1, sum(m["prompt_tokens"] for m in metas))
+            share = sum(m["kv_reused_tokens"] for m in metas) / prompt_tokens
+            tokens = sum(r.tokens_generated for r in report.results.values())
+            fig[f"reuse_{reuse}"] = {"reused_share": round(share, 3), "failed": len(report.failed)}
+            print(
+                f"  kv_reuse={reuse}: 8-turn debate x {args.rollouts}: {time.perf_counter() - t0:.2f} s, "
+                f"{tokens} tokens, reused {100 * share:.0f} % of prompt tokens, failed {report.failed}"
+            )
+        print(f"memory: {gpu_memory()}")
+
+    with part(f"7. deterministic co-stepping on {first}") as fig:
+        fig["engine"] = deterministic_check(path, first)
+        rates = {}
+        for batched in (True, False):
+            conv = debate(path, new_tokens=32, name=f"batched_{batched}", temperature=0.9, seed=1)
+            t0 = time.perf_counter()
+            report = conv.rollout(n=args.rollouts, devices=[first], seed=1, batched=batched)
+            tokens = sum(r.tokens_generated for r in report.results.values())
+            rates[batched] = tokens / (time.perf_counter() - t0)
+            sizes = sorted(
+                {m.metadata["batch_size"] for r in report.results.values() for m in r.transcript[1:]}
+            )
+            rate, failed = rates[batched], report.failed
+            print(f"  batched={batched}: {rate:.0f} tok/s, batch sizes {sizes}, failed {failed}")
+        ratio = rates[False] / rates[True]
+        print(f"  deterministic / batched = {ratio:.2f}x (one run each, each loads the model)")
+        fig["deterministic_over_batched"] = round(ratio, 3)
+        print(f"memory: {gpu_memory()}")
+    total = time.perf_counter() - started
+    failed = [title for title, figures in FIGURES.items() if not figures["ok"]]
+    print(f"\ntotal {total:.1f} s; parts failed: {failed or 'none'}")
+    if args.out:
+        out = Path(args.out) / "gpu_check.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({"total_seconds": round(total, 1), "parts": FIGURES}, indent=2, default=str)
+        )
+        print(f"figures: {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""The one-shot GPU script, rehearsed on the CPU: every part runs and answers (issue 26).
+
+A GPU machine is lent for one short run, so ``benchmarks/gpu_check.py`` must work the first time: this runs
+it here as that machine will (a fresh process, ``python -u``, figures to ``--out``), at the tiny model size,
+and reads what it wrote. Parts that need a GPU say they were skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+
+
+def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-u", str(SCRIPT), "--rollouts", "2", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "gpu_check.json").read_text())
+    parts: dict[str, dict[str, Any]] = figures["parts"]
+    assert {title: p["ok"] for title, p in parts.items() if not p["ok"]} == {}, done.stdout[-3000:]
+    by_number = {title.split(" ")[0]: p for title, p in parts.items()}
+    assert set(by_number) == {"versions", "0.", "0b.", "1.", "2.", "3.", "4.", "5.", "6.", "7."}
+    assert by_number["versions"]["torch"] and by_number["versions"]["transformers"]
+    correct = by_number["0."]
+    assert correct["batch_equal"] == [True] * 4 and correct["alone_equal"] is True
+    assert min(correct["shared_prefix_tokens"]) > 0  # the two prompts with a long common prefix shared it
+    # one read a step (the chosen tokens), and the uniforms' block every 16 steps
+    assert by_number["0b."] == {
+        "batched": 1.0625,
+        "deterministic": 1.0625,
+        "ok": True,
+        "seconds": by_number["0b."]["seconds"],
+    }
+    assert by_number["2."]["skipped"] == "no GPU"
+    assert by_number["3."]["failed"] == [f"nan/row_{i:05d}" for i in range(4)]  # the good lineup succeeded
+    assert by_number["5."]["failed"] == [] and len(by_number["5."]["cached"]) <= 1  # the first model evicted
+    assert by_number["6."]["engine_turns_equal"] == [True, True]
+
+
+def test_a_part_that_fails_is_recorded_and_the_next_still_runs() -> None:
+    """One failure never loses the rest: a part that raises prints its traceback, records its error and
+    lets the script go on (run in a process of its own: importing the script registers a worker hook)."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import gpu_check
+with gpu_check.part("broken") as fig:
+    fig["before"] = 1
+    raise ValueError("a kernel failed")
+with gpu_check.part("next") as fig:
+    fig["ran"] = True
+print(json.dumps(gpu_check.FIGURES))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert figures["broken"]["ok"] is False and figures["broken"]["before"] == 1
+    assert figures["broken"]["error"] == "ValueError: a kernel failed"
+    assert "Traceback" in done.stderr and "a kernel failed" in done.stderr
+    assert figures["next"]["ok"] is True and figures["next"]["ran"] is True
