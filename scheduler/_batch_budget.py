@@ -19,7 +19,12 @@ is kept per engine and learns from what happened:
   half-way to the ceiling, and stops growing when it is within 1/16 of it: it converges on what fits in a
   few steps and never retries a size that failed, so later rounds stop re-hitting the error. A limit
   without a ceiling (a first estimate, e.g. from free device memory: the engine's optional
-  ``token_budget()``) grows by a quarter instead, until an error sets a ceiling.
+  ``token_budget()``) grows by a quarter instead, until an error sets a ceiling;
+* a ceiling is not forever: memory taken by something else (a second worker on the same GPU, a neighbour's
+  process, a transient peak) can make a size fail once that fits for the rest of the run. After
+  ``probe_after`` full batches without an out-of-memory error, the ceilings are dropped and the limit grows by
+  quarters again (probing upward); an error while probing sets the ceiling again and doubles the quiet spell
+  before the next probe, so a ceiling that is real costs one failed batch per doubling spell.
 """
 
 from __future__ import annotations
@@ -32,11 +37,16 @@ __all__ = ["BatchBudget"]
 class BatchBudget:
     """The adaptive per-engine batch budget (see the module docstring). ``limit`` None: no limit."""
 
-    def __init__(self, *, grow_after: int = 4, limit: int | None = None) -> None:
-        if grow_after < 1:
-            raise ValueError(f"BatchBudget(grow_after={grow_after}): must be >= 1")
+    def __init__(self, *, grow_after: int = 4, limit: int | None = None, probe_after: int = 64) -> None:
+        if grow_after < 1 or probe_after < 1:
+            raise ValueError(
+                f"BatchBudget(grow_after={grow_after}, probe_after={probe_after}): both must be >= 1"
+            )
         self.grow_after = grow_after
+        self.probe_after = probe_after
         self.limit = limit
+        self._quiet = 0  # full batches since the last out-of-memory error
+        self._probing = False  # the ceilings were dropped after a quiet spell and no error has come since
         self._failed: list[int] = []  # sorted costs of multi-row batches that ran out of memory
         self._streak = 0
         self._fit = 0  # the largest cost that succeeded (below the ceiling)
@@ -60,6 +70,10 @@ class BatchBudget:
         if rows < 2 or cost <= self._fit:
             return
         self.ooms += 1
+        self._quiet = 0
+        if self._probing:  # the ceiling was real: wait twice as long before the next probe
+            self._probing = False
+            self.probe_after *= 2
         bisect.insort(self._failed, cost)
         shrunk = self._fit or max(1, cost // 2)
         self.limit = shrunk if self.limit is None else min(self.limit, shrunk)
@@ -77,6 +91,11 @@ class BatchBudget:
             self.limit = cost  # proven to fit, and below the ceiling (or it would have been cut above)
         if self.limit is not None and 2 * cost < self.limit:
             return  # a small batch says nothing about whether a bigger limit would fit
+        self._quiet += 1
+        if self._failed and self._quiet >= self.probe_after:
+            self._failed.clear()  # a quiet spell: the limit grows by quarters again (see the docstring)
+            self._probing = True
+            self._quiet = 0
         self._streak += 1
         if self._streak >= self.grow_after:
             self._streak = 0

@@ -205,3 +205,53 @@ def test_small_batches_do_not_grow_the_limit() -> None:
     assert budget.limit == 400
     budget.succeeded(200)
     assert budget.limit == 500
+
+
+def test_a_ceiling_is_probed_again_after_a_quiet_spell_and_waits_longer_when_it_was_real() -> None:
+    budget = BatchBudget(grow_after=1, probe_after=8)
+    budget.succeeded(500)
+    budget.failed(600, rows=6)  # say a neighbour held memory for a moment
+    assert (budget.ceiling, budget.limit) == (600, 500)
+    for _ in range(7):
+        budget.succeeded(budget.limit)
+    assert budget.ceiling == 600 and budget.limit is not None and budget.limit < 600  # not yet
+    budget.succeeded(budget.limit)  # the 8th full batch without an error: probe upward
+    assert budget.ceiling is None and budget.limit >= 600
+    budget.failed(budget.limit, rows=6)  # the ceiling was real after all
+    assert budget.ceiling is not None and budget.probe_after == 16
+    limit = budget.limit
+    for _ in range(15):
+        budget.succeeded(budget.limit)
+    assert budget.ceiling is not None  # the next probe waits twice as long
+    budget.succeeded(budget.limit)
+    assert budget.ceiling is None and limit is not None and budget.limit > limit
+
+
+async def test_a_batch_size_cut_by_a_neighbours_memory_grows_back_once_it_is_free() -> None:
+    """A transient out-of-memory (another process held the GPU for a while) must not keep the batches small
+    for the rest of the run: after a quiet spell the budget probes upward and the full size returns."""
+
+    class Neighboured(TightEngine):
+        def generate_batch(self, requests: Sequence[Any], **kwargs: Any) -> list[Any]:
+            if len(self.calls) >= 12:
+                self.capacity = 10**9  # the neighbour has gone
+            return super().generate_batch(requests, **kwargs)
+
+    engine = Neighboured(capacity=550)
+    spec = tight_spec(engine)
+
+    def request(ctx: JobContext, i: int) -> str:
+        return f"{ctx.job_id}:{i}:100"
+
+    jobs = [TurnsJob([spec], turns=40, request=request) for _ in range(16)]
+    with anyio.fail_after(60):
+        out = await run_jobs(
+            [lineup("a", jobs)],
+            RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=16),
+        )
+    assert len(out.done) == 16 and out.failed == []
+    assert engine.ooms() and all(turn <= 2 for turn, *_ in engine.ooms())
+    assert max(rows for turn, rows, _, ok in engine.calls if 2 <= turn <= 4) <= 5  # it had been cut
+    last_turns = [rows for turn, rows, _, _ in engine.calls if turn >= 36]
+    # whole rounds in one batch again (a batch that straddles two turns is the odd one out)
+    assert max(last_turns) == 16 and last_turns.count(16) >= len(last_turns) - 1, engine.calls[-20:]
