@@ -77,13 +77,16 @@ def where_am_i(conv: Conversation) -> dict[str, Any]:
     import torch
 
     device = interlens.worker_device() or ""
-    held = torch.cuda.memory_allocated(0) / 2**20 if device.startswith("cuda") else None
+    cuda = device.startswith("cuda")
     return {
         "pid": os.getpid(),
         "worker_device": device,
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "threads": torch.get_num_threads(),
-        "allocated_mib": held,
+        "allocated_mib": torch.cuda.memory_allocated(0) / 2**20 if cuda else None,
+        # two workers on one GPU: 0.5 each (the scheduler's share), and the allocator's configuration
+        "memory_fraction": torch.cuda.get_per_process_memory_fraction(0) if cuda else None,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
 
@@ -403,15 +406,16 @@ def main() -> None:
         print(f"{len(report.results)} jobs, failed {report.failed}, {tokens} tokens in {seconds:.1f} s")
         fig.update(jobs=len(report.results), failed=report.failed, tok_s=round(tokens / seconds, 1))
         seen = Counter(
-            (r.device, a["worker_device"], a["visible"], a["threads"], a["pid"])
+            (r.device, a["worker_device"], a["visible"], a["threads"], a["pid"], a["memory_fraction"])
             for r in report.results.values()
             if (a := r.analysis)
         )
-        for (device, inner, visible, threads, pid), count in sorted(seen.items()):
+        for (device, inner, visible, threads, pid, share), count in sorted(seen.items()):
             print(
                 f"  {count} jobs on {device!r}: pid {pid} sees {inner!r}, "
-                f"CUDA_VISIBLE_DEVICES={visible}, torch threads {threads}"
+                f"CUDA_VISIBLE_DEVICES={visible}, torch threads {threads}, memory fraction {share}"
             )
+        fig["workers"] = [list(key) for key in seen]
         print(f"memory: {gpu_memory()}")
 
     with part("2. an induced OOM") as fig:

@@ -8,6 +8,13 @@ group). Likewise several CPU workers would each start one torch thread per core 
 gets ``cores // cpu_workers`` threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` for the spawn, and
 ``torch.set_num_threads`` in the worker). A thread count the user set in ``OMP_NUM_THREADS`` is kept.
 
+Workers that share a GPU (``devices=["cuda:0", "cuda:0"]``) each get an equal share of its memory
+(:attr:`WorkerPlan.memory_fraction`, applied with ``torch.cuda.set_per_process_memory_fraction`` before the
+init hooks): otherwise each reads the whole device's free memory as its own budget and an out-of-memory
+caused by the other is learnt as its own ceiling. CUDA workers also start with the caching allocator's
+``expandable_segments`` (static KV caches of changing sizes fragment fixed segments), unless the user set the
+allocator's configuration.
+
 A device GROUP is one worker over several GPUs (one model split across them with ``device_map="auto"``):
 written ``["cuda:0", "cuda:1"]`` in ``devices`` and named ``"cuda:0,cuda:1"`` everywhere else (the ledger,
 ``ctx.device``, ``load_engine``). :func:`worker_device` tells code in a worker (an init hook) its device.
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from interlens.store import SecretGuard
 
@@ -31,6 +38,8 @@ __all__ = [
 ]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: The caching allocator's configuration (the second is torch's newer name): one set by the user is kept.
+_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _device: str | None = None
 
 
@@ -60,13 +69,15 @@ class WorkerPlan:
 
     ``device``: its name in the parent (placement, the ledger). ``inner``: the name the worker uses, after
     ``CUDA_VISIBLE_DEVICES`` renumbered its GPUs from 0. ``env``: variables set on top of the parent's.
-    ``threads``: torch threads in the worker (None: torch's default).
+    ``threads``: torch threads in the worker (None: torch's default). ``memory_fraction``: the share of each
+    of its GPUs' memory it may allocate, where workers share a GPU (None: the whole device).
     """
 
     device: str
     inner: str
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
+    memory_fraction: float | None = None
 
     def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The complete environment of the spawned process: ``base`` (the parent's) plus :attr:`env`, less its
@@ -96,7 +107,21 @@ def plan_workers(
     threads = None
     if cpu_workers and not any(environ.get(var) for var in _THREAD_VARS):
         threads = max(1, cores // cpu_workers)
-    return [_plan_one(d, threads=threads, environ=environ) for d in devices]
+    plans = [_plan_one(d, threads=threads, environ=environ) for d in devices]
+    sharing: dict[str, int] = {}  # physical GPU -> the workers that use it
+    for plan in plans:
+        for gpu in _physical(plan):
+            sharing[gpu] = sharing.get(gpu, 0) + 1
+    shared = []
+    for plan in plans:
+        most = max((sharing[gpu] for gpu in _physical(plan)), default=1)
+        shared.append(replace(plan, memory_fraction=1 / most) if most > 1 else plan)
+    return shared
+
+
+def _physical(plan: WorkerPlan) -> list[str]:
+    visible = plan.env.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else []
 
 
 def _plan_one(device: str, *, threads: int | None, environ: Mapping[str, str]) -> WorkerPlan:
@@ -116,4 +141,7 @@ def _plan_one(device: str, *, threads: int | None, environ: Mapping[str, str]) -
     else:
         physical = [str(i) for i in indices]
     inner = ",".join(f"cuda:{k}" for k in range(len(indices)))
-    return WorkerPlan(device, inner, {"CUDA_VISIBLE_DEVICES": ",".join(physical)})
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(physical)}
+    if not any(environ.get(var) for var in _ALLOC_VARS):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return WorkerPlan(device, inner, env)

@@ -125,6 +125,7 @@ class SubprocessWorker:
             max_batch_size=max_batch_size,
             max_batch_wait=max_batch_wait,
             threads=plan.threads,
+            memory_fraction=plan.memory_fraction,
         )
         self._call_gateway = call_gateway
         self._launch: Launch = spawn_process if launch is None else launch

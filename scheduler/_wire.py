@@ -100,6 +100,7 @@ class Init:
     max_batch_size: int
     max_batch_wait: float
     threads: int | None = None  # torch threads (the CPU workers' share of the cores), None: torch's default
+    memory_fraction: float | None = None  # of each visible GPU, where workers share it (None: all of it)
 
 
 @dataclass(frozen=True, slots=True)

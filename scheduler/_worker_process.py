@@ -133,9 +133,21 @@ def _prepare(init: Init) -> None:
         _bootstrapping = False
     if init.threads is not None and "torch" in sys.modules:  # else OMP_NUM_THREADS, set for the spawn, holds
         sys.modules["torch"].set_num_threads(init.threads)
+    if init.memory_fraction is not None:
+        _share_gpus(init.memory_fraction)
     hooks = pickle.loads(init.hooks) if init.hooks else ()
     for hook in hooks:
         hook()
+
+
+def _share_gpus(fraction: float) -> None:
+    """Cap this worker's allocator at its share of each visible GPU (workers share the GPU), before the init
+    hooks and the model allocate anything."""
+    import torch
+
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 class _Server:

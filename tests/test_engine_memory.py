@@ -271,3 +271,22 @@ def test_finished_rows_are_dropped_in_bunches_and_change_no_token(qwen2_model: t
     # are 1/8 of it; then a row ends per step and the batch shrinks every second step down to 8 rows,
     # every step below (one row is 1/8 of 8)
     assert steps == [16, 14, 14, 12, 12, 10, 10, 8, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_a_worker_budgets_from_its_own_share_of_a_shared_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers on one 80 GB GPU, each capped at half by the scheduler: the driver's free memory is the
+    whole device's, so a worker's usable memory is what is left of ITS share (the CUDA runtime faked at its
+    calls: no GPU here)."""
+    from interlens.engine._device_memory import usable_cuda_bytes
+
+    gb = 2**30
+    state = {"free": 40 * gb, "reserved": 35 * gb, "allocated": 30 * gb, "share": 0.5}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (state["free"], 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: state["share"])
+    assert usable_cuda_bytes("cuda:0") == 10 * gb  # 40 GB of share less 30 allocated, not 40 free + 5 cached
+    state["share"] = 1.0  # alone on the GPU: the device's free memory and this process's cached blocks
+    assert usable_cuda_bytes(0) == 45 * gb
+    state.update(allocated=45 * gb, share=0.5)  # past its share (allocated before the cap): nothing left
+    assert usable_cuda_bytes(0) == 0

@@ -37,6 +37,7 @@ from .._core import ConfigurationError, GenerationError
 from ..interp import text_config
 from ._batch_invariance import batch_invariant as _self_test
 from ._decode import ModelRunner, raise_if_cancelled
+from ._device_memory import usable_cuda_bytes
 from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
 from ._interp_rows import HookedRow
 from ._kept_kv import KeptKV
@@ -311,11 +312,9 @@ class LocalEngine:
 
         if not self.device.startswith("cuda") or not torch.cuda.is_available():
             return None
-        with torch.cuda.device(self.device):
-            free, _ = torch.cuda.mem_get_info()
-            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        usable = usable_cuda_bytes(self.device)  # this worker's share where workers share the GPU
         dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
-        return token_budget_estimate(self.model.config, free_bytes=free + cached, dtype_bytes=dtype_bytes)
+        return token_budget_estimate(self.model.config, free_bytes=usable, dtype_bytes=dtype_bytes)
 
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""

@@ -21,6 +21,8 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._device_memory import usable_cuda_bytes
+
 __all__ = ["BUDGET_SHARE", "Kept", "KeptKV", "default_kv_budget"]
 
 #: The share of the device's free memory kept caches may hold by default.
@@ -125,9 +127,7 @@ def default_kv_budget(device: str) -> int:
         import torch
 
         if torch.cuda.is_available():
-            with torch.cuda.device(device):
-                free, _ = torch.cuda.mem_get_info()
-            return int(free * BUDGET_SHARE)
+            return int(usable_cuda_bytes(device) * BUDGET_SHARE)
     try:
         import psutil
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 from .._core import ConfigurationError, DeviceError, ModelLoadError
+from ._device_memory import usable_cuda_bytes
 from ._generation import LocalEngine
 from ._load_options import (
     check_load_kwargs,
@@ -261,7 +262,7 @@ def load_kwargs(
     if dtype is not None:
         kwargs["dtype"] = dtype
     if "," in device:
-        free = free_memory or _free_cuda_memory
+        free = free_memory or usable_cuda_bytes
         indices = [int(m.partition(":")[2]) for m in device.split(",")]
         kwargs["device_map"] = "auto"
         kwargs["max_memory"] = {i: int(free(i) * _MEMORY_SHARE) for i in indices}
@@ -272,13 +273,6 @@ def load_kwargs(
 
 def _default_dtype(device: str) -> str | None:
     return "bfloat16" if device.startswith("cuda") else None
-
-
-def _free_cuda_memory(index: int) -> int:
-    import torch
-
-    free, _total = torch.cuda.mem_get_info(index)
-    return int(free)
 
 
 def _looks_like_path(name: str) -> bool:

@@ -16,19 +16,36 @@ from workers_testkit import EnvJob, children, lineup, one_slot_worker
 from interlens.scheduler import DeviceError, JobSpec, RunConfig, run_jobs, validate_devices
 from interlens.scheduler._placement import plan_workers
 
+EXPANDABLE = "expandable_segments:True"  # static caches of changing sizes fragment fixed segments
+
 
 def test_a_cuda_worker_sees_only_its_gpu_as_cuda_0() -> None:
     plans = plan_workers(["cuda:3", "cuda:0"], cores=16, environ={"PATH": "/bin"})
     assert [(p.device, p.inner) for p in plans] == [("cuda:3", "cuda:0"), ("cuda:0", "cuda:0")]
     env = plans[0].process_env({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
-    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3"}
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3", "PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
     assert plans[0].threads is None and "OMP_NUM_THREADS" not in env  # GPU workers keep torch's default
+    assert [p.memory_fraction for p in plans] == [None, None]  # a GPU each: all of it
+
+
+def test_workers_sharing_a_gpu_get_an_equal_share_of_its_memory() -> None:
+    plans = plan_workers(["cuda:0", "cuda:0", "cuda:1", "cuda:1,cuda:2", "cpu"], cores=4, environ={})
+    assert [p.memory_fraction for p in plans] == [0.5, 0.5, 0.5, 0.5, None]  # cuda:1 serves two workers
+    alone = plan_workers(["cuda:0", "cuda:1"], environ={"CUDA_VISIBLE_DEVICES": "3,3"})
+    assert [p.memory_fraction for p in alone] == [0.5, 0.5]  # the same physical GPU under two names
+
+
+def test_a_users_allocator_configuration_is_kept() -> None:
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        (plan,) = plan_workers(["cuda:0"], environ={var: "max_split_size_mb:128"})
+        assert plan.env == {"CUDA_VISIBLE_DEVICES": "0"}
+        assert plan.process_env({var: "max_split_size_mb:128"})[var] == "max_split_size_mb:128"
 
 
 def test_the_parents_visible_devices_are_honoured_and_a_group_is_renumbered_from_zero() -> None:
     plans = plan_workers(["cuda:1", "cuda:0,cuda:2"], cores=8, environ={"CUDA_VISIBLE_DEVICES": "4,5,GPU-7a"})
-    assert plans[0].env == {"CUDA_VISIBLE_DEVICES": "5"}  # cuda:1 of a parent seeing 4,5,... is GPU 5
-    assert plans[1].env == {"CUDA_VISIBLE_DEVICES": "4,GPU-7a"}
+    assert plans[0].env == {"CUDA_VISIBLE_DEVICES": "5", "PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}  # GPU 5
+    assert plans[1].env == {"CUDA_VISIBLE_DEVICES": "4,GPU-7a", "PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
     assert plans[1].inner == "cuda:0,cuda:1"
 
 

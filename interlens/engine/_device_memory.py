@@ -1,0 +1,25 @@
+"""How much memory of a CUDA device THIS process may still use: what every budget of the engine starts from.
+
+The driver's free memory (``mem_get_info``) is the whole device's: where workers share a GPU, each would read
+the other's headroom as its own, plan a batch or a kept cache the cap set by the scheduler then refuses
+(``set_per_process_memory_fraction``: each worker's share), and learn that out-of-memory as its own limit.
+So the figure is the smaller of the device's free memory and what is left of this process's share, counting
+the allocator's cached-but-unused blocks as usable (they are this process's already).
+"""
+
+from __future__ import annotations
+
+__all__ = ["usable_cuda_bytes"]
+
+
+def usable_cuda_bytes(device: str | int) -> int:
+    """Bytes this process may still allocate on CUDA ``device`` (a name like ``"cuda:1"`` or an index)."""
+    import torch
+
+    index = torch.device(device).index if isinstance(device, str) else device
+    index = torch.cuda.current_device() if index is None else index
+    free, total = torch.cuda.mem_get_info(index)
+    reserved = torch.cuda.memory_reserved(index)
+    allocated = torch.cuda.memory_allocated(index)
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _index: 1.0)(index)
+    return max(0, min(free + reserved - allocated, int(share * total) - allocated))
