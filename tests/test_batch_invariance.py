@@ -165,6 +165,52 @@ def test_batch_dependent_logits_fail_the_self_test_and_deterministic_rows_run_al
     assert [(r.batch_size, r.batch_invariant) for r in batched] == [(5, False)] * 5
 
 
+def _many(engine: LocalEngine, n: int) -> list[GenerationRequest]:
+    out = []
+    for i in range(n):
+        text = f"{_TEXTS[i % len(_TEXTS)]} (row {i})"
+        ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
+        out.append(GenerationRequest(ids, max_new_tokens=6, temperature=0.9, seed=70 + i))
+    return out
+
+
+def test_a_batch_larger_than_the_self_test_ran_is_probed_at_its_size_first(co_step_dtype: str) -> None:
+    """Kernels are picked by the batch's size (cuBLAS by size class): the self-test co-steps at most 12
+    rows, so 20 deterministic rows are probed at 20 before they co-step. Here the outside world's kernel
+    changes one logit once a step has more than 12 rows: the probe fails and the rows co-step in chunks of
+    12, each row still token-identical to running alone."""
+    engine = _engine(dtype=getattr(torch, co_step_dtype))
+
+    def size_class_kernel(_module: Any, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[0] > 12:
+            out = out.clone()
+            out[..., 7] += 5.0
+        return out
+
+    engine.model.lm_head.register_forward_hook(size_class_kernel)
+    requests = _many(engine, 20)
+    together = _ok(engine.generate_batch(requests, mode=DET))
+    assert engine.batch_invariant is True  # the base self-test (at most 12 rows) passed
+    assert [r.batch_size for r in together] == [12] * 12 + [8] * 8
+    alone = [_ok(engine.generate_batch([q], mode=DET))[0] for q in requests]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sum(t == 7 for r in together for t in r.token_ids) < 20  # the perturbed logit never reached a row
+
+
+def test_a_batch_larger_than_the_self_test_ran_co_steps_whole_where_its_probe_passes(
+    co_step_dtype: str,
+) -> None:
+    engine = _engine(dtype=getattr(torch, co_step_dtype))
+    requests = _many(engine, 20)
+    together = _ok(engine.generate_batch(requests, mode=DET))
+    assert [r.batch_size for r in together] == [20] * 20
+    assert [r.token_ids for r in together[::7]] == [
+        _ok(engine.generate_batch([q], mode=DET))[0].token_ids for q in requests[::7]
+    ]
+
+
 def test_batched_mode_does_not_run_the_self_test() -> None:
     engine = _engine()
     results = _ok(engine.generate_batch(_requests(engine)))

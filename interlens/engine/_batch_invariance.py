@@ -16,20 +16,25 @@ batch shape rounds to the same bf16 value almost always, and differs only now an
 debate). So every submodule's output is compared too, for every row of every step (forward hooks), with
 ``torch.equal``: many thousands of roundings, where such a kernel shows itself. A single differing bit says
 no, and the engine then runs deterministic rows alone. It is still a sample, not a proof.
+
+Kernels are also picked by the batch's size (cuBLAS by size class), and :func:`batch_invariant` co-steps at
+most :data:`PROBED_ROWS` rows. So a deterministic batch of more rows is probed at its own size first
+(:func:`invariant_at`: once per size, the engine remembers); where that fails, the engine co-steps the rows
+in chunks of the largest size that passed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._slot_rows import DECODE_CHUNK_ROWS, SLOT_BLOCK
+from ._slot_rows import DECODE_CHUNK_ROWS, ROW_BLOCK, SLOT_BLOCK
 
 if TYPE_CHECKING:
     import torch
 
     from ._slot_rows import SlotLayout
 
-__all__ = ["batch_invariant"]
+__all__ = ["PROBED_ROWS", "batch_invariant", "invariant_at"]
 
 #: Prompt lengths of the probe rows (one past a ``SLOT_BLOCK``) and the batch compositions checked against
 #: each row alone (indices into the probe rows: other partners, sizes on both sides of ``ROW_BLOCK``), the
@@ -37,6 +42,8 @@ __all__ = ["batch_invariant"]
 _LENGTHS = (3, 9, 5, 14, 2, 7, 21, 11, 70)
 _BATCHES = ((1, 4), (8, 2), (5, 3, 0), (7, 6, 2, 1, 0, 4), (0, 1, 2, 3, 4, 5, 6, 7, 8))
 _STEPS = 6  # decode steps after the prefill
+#: The most rows :func:`batch_invariant` co-steps (its largest batch, padded to ``ROW_BLOCK``).
+PROBED_ROWS = -(-max(len(b) for b in _BATCHES) // ROW_BLOCK) * ROW_BLOCK
 #: A batch mate asking for more tokens makes the batch's cache longer than a row's alone, by a block or more.
 _SLACK = SLOT_BLOCK + 3
 
@@ -48,11 +55,7 @@ def batch_invariant(layout: SlotLayout) -> bool:
     """True when every probe row's logits and submodule outputs, at the prefill and every decode step, are
     bitwise equal alone and in each probe batch on ``layout`` (see the module docstring). Call under
     inference mode."""
-    import torch
-
-    vocab = layout.runner.vocab_size
-    prompts = [[(7 * r + 3 * j + 11) % vocab for j in range(n)] for r, n in enumerate(_LENGTHS)]
-    feeds = [[(13 * r + 5 * s + 17) % vocab for s in range(_STEPS)] for r in range(len(_LENGTHS))]
+    prompts, feeds = _probe_rows(layout, len(_LENGTHS))
     alone: dict[int, _Trace] = {}  # each probe row alone, run when a batch first needs it: where the
     # kernels are not invariant, the first small batch usually says so (on SmolLM2-135M in float32 on an
     # Intel CPU whose GEMM picks its kernel by row count: 1.9 s to say no, instead of 9 s)
@@ -63,14 +66,41 @@ def batch_invariant(layout: SlotLayout) -> bool:
         for r, got in zip(members, together, strict=True):
             if r not in alone:
                 alone[r] = _run(layout, [prompts[r]], [feeds[r]], slack=0, drop_first_at=None)
-            want = alone[r][0][: len(got)]
-            for a_call, b_call in zip(want, got, strict=True):
-                if len(a_call) != len(b_call):
-                    return False
-                if not all(
-                    a.shape == b.shape and torch.equal(a, b) for a, b in zip(a_call, b_call, strict=True)
-                ):
-                    return False
+            if not _same(alone[r][0], got):
+                return False
+    return True
+
+
+def invariant_at(layout: SlotLayout, rows: int) -> bool:
+    """Whether a batch of ``rows`` probe rows is invariant too: the first, middle and last rows' traces in
+    it equal to each alone (a kernel picked by the batch's size changes every row; three are enough to
+    see it, and each costs a run alone). Call under inference mode."""
+    prompts, feeds = _probe_rows(layout, rows)
+    together = _run(layout, prompts, feeds, slack=_SLACK, drop_first_at=2)
+    for r in sorted({0, rows // 2, rows - 1}):
+        if not _same(_run(layout, [prompts[r]], [feeds[r]], slack=0, drop_first_at=None)[0], together[r]):
+            return False
+    return True
+
+
+def _probe_rows(layout: SlotLayout, count: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``count`` probe prompts (lengths cycling through ``_LENGTHS``) and each one's decode feeds."""
+    vocab = layout.runner.vocab_size
+    lengths = [_LENGTHS[r % len(_LENGTHS)] for r in range(count)]
+    prompts = [[(7 * r + 3 * j + 11) % vocab for j in range(n)] for r, n in enumerate(lengths)]
+    feeds = [[(13 * r + 5 * s + 17) % vocab for s in range(_STEPS)] for r in range(count)]
+    return prompts, feeds
+
+
+def _same(alone: list[list[torch.Tensor]], together: list[list[torch.Tensor]]) -> bool:
+    """A row's trace in a batch (possibly shorter: it left early) bitwise equal to its trace alone."""
+    import torch
+
+    for a_call, b_call in zip(alone[: len(together)], together, strict=True):
+        if len(a_call) != len(b_call):
+            return False
+        if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(a_call, b_call, strict=True)):
+            return False
     return True
 
 

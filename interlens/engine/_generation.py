@@ -35,6 +35,7 @@ from interlens.scheduler import ExecutionMode
 
 from .._core import ConfigurationError, GenerationError
 from ..interp import text_config
+from ._batch_invariance import PROBED_ROWS, invariant_at
 from ._batch_invariance import batch_invariant as _self_test
 from ._decode import ModelRunner, raise_if_cancelled
 from ._device_memory import usable_cuda_bytes
@@ -46,7 +47,7 @@ from ._load_options import require_transformers
 from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
-from ._slot_rows import SlotLayout
+from ._slot_rows import ROW_BLOCK, SlotLayout
 
 log = logging.getLogger("interlens")
 
@@ -105,6 +106,10 @@ class LocalEngine:
         #: ``interlens.engine._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
         self.placement: dict[str, Any] = {}
         self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
+        # Deterministic batch sizes (rows, padded) that co-step: up to ``_invariant_rows`` they were probed
+        # and passed; from ``_variant_rows`` on one failed, so larger batches co-step in chunks instead.
+        self._invariant_rows = PROBED_ROWS
+        self._variant_rows: int | None = None
 
     @property
     def model(self) -> Any:
@@ -178,6 +183,26 @@ class LocalEngine:
                     self._batch_invariant = False
         return self._batch_invariant
 
+    def _co_steps(self, rows: int) -> int:
+        """How many deterministic rows co-step in one batch: all ``rows`` where that size is known to be
+        invariant, after probing it once if it is larger than any probed (``invariant_at``: kernels are
+        picked by the batch's size); else the largest size that passed (call under the lock)."""
+        import torch
+
+        size = -(-rows // ROW_BLOCK) * ROW_BLOCK
+        if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
+            with torch.inference_mode():
+                if invariant_at(self._slots, size):
+                    self._invariant_rows = size
+                else:
+                    self._variant_rows = size
+                    log.info(
+                        "%r: %d deterministic rows are not batch-invariant; they co-step in chunks",
+                        self,
+                        size,
+                    )
+        return rows if size <= self._invariant_rows else self._invariant_rows
+
     def _passes_self_test(self) -> bool:
         """The self-test on the stock kernels, else with every linear layer in fixed-row chunks (slower, so
         only where the stock kernels pick their kernel by the batch's row count: ``_slot_rows``)."""
@@ -215,11 +240,12 @@ class LocalEngine:
         with or before it. Where the engine passed its batch-invariance self-test on the slot layout
         (:attr:`batch_invariant`: run on its first deterministic batch; False without running for a model
         whose layers the layout cannot drive), every deterministic row, alone or not, runs on that layout
-        (``_slot_rows``) and the rows co-step in one batch; otherwise each row runs alone through the plain
-        batch path. A row with ``capture`` or ``steering`` runs alone and from scratch in every mode, with
-        its hooks installed only during its own forward passes (``_interp_rows``). When ``cancelled`` is
-        set, generation stops within one decode step and :class:`interlens.scheduler.BatchCancelled` is
-        raised.
+        (``_slot_rows``) and the rows co-step in one batch (a batch larger than the self-test ran is probed at
+        its size first, and co-steps in chunks of the largest size that passed where it fails); otherwise
+        each row runs alone through the plain batch path. A row with ``capture`` or ``steering`` runs alone
+        and from scratch in every mode, with its hooks installed only during its own forward passes
+        (``_interp_rows``). When ``cancelled`` is set, generation stops within one decode step and
+        :class:`interlens.scheduler.BatchCancelled` is raised.
         """
         import torch
 
@@ -259,7 +285,8 @@ class LocalEngine:
             # A seeded row's tokens must not depend on its company (and never on a kept cache): co-step on
             # the slot layout where the self-test found it batch-invariant, else each row alone from scratch.
             if self._invariant():
-                routes.append((self._slots.generate, rest))
+                step = self._co_steps(len(rest))
+                routes += [(self._slots.generate, rest[i : i + step]) for i in range(0, len(rest), step)]
             else:
                 routes += [(self._plain.generate, [i]) for i in rest]
         elif rest:
