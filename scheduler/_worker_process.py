@@ -31,7 +31,7 @@ import anyio
 from ._errors import JobPickleError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._placement import set_worker_device
-from ._protocols import JobSpec
+from ._protocols import ExecutionMode, JobSpec
 from ._wire import (
     Blocked,
     Calls,
@@ -135,9 +135,23 @@ def _prepare(init: Init) -> None:
         sys.modules["torch"].set_num_threads(init.threads)
     if init.memory_fraction is not None:
         _share_gpus(init.memory_fraction)
+    if init.mode is ExecutionMode.DETERMINISTIC and init.device.startswith("cuda"):
+        _deterministic_cuda()
     hooks = pickle.loads(init.hooks) if init.hooks else ()
     for hook in hooks:
         hook()
+
+
+def _deterministic_cuda() -> None:
+    """A CUDA worker of a deterministic run: cuBLAS with a fixed workspace (its reductions in one order from
+    run to run; read when cuBLAS starts, so set before the first matrix product) and torch's deterministic
+    algorithms where an op has one. Ops without one warn instead of failing the run: a row's tokens are
+    still compared alone and together by the engine's self-test before rows co-step. A run in your own
+    process (one device) leaves your process's settings alone."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _share_gpus(fraction: float) -> None:

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from workers_testkit import EnvJob, children, lineup, one_slot_worker
 
-from interlens.scheduler import DeviceError, JobSpec, RunConfig, run_jobs, validate_devices
+from interlens.scheduler import DeviceError, ExecutionMode, JobSpec, RunConfig, run_jobs, validate_devices
 from interlens.scheduler._placement import plan_workers
 
 EXPANDABLE = "expandable_segments:True"  # static caches of changing sizes fragment fixed segments
@@ -104,6 +104,32 @@ async def test_a_worker_process_for_cuda_3_is_started_with_cuda_visible_devices_
     seen = outcome.analysis
     assert seen["visible"] == visible and seen["pid"] != os.getpid()
     assert seen["worker_device"] == seen["ctx_device"] == inner  # addressed from cuda:0 inside
+    assert children() == set()
+
+
+@pytest.mark.parametrize("mode", [ExecutionMode.DETERMINISTIC, ExecutionMode.BATCHED])
+async def test_a_cuda_worker_of_a_deterministic_run_sets_cublas_and_torch_to_deterministic(
+    mode: ExecutionMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuBLAS reads its workspace setting when it starts, so the worker sets it before any model loads;
+    a batched run's worker keeps the defaults. (The worker for "cuda:3" never touches a GPU: it starts
+    here.)"""
+    pytest.importorskip("torch")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    (plan,) = plan_workers(["cuda:3"], environ={})
+    spec = JobSpec("env/0", "env", seed=0, job=EnvJob(torch_threads=True))
+
+    async def record(index: int, turn: Any) -> None:
+        raise AssertionError("EnvJob records no turn")
+
+    with anyio.fail_after(60):
+        async with one_slot_worker(plan, mode) as worker:
+            await worker.started()
+            outcome = await worker.run_attempt(spec, attempt=1, committed_turns=[], record_turn=record)
+    assert outcome.ok, outcome.error
+    deterministic = mode is ExecutionMode.DETERMINISTIC
+    assert outcome.analysis["deterministic_algorithms"] is deterministic
+    assert outcome.analysis["cublas_workspace"] == (":4096:8" if deterministic else None)
     assert children() == set()
 
 

@@ -199,7 +199,7 @@ def lineup(name: str, jobs: Sequence[Any]) -> LineupSpec:
     return LineupSpec(name=name, fingerprint=f"fp-{name}", jobs=iter(specs), n_jobs=len(specs))
 
 
-def one_slot_worker(where: Any) -> Any:
+def one_slot_worker(where: Any, mode: ExecutionMode = ExecutionMode.BATCHED) -> Any:
     """A worker process of one job slot and batches of one (``where``: a device or a ``WorkerPlan``), for
     tests that drive a ``SubprocessWorker`` directly."""
     from interlens.scheduler._subprocess import SubprocessWorker
@@ -207,7 +207,7 @@ def one_slot_worker(where: Any) -> Any:
     return SubprocessWorker(
         where,
         capacity=1,
-        mode=ExecutionMode.BATCHED,
+        mode=mode,
         max_batch_size=1,
         max_batch_wait=0.05,
         hooks=b"",
@@ -271,6 +271,8 @@ class EnvJob:
             import torch
 
             seen["torch_threads"] = torch.get_num_threads()
+            seen["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
+            seen["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         return JobResult(conversation={}, analysis=seen)
 
     def is_transient(self, exc: BaseException) -> bool:
