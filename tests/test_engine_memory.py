@@ -290,3 +290,21 @@ def test_a_worker_budgets_from_its_own_share_of_a_shared_gpu(monkeypatch: pytest
     assert usable_cuda_bytes(0) == 45 * gb
     state.update(allocated=45 * gb, share=0.5)  # past its share (allocated before the cap): nothing left
     assert usable_cuda_bytes(0) == 0
+
+
+def test_a_model_split_over_a_group_budgets_its_kept_caches_over_every_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each GPU of a group holds its own layers' KV, so the kept caches' default bound counts every member's
+    usable memory, not the first GPU's alone (the CUDA runtime faked at its calls: no GPU here)."""
+    from interlens.engine._kept_kv import BUDGET_SHARE, default_kv_budget
+
+    gb = 2**30
+    free = {0: 10 * gb, 1: 30 * gb}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free[index], 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)
+    assert default_kv_budget("cuda:0") == int(10 * gb * BUDGET_SHARE)
+    assert default_kv_budget("cuda:0,cuda:1") == int(40 * gb * BUDGET_SHARE)

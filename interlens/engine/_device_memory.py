@@ -9,7 +9,9 @@ the allocator's cached-but-unused blocks as usable (they are this process's alre
 
 from __future__ import annotations
 
-__all__ = ["usable_cuda_bytes"]
+from typing import Any
+
+__all__ = ["model_cuda_devices", "usable_cuda_bytes"]
 
 
 def usable_cuda_bytes(device: str | int) -> int:
@@ -23,3 +25,11 @@ def usable_cuda_bytes(device: str | int) -> int:
     allocated = torch.cuda.memory_allocated(index)
     share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _index: 1.0)(index)
     return max(0, min(free + reserved - allocated, int(share * total) - allocated))
+
+
+def model_cuda_devices(model: Any) -> str:
+    """The CUDA devices holding ``model``'s weights, as one name (``"cuda:0"``; ``"cuda:0,cuda:1"`` for a
+    model split over a group, in index order); ``""`` when none is on CUDA. A group's budgets (its first
+    batch, its kept caches) count the memory of every member: each holds its own layers' KV."""
+    found = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    return ",".join(str(d) for d in sorted(found, key=lambda d: d.index or 0))

@@ -38,7 +38,7 @@ from ..interp import text_config
 from ._batch_invariance import PROBED_ROWS, invariant_at
 from ._batch_invariance import batch_invariant as _self_test
 from ._decode import ModelRunner, raise_if_cancelled
-from ._device_memory import usable_cuda_bytes
+from ._device_memory import model_cuda_devices, usable_cuda_bytes
 from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
 from ._interp_rows import HookedRow
 from ._kept_kv import KeptKV
@@ -96,7 +96,10 @@ class LocalEngine:
 
         require_transformers(transformers.__version__)
         self._runner = runner = self._runner_type(model, tokenizer, device=device)
-        self._kept = KeptKV(capacity=kv_reuse_capacity, budget=kv_reuse_budget, device=device)
+        #: Every CUDA device holding the weights ("cuda:0,cuda:1" for a model split over a group): what
+        #: the budgets count and the out-of-memory retry empties.
+        self._memory_devices = (model_cuda_devices(model) if device.startswith("cuda") else "") or device
+        self._kept = KeptKV(capacity=kv_reuse_capacity, budget=kv_reuse_budget, device=self._memory_devices)
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
@@ -339,7 +342,8 @@ class LocalEngine:
 
         if not self.device.startswith("cuda") or not torch.cuda.is_available():
             return None
-        usable = usable_cuda_bytes(self.device)  # this worker's share where workers share the GPU
+        # this worker's share where workers share the GPU, every member's where the model spans a group
+        usable = sum(usable_cuda_bytes(member) for member in self._memory_devices.split(","))
         dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
         return token_budget_estimate(self.model.config, free_bytes=usable, dtype_bytes=dtype_bytes)
 
@@ -367,8 +371,9 @@ class LocalEngine:
         self.clear_reuse()
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
-            with torch.cuda.device(self.device):
-                torch.cuda.empty_cache()
+            for member in self._memory_devices.split(","):  # every GPU of a group
+                with torch.cuda.device(member):
+                    torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ validation
 

@@ -186,8 +186,8 @@ class ReusedPrefixBatch:
             small: Any = StaticCache(config=runner.model.config, max_cache_len=fresh_width)
             fresh_logits = runner.forward(ids, fresh_mask, small)
             logits = kept_logits.new_empty((batch, kept_logits.shape[-1]))
-            logits[torch.tensor(kept, device=device)] = kept_logits
-            logits[torch.tensor(fresh, device=device)] = fresh_logits
+            logits[torch.tensor(kept, device=logits.device)] = kept_logits  # the LM head's device
+            logits[torch.tensor(fresh, device=logits.device)] = fresh_logits
             _lay_into(cache, [(kept, part, 0), (fresh, small, end - fresh_width)], batch, end)
             del part, small, kept_logits, fresh_logits
         else:
@@ -321,11 +321,12 @@ class _Collector:
                 if row.prompt_slots is not None
                 else list(range(gen_start - len(prompt), gen_start))
             ) + list(range(gen_start, gen_start + len(row.tokens) - 1))
-            where = torch.tensor(slots, dtype=torch.long, device=layers[0].keys.device)
-            kv = [
-                (layer.keys[j].index_select(1, where), layer.values[j].index_select(1, where))
-                for layer in layers
-            ]
+            where = torch.tensor(slots, dtype=torch.long)
+            on_device: dict[Any, torch.Tensor] = {}  # the slots on each layer's own device (a split model)
+            kv = []
+            for layer in layers:
+                here = on_device.setdefault(layer.keys.device, where.to(layer.keys.device))
+                kv.append((layer.keys[j].index_select(1, here), layer.values[j].index_select(1, here)))
             nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
             self._keep(key, Kept(prompt + row.tokens[:-1], kv, nbytes))
 

@@ -248,19 +248,23 @@ class PlainBatch:
             suffix_ids, suffix_mask = left_pad([q[p:] for q in prompts], width - p, runner.pad_id)
             part_mask = torch.tensor([[1] * p + m for m in suffix_mask], dtype=torch.long)
             part = runner.forward_part(suffix_ids, part_mask, small, p)
-            index = torch.tensor(rows, dtype=torch.long, device=device)
+            # the row index on each tensor's own device: a model split over GPUs keeps each layer's KV, and
+            # its logits, on the device of the layer that made them
+            index = torch.tensor(rows, dtype=torch.long)
+            on_device = {part.device: index.to(part.device)}
             if logits is None:
                 logits = part.new_empty((batch, part.shape[-1]))
-            logits[index] = part
-            mask[torch.tensor(rows), prompt_len - width :] = part_mask
+            logits[on_device[part.device]] = part
+            mask[index, prompt_len - width :] = part_mask
             for layer, src in zip(cache.layers, small.layers, strict=True):
                 if not layer.is_initialized:
                     layer.lazy_initialization(
                         src.keys.new_empty((batch, src.keys.shape[1], 1, src.keys.shape[3])),
                         src.values.new_empty((batch, src.values.shape[1], 1, src.values.shape[3])),
                     )
-                layer.keys[index, :, prompt_len - width : prompt_len] = src.keys
-                layer.values[index, :, prompt_len - width : prompt_len] = src.values
+                here = on_device.setdefault(src.keys.device, index.to(src.keys.device))
+                layer.keys[here, :, prompt_len - width : prompt_len] = src.keys
+                layer.values[here, :, prompt_len - width : prompt_len] = src.values
             # Copied: drop this part's cache before the next part's is allocated (one alive at a time).
             del small, part, src
         assert logits is not None
