@@ -11,6 +11,9 @@ versions. Python, CUDA and the packages the image has (a missing one is null), c
    two prompts share a long prefix, and a batch of one; every row must match.
 0b. Host syncs per decode step, batched and deterministic (CUDA: ``torch.cuda.set_sync_debug_mode``; CPU:
    the calls that would sync, counted as they pass torch's dispatch). 1 is the floor.
+0c. Decode: the engine's batched generation against HF ``generate`` (tok/s, ms a step) on random models of
+   Qwen2.5-0.5B and -3B shapes built on the GPU in bfloat16, batches of 1/16/64/256, 128-token prompts, 64
+   new tokens (``_gpu_parts.decode_bench``; the rehearsal: the tiny shape, batches 1 and 4).
 1. A 2-worker rollout: two GPUs (or two workers on one GPU, or two CPU workers without a GPU). Each job's
    analyzer reports its worker's device as the worker sees it (``interlens.worker_device()``, "cuda:0" in
    every CUDA worker), ``CUDA_VISIBLE_DEVICES`` and the torch memory it holds.
@@ -25,9 +28,13 @@ versions. Python, CUDA and the packages the image has (a missing one is null), c
    should be equal; a mismatch here says the layouts' masks or positions differ on this device's kernels);
    then an 8-turn debate rollout with ``kv_reuse`` on and off (the model's dtype), wall time and reuse share.
 7. Deterministic co-stepping on the first device (issue 14): the engine's batch-invariance self-test on the
-   slot layout in float32 and bfloat16 (its verdict and cost), a deterministic batch of 6 rows against each
-   row alone (token-identical only if the verdict is True), and a 4-turn deterministic rollout's throughput
-   against the batched one.
+   slot layout in float32 and bfloat16 (its verdict and cost), a deterministic batch of 64 rows against each
+   row alone (token-identical only if the verdict is True; 64 rows are probed at their size first), and a
+   4-turn deterministic rollout's throughput against the batched one.
+8. A real device-side assert (GPU only): the first job to reach its analyzer indexes out of range on its
+   worker's GPU; the worker must exit and its jobs be retried on a fresh one (no job fails).
+
+Without network on the GPU machine, the wheels the image lacks travel with the tree: ``gpu_wheels.sh``.
 
 The model is a real architecture built locally (``interlens.testing.tiny_model``: qwen2, random weights;
 ``--size bench`` is ~27M parameters). Without a GPU every part still runs on the CPU (the GPU-only parts say
@@ -46,12 +53,21 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from _gpu_parts import (
+    SHAPES,
+    decode_bench,
+    deterministic_check,
+    generate_check,
+    kv_reuse_check,
+    syncs_check,
+    versions,
+)
 
 import interlens
 from interlens import AutoModelParticipant, Conversation, SteeringSpec
@@ -88,6 +104,26 @@ def where_am_i(conv: Conversation) -> dict[str, Any]:
         "memory_fraction": torch.cuda.get_per_process_memory_fraction(0) if cuda else None,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+_FAULT_DIR_VAR = "INTERLENS_GPU_CHECK_FAULT_DIR"
+
+
+def fault_once(conv: Conversation) -> dict[str, Any]:
+    """Analyzer: the first job to get here (a flag file created exclusively) triggers a REAL device-side
+    assert on its worker's GPU (an out-of-range index on the device), which leaves the worker's CUDA context
+    unusable: the worker must exit and its jobs be retried on a fresh one, where this job then passes."""
+    import torch
+
+    try:
+        os.close(os.open(os.path.join(os.environ[_FAULT_DIR_VAR], "faulted"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return {"pid": os.getpid()}
+    device = interlens.worker_device() or "cuda:0"
+    x = torch.zeros(4, device=device)
+    x[torch.tensor([10], device=device)] = 1.0
+    torch.cuda.synchronize()
+    return {"pid": os.getpid(), "faulted": "no assert came"}
 
 
 def activations(conv: Conversation) -> dict[str, Any]:
@@ -141,216 +177,6 @@ def debate(path: str, *, new_tokens: int, name: str, **settings: Any) -> Convers
     return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(4).name(name)
 
 
-def kv_reuse_check(path: str, device: str) -> list[bool]:
-    """Engine level, float32: a shared-prefix batch, then each row's next turn on its kept cache; both turns
-    compared with the same engine code with reuse off."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from interlens.engine._generation import GenerationRequest, LocalEngine
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    reusing = LocalEngine(model, tokenizer, device=device)
-    full = LocalEngine(model, tokenizer, device=device, kv_reuse_capacity=0)
-    rules = "Rules: be brief, cite one fact, answer the other side's last point. " * 4
-    topics = ["Tabs.", "Spaces, always and everywhere.", "Neither: use a formatter.", "Both, by file type."]
-
-    def prompt(text: str) -> tuple[int, ...]:
-        chat = [{"role": "user", "content": text}]
-        return tuple(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-
-    def turn(prompts: list[tuple[int, ...]]) -> tuple[list[Any], bool]:
-        requests = [
-            GenerationRequest(prompt_ids=p, max_new_tokens=12, temperature=0.9, seed=7 + i, reuse_key=f"s{i}")
-            for i, p in enumerate(prompts)
-        ]
-        mine, theirs = reusing.generate_batch(requests), full.generate_batch(requests)
-        failed = [r for r in mine + theirs if isinstance(r, Exception)]
-        if failed:
-            raise failed[0]
-        return mine, [r.token_ids for r in mine] == [r.token_ids for r in theirs]
-
-    prompts = [prompt(rules + t) for t in topics]
-    first, same = turn(prompts)
-    print(f"  turn 1: shared_prefix_tokens {[r.shared_prefix_tokens for r in first]}; equal: {same}")
-    more = tuple(tokenizer(" And the other side says no.", add_special_tokens=False).input_ids)
-    second, again = turn([(*p, *r.token_ids, *more) for p, r in zip(prompts, first, strict=True)])
-    print(f"  turn 2: kv_reused_tokens {[r.kv_reused_tokens for r in second]}; equal: {again}")
-    return [same, again]
-
-
-def deterministic_check(path: str, device: str) -> dict[str, Any]:
-    """Engine level: the self-test's verdict on this device, then 6 deterministic rows together vs alone."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from interlens.engine._generation import GenerationRequest, LocalEngine
-    from interlens.scheduler import ExecutionMode
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    topics = ["Tabs.", "Spaces, always.", "Neither: a formatter.", "Both.", "Why argue?", "Tabs. " * 30]
-    figures: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        engine = LocalEngine(model, tokenizer, device=device)
-        t0 = time.perf_counter()
-        verdict = engine.batch_invariant
-        took = time.perf_counter() - t0
-        requests = [
-            GenerationRequest(
-                prompt_ids=tuple(
-                    tokenizer.apply_chat_template(
-                        [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
-                    )
-                ),
-                max_new_tokens=8 + 4 * i,
-                temperature=0.9,
-                seed=3 + i,
-            )
-            for i, t in enumerate(topics)
-        ]
-        det = ExecutionMode.DETERMINISTIC
-        together = engine.generate_batch(requests, mode=det)
-        alone = [engine.generate_batch([r], mode=det)[0] for r in requests]
-        same = [
-            getattr(a, "token_ids", a) == getattr(b, "token_ids", b)
-            for a, b in zip(together, alone, strict=True)
-        ]
-        sizes = [getattr(r, "batch_size", r) for r in together]
-        print(
-            f"  {str(dtype).removeprefix('torch.')}: batch_invariant={verdict} (self-test {took:.2f} s); "
-            f"batch sizes {sizes}; rows equal to alone: {sum(same)}/{len(same)}"
-        )
-        figures[str(dtype).removeprefix("torch.")] = {"batch_invariant": verdict, "equal_to_alone": same}
-        del engine, model
-    return figures
-
-
-def versions() -> dict[str, Any]:
-    """What the image has: checked first, so a missing package is the first line of the log, not a crash in
-    part 4."""
-    import importlib.metadata as metadata
-
-    import torch
-
-    found: dict[str, Any] = {"python": sys.version.split()[0], "cuda": torch.version.cuda}
-    for name in ("torch", "transformers", "accelerate", "anyio", "aiosqlite", "interlens"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    print("  " + ", ".join(f"{k} {v}" for k, v in found.items()))
-    return found
-
-
-def _chat(tokenizer: Any, text: str) -> tuple[int, ...]:
-    messages = [{"role": "user", "content": text}]
-    return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-
-
-def generate_check(path: str, device: str) -> dict[str, Any]:
-    """Part 0, float32 on ``device``: the engine's greedy tokens against HF ``generate`` of each prompt alone,
-    for one batch of mixed lengths whose first two prompts share a long prefix, and for a batch of one."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from interlens.engine._generation import GenerationRequest, LocalEngine
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = LocalEngine(model, tokenizer, device=device)
-    rules = "Rules: be brief, cite one fact, answer the other side's last point. " * 6
-    prompts = [_chat(tokenizer, t) for t in (rules + "Tabs.", rules + "Spaces.", "Why argue?", "No. " * 15)]
-    eos = set(engine._runner.eos_ids)
-
-    def reference(prompt: tuple[int, ...]) -> list[int]:
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
-        tokens = out[0, len(prompt) :].tolist()
-        ends = [i for i, t in enumerate(tokens) if t in eos]
-        return tokens[: ends[0] + 1] if ends else tokens
-
-    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=16, temperature=0) for p in prompts]
-    batch = engine.generate_batch(requests)
-    alone = engine.generate_batch(requests[2:3])[0]
-    expected = [reference(p) for p in prompts]
-    figures = {
-        "batch_equal": [getattr(r, "token_ids", r) == e for r, e in zip(batch, expected, strict=True)],
-        "alone_equal": getattr(alone, "token_ids", alone) == expected[2],
-        "shared_prefix_tokens": [getattr(r, "shared_prefix_tokens", None) for r in batch],
-    }
-    print(f"  {figures}")
-    return figures
-
-
-@contextmanager
-def host_syncs(device: str) -> Iterator[Counter[str]]:
-    """Counts the host's waits on the device inside: on CUDA the synchronising calls torch reports
-    (``set_sync_debug_mode``), on the CPU the calls that would be one there (host reads of tensor values,
-    tensors built from host data) as they pass torch's function dispatch."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    counts: Counter[str] = Counter()
-    if device.startswith("cuda"):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield counts
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts["sync"] = sum("synchroniz" in str(w.message) for w in seen)
-        return
-    reads = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
-
-    class Counted(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if getattr(func, "__name__", "") in reads or func is torch.tensor:
-                counts["sync"] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counted():
-        yield counts
-
-
-def syncs_check(path: str, device: str) -> dict[str, Any]:
-    """Host syncs per decode step (batched and deterministic, 6 rows of mixed lengths): the difference
-    between batches of 24 and 8 tokens over 16 steps. One is the floor (reading the chosen tokens)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from interlens.engine._generation import GenerationRequest, LocalEngine
-    from interlens.scheduler import ExecutionMode
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    figures: dict[str, Any] = {}
-    for mode in (ExecutionMode.BATCHED, ExecutionMode.DETERMINISTIC):
-        counts = []
-        for new in (8, 24):
-            engine = LocalEngine(model, tokenizer, device=device)
-            engine._runner.eos_ids = frozenset()  # every row runs to its cap
-            requests = [
-                GenerationRequest(
-                    prompt_ids=_chat(tokenizer, "tabs " * (1 + 3 * i)),
-                    max_new_tokens=new,
-                    temperature=0.9,
-                    seed=i,
-                )
-                for i in range(6)
-            ]
-            engine.generate_batch(requests, mode=mode)  # the first call runs one-off checks
-            with host_syncs(device) as counted:
-                engine.generate_batch(requests, mode=mode)
-            counts.append(counted["sync"])
-        figures[mode.value] = (counts[1] - counts[0]) / 16
-    print(f"  host syncs per decode step: {figures} (1 = reading the chosen tokens)")
-    return figures
-
-
 def nan_model(path: str, into: str) -> str:
     """A copy of the model whose final norm is NaN: every logit is NaN."""
     import torch
@@ -393,6 +219,12 @@ def main() -> None:
 
     with part(f"0b. host syncs per decode step on {first}") as fig:
         fig.update(syncs_check(path, first))
+
+    with part(f"0c. decode: the engine vs HF generate on {first}") as fig:
+        if gpus:
+            fig.update(decode_bench(path, first, SHAPES, [1, 16, 64, 256], new=64, prompt=128))
+        else:  # the rehearsal: the tiny model's own shape, small batches
+            fig.update(decode_bench(path, first, {"tiny": {}}, [1, 4], new=8, prompt=16))
 
     with part(f"1. a 2-worker rollout on {devices}") as fig:
         t0 = time.perf_counter()
@@ -539,6 +371,22 @@ def main() -> None:
         print(f"  deterministic / batched = {ratio:.2f}x (one run each, each loads the model)")
         fig["deterministic_over_batched"] = round(ratio, 3)
         print(f"memory: {gpu_memory()}")
+    with part("8. a device-side assert on a job's first attempt") as fig:
+        if gpus:
+            with tempfile.TemporaryDirectory() as flags:
+                os.environ[_FAULT_DIR_VAR] = flags
+                try:
+                    conv = debate(path, new_tokens=8, name="assert").turns(2).analyzer(fault_once)
+                    report = conv.rollout(n=8, devices=devices, max_attempts=3)
+                finally:
+                    os.environ.pop(_FAULT_DIR_VAR, None)
+            pids = sorted({r.analysis["pid"] for r in report.results.values() if r.analysis})
+            print(f"  failed {report.failed}; jobs ran in worker pids {pids} (a replaced worker adds one)")
+            fig.update(failed=report.failed, worker_pids=len(pids))
+        else:
+            print("skipped: no GPU (tests/scheduler/test_scheduler_fatal.py raises the assert's text on CPU)")
+            fig["skipped"] = "no GPU"
+
     total = time.perf_counter() - started
     failed = [title for title, figures in FIGURES.items() if not figures["ok"]]
     print(f"\ntotal {total:.1f} s; parts failed: {failed or 'none'}")

@@ -28,7 +28,7 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     parts: dict[str, dict[str, Any]] = figures["parts"]
     assert {title: p["ok"] for title, p in parts.items() if not p["ok"]} == {}, done.stdout[-3000:]
     by_number = {title.split(" ")[0]: p for title, p in parts.items()}
-    assert set(by_number) == {"versions", "0.", "0b.", "1.", "2.", "3.", "4.", "5.", "6.", "7."}
+    assert set(by_number) == {"versions", "0.", "0b.", "0c.", "1.", "2.", "3.", "4.", "5.", "6.", "7.", "8."}
     assert by_number["versions"]["torch"] and by_number["versions"]["transformers"]
     correct = by_number["0."]
     assert correct["batch_equal"] == [True] * 4 and correct["alone_equal"] is True
@@ -44,6 +44,11 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert by_number["3."]["failed"] == [f"nan/row_{i:05d}" for i in range(4)]  # the good lineup succeeded
     assert by_number["5."]["failed"] == [] and len(by_number["5."]["cached"]) <= 1  # the first model evicted
     assert by_number["6."]["engine_turns_equal"] == [True, True]
+    for dtype in ("float32", "bfloat16"):  # 64 rows, probed at their size, each equal to itself alone
+        assert by_number["7."]["engine"][dtype]["equal_to_alone"] == 64, by_number["7."]
+    decode = by_number["0c."]["tiny"]
+    assert decode["1"]["engine_tok_s"] > 0 and decode["4"]["generate_tok_s"] > 0
+    assert by_number["8."]["skipped"] == "no GPU"
 
 
 def test_a_part_that_fails_is_recorded_and_the_next_still_runs() -> None:
