@@ -178,7 +178,8 @@ def decode_bench(
             )
         config.eos_token_id = None
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        with torch.device(device):  # initialised on the device: a 3B model's random init on the host is slow
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
         engine = LocalEngine(model, _IdsOnly(), device=device)
