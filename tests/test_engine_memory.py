@@ -308,3 +308,42 @@ def test_a_model_split_over_a_group_budgets_its_kept_caches_over_every_member(
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)
     assert default_kv_budget("cuda:0") == int(10 * gb * BUDGET_SHARE)
     assert default_kv_budget("cuda:0,cuda:1") == int(40 * gb * BUDGET_SHARE)
+
+
+def test_decode_steps_attend_over_the_written_slots_not_the_whole_static_cache(
+    qwen2_model: tuple[Any, Any],
+) -> None:
+    """A batch's static cache is preallocated to prompt + max_new_tokens; rows that end early leave most of it
+    empty, and attention over it was most of a step (``_narrow_cache``). The attention the model calls
+    (transformers' SDPA, observed through its registry) sees keys up to the furthest written slot, rounded
+    up to 64, growing with the turn: never the whole preallocation."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, tokenizer = qwen2_model
+    seen: list[int] = []
+
+    def observed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if query.shape[2] == 1:  # a decode step (one query per row)
+            seen.append(key.shape[2])
+        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register("observed_sdpa", observed_sdpa)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("observed_sdpa")
+    try:
+        engine = LocalEngine(model, tokenizer, device="cpu")
+        engine._runner.eos_ids = frozenset()  # every row runs to its cap: the cache fills up
+        prompts = [_prompt(tokenizer, "tabs " * n) for n in (3, 9)]
+        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=150, temperature=0) for p in prompts]
+        results = engine.generate_batch(requests)
+    finally:
+        model.set_attn_implementation(before)
+    width = max(len(p) for p in prompts)
+    assert all(r.n_tokens == 150 for r in results)  # type: ignore[union-attr]
+    layers = model.config.num_hidden_layers
+    steps = seen[::layers]  # one entry per layer per step: every layer sees the same length
+    assert seen == [n for n in steps for _ in range(layers)]
+    assert len(steps) == 149 and steps == sorted(steps)  # grows with the turn
+    assert steps[0] == -(-(width + 1) // 64) * 64  # the written slots, rounded up to 64
+    assert steps[-1] == width + 150  # at most the whole cache, once the turn has filled it

@@ -139,6 +139,9 @@ class ModelRunner:
             position_ids = positions.unsqueeze(1)
             if attn is not None and not static:
                 attn = attn[:, :kv_len]
+            narrow = getattr(cache, "narrow", None)
+            if narrow is not None:  # a static cache: attend over the slots written so far (``_narrow_cache``)
+                narrow(kv_len)
         out = self.model(
             input_ids=tokens,
             attention_mask=attn,

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
 from ._kept_kv import Kept, KeptKV
+from ._narrow_cache import narrowed_layer_type
 from ._prefill import PlainBatch, plain_static
 
 if TYPE_CHECKING:
@@ -313,7 +314,7 @@ class _Collector:
             if key is None or row.failure is not None or not row.tokens:
                 continue
             layers = cache.layers
-            if not all(type(layer) in (StaticLayer, DynamicLayer) for layer in layers):
+            if not all(type(layer) in (StaticLayer, narrowed_layer_type(), DynamicLayer) for layer in layers):
                 return
             prompt = list(row.request.prompt_ids)
             slots = (

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
+from ._narrow_cache import narrowed_layer_type, narrowed_static_cache
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -196,12 +197,12 @@ class PlainBatch:
 
     def new_cache(self, max_len: int) -> tuple[Any, bool]:
         """A cache for one batch, and whether it is static (preallocated to ``max_len``)."""
-        from transformers import DynamicCache, StaticCache
+        from transformers import DynamicCache
 
         config = self.runner.model.config
         if self.batch_cache == "static":
             try:
-                return StaticCache(config=config, max_cache_len=max_len), True
+                return narrowed_static_cache(config, max_len), True
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 self.batch_cache = "dynamic"  # an architecture without static cache layers
         return DynamicCache(config=config), False
@@ -291,7 +292,7 @@ def plain_static(cache: Any) -> bool:
     """Whether every layer is a plain full-attention StaticLayer (whose storage layout we rely on)."""
     from transformers.cache_utils import StaticLayer
 
-    return all(type(layer) is StaticLayer for layer in cache.layers)
+    return all(type(layer) in (StaticLayer, narrowed_layer_type()) for layer in cache.layers)
 
 
 def prefix_groups(
