@@ -52,19 +52,23 @@ def tight_spec(engine: TightEngine) -> EchoSpec:
     return EchoSpec("m", make=lambda name, dev: engine)  # type: ignore[arg-type, return-value]
 
 
-async def test_batcher_settles_on_a_size_that_fits_and_stops_running_out_of_memory() -> None:
-    engine = TightEngine(capacity=550)  # five rows of 100 tokens fit, six do not
-    spec = tight_spec(engine)
+async def uniform_run(engine: TightEngine, *, jobs: int, turns: int, max_batch_size: int) -> Any:
+    """``jobs`` jobs of ``turns`` turns on ``engine``, every row costing 100 tokens; batches formed by
+    quiescence alone."""
 
     def request(ctx: JobContext, i: int) -> str:
         return f"{ctx.job_id}:{i}:100"
 
-    jobs = [TurnsJob([spec], turns=8, request=request) for _ in range(32)]
-    with anyio.fail_after(30):
-        out = await run_jobs(
-            [lineup("a", jobs)],
-            RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=32),
-        )
+    spec = tight_spec(engine)
+    lineups = [lineup("a", [TurnsJob([spec], turns=turns, request=request) for _ in range(jobs)])]
+    config = RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=max_batch_size)
+    with anyio.fail_after(60):
+        return await run_jobs(lineups, config)
+
+
+async def test_batcher_settles_on_a_size_that_fits_and_stops_running_out_of_memory() -> None:
+    engine = TightEngine(capacity=550)  # five rows of 100 tokens fit, six do not
+    out = await uniform_run(engine, jobs=32, turns=8, max_batch_size=32)
     assert len(out.done) == 32 and out.failed == []
     for job in ("a/0000", "a/0017", "a/0031"):
         texts = [t["text"] for t in out.outcome(job).conversation["turns"]]
@@ -238,17 +242,7 @@ async def test_a_batch_size_cut_by_a_neighbours_memory_grows_back_once_it_is_fre
             return super().generate_batch(requests, **kwargs)
 
     engine = Neighboured(capacity=550)
-    spec = tight_spec(engine)
-
-    def request(ctx: JobContext, i: int) -> str:
-        return f"{ctx.job_id}:{i}:100"
-
-    jobs = [TurnsJob([spec], turns=40, request=request) for _ in range(16)]
-    with anyio.fail_after(60):
-        out = await run_jobs(
-            [lineup("a", jobs)],
-            RunConfig(devices=["cpu"], out_dir=None, max_batch_wait=NO_TIMER, max_batch_size=16),
-        )
+    out = await uniform_run(engine, jobs=16, turns=40, max_batch_size=16)
     assert len(out.done) == 16 and out.failed == []
     assert engine.ooms() and all(turn <= 2 for turn, *_ in engine.ooms())
     assert max(rows for turn, rows, _, ok in engine.calls if 2 <= turn <= 4) <= 5  # it had been cut
