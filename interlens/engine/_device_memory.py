@@ -15,9 +15,12 @@ __all__ = ["model_cuda_devices", "usable_cuda_bytes"]
 
 
 def usable_cuda_bytes(device: str | int) -> int:
-    """Bytes this process may still allocate on CUDA ``device`` (a name like ``"cuda:1"`` or an index)."""
+    """Bytes this process may still allocate on CUDA ``device``: a name like ``"cuda:1"``, an index, or a
+    group (``"cuda:0,cuda:1"``: the sum over its members, each holding its own layers' KV)."""
     import torch
 
+    if isinstance(device, str) and "," in device:
+        return sum(usable_cuda_bytes(member) for member in device.split(","))
     index = torch.device(device).index if isinstance(device, str) else device
     index = torch.cuda.current_device() if index is None else index
     free, total = torch.cuda.mem_get_info(index)

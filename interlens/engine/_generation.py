@@ -343,7 +343,7 @@ class LocalEngine:
         if not self.device.startswith("cuda") or not torch.cuda.is_available():
             return None
         # this worker's share where workers share the GPU, every member's where the model spans a group
-        usable = sum(usable_cuda_bytes(member) for member in self._memory_devices.split(","))
+        usable = usable_cuda_bytes(self._memory_devices)
         dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
         return token_budget_estimate(self.model.config, free_bytes=usable, dtype_bytes=dtype_bytes)
 

@@ -126,8 +126,8 @@ def default_kv_budget(device: str) -> int:
     if device.startswith("cuda"):
         import torch
 
-        if torch.cuda.is_available():  # a group ("cuda:0,cuda:1"): every member holds its layers' KV
-            return int(sum(usable_cuda_bytes(member) for member in device.split(",")) * BUDGET_SHARE)
+        if torch.cuda.is_available():  # a group ("cuda:0,cuda:1") counts every member
+            return int(usable_cuda_bytes(device) * BUDGET_SHARE)
     try:
         import psutil
 
