@@ -176,12 +176,12 @@ class Sampler:
     def select(self, keep: list[int]) -> Sampler:
         """The sampler for a batch reduced to rows ``keep``: each row's stream carries on where it was, the
         draws it already made ahead included."""
+        import torch
+
         reduced = Sampler([self.requests[j] for j in keep], self.device, [self.streams[j] for j in keep])
         if self._block is not None and reduced._seeded:
             column = {j: c for c, j in enumerate(self._seeded_rows())}
             columns = [column[j] for j in keep if j in column]
-            import torch
-
             index = torch.tensor(columns, dtype=torch.long, device=self._block.device)
             reduced._block = self._block[self._cursor :].index_select(1, index)
             reduced._block_steps = self._block_steps
