@@ -30,11 +30,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +39,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from _common import add_model_option, cpu_summary, fast_dtype, model_path, spread
@@ -79,39 +75,14 @@ def fake_server(latency: float) -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
-def transformers_serve(path: str, dtype: str) -> Iterator[dict[str, Any]]:
-    """``transformers serve`` of the model at ``path`` in ``dtype`` on a free loopback port (continuous
-    batching, CPU); yields the hosted speaker's settings once uvicorn says it is up."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    command = [str(Path(sys.executable).parent / "transformers"), "serve", path, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", dtype]
-    server = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
+def served(path: str, dtype: str) -> Iterator[dict[str, Any]]:
+    """``transformers serve`` of the model at ``path`` in ``dtype`` on loopback (``interlens.testing``);
+    yields the hosted speaker's settings once it is up."""
+    from interlens.testing import transformers_serve
 
-    def read() -> None:
-        assert server.stderr is not None
-        for line in server.stderr:
-            lines.put(line)
-        lines.put("")  # it exited
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        while "Application startup complete" not in (line := lines.get(timeout=300)):
-            if not line:
-                raise RuntimeError(f"transformers serve exited with {server.wait()}")
-        print(f"transformers serve: {shlex.join(command)}")
-        yield {"model_id": path, "base_url": f"http://127.0.0.1:{port}/v1"}
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with transformers_serve(path, dtype=dtype) as url:
+        print(f"transformers serve of {path} in {dtype} at {url}")
+        yield {"model_id": path, "base_url": url}
 
 
 def conversations(path: str, hosted_settings: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Any]:
@@ -192,7 +163,7 @@ def main() -> None:
     args.dtype = fast_dtype(args.dtype)
     print("command:", shlex.join(["python", *sys.argv]))
     path, label = model_path(parser, args.model)
-    serving = fake_server(args.latency) if args.server == "fake" else transformers_serve(path, args.dtype)
+    serving = fake_server(args.latency) if args.server == "fake" else served(path, args.dtype)
     with serving as hosted_settings:
         import torch
 

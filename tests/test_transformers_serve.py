@@ -8,12 +8,6 @@ server. Started once for the module and stopped after it.
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +16,9 @@ import pytest
 from interlens import APIParticipant, Conversation
 from interlens.scheduler.gateway import RetryPolicy
 from interlens.store import LedgerReader
-from interlens.testing import REAL_MODEL_INSTALL, real_model
+from interlens.testing import REAL_MODEL_INSTALL, real_model, transformers_serve
 
 PATH = real_model()
-_SERVE = Path(sys.executable).parent / "transformers"
 pytestmark = [
     pytest.mark.skipif(PATH is None, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}"),
     pytest.mark.usefixtures("hermetic_api_env"),
@@ -33,54 +26,13 @@ pytestmark = [
 FAST = RetryPolicy(initial_s=0.05, max_s=0.2, max_attempts=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def serve_url() -> Iterator[str]:
     """``transformers serve`` on a free loopback port; its URL once uvicorn says it is up."""
     pytest.importorskip("fastapi", reason="transformers serve needs transformers[serving] (the test extra)")
     assert PATH is not None
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
-    server = subprocess.Popen(
-        [
-            *(str(_SERVE), "serve", PATH, "--host", "127.0.0.1", "--port", str(port)),
-            *("--continuous-batching", "--device", "cpu", "--log-level", "info"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, "HF_HUB_OFFLINE": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-
-    def read() -> None:
-        assert server.stderr is not None
-        for line in server.stderr:
-            seen.append(line)
-            lines.put(line)
-        lines.put("")  # the server's stderr closed: it exited
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        while True:
-            line = lines.get(timeout=180)  # the model loads before uvicorn starts listening
-            if "Uvicorn running on" in line or "Application startup complete" in line:
-                break
-            assert line, f"transformers serve exited {server.wait()}:\n{''.join(seen)[-3000:]}"
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    with transformers_serve(PATH) as url:
+        yield url
 
 
 def _speaker(name: str, url: str, model_id: str | None = None, **settings: object) -> APIParticipant:
