@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
+    "REHEARSAL_SHAPE",
     "SHAPES",
     "decode_bench",
     "deterministic_check",
     "generate_check",
+    "invariance_diagnosis",
     "kv_reuse_check",
     "syncs_check",
     "versions",
@@ -117,6 +119,45 @@ def deterministic_check(path: str, device: str, rows: int = 64) -> dict[str, Any
     return figures
 
 
+def invariance_diagnosis(path: str, device: str) -> dict[str, Any]:
+    """Which kernel breaks batch invariance in float32 here: the engine's self-test (its verdict only) with
+    every linear layer in fixed-row chunks, under each attention kernel SDPA offers for float32 on this
+    device. A kernel under which the verdict turns True is the one the stock choice trips on."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens.engine._batch_invariance import batch_invariant
+    from interlens.engine._generation import LocalEngine
+
+    figures: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        matmul = torch.backends.cuda.matmul
+        figures["tf32"] = {"matmul": matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(path), device=device)
+    slots = engine._slots
+    backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if device.startswith("cuda"):
+        backends["cudnn"] = SDPBackend.CUDNN_ATTENTION
+    for chunked in (False, True):
+        slots.fixed_linear_rows = chunked
+        for name, backend in {"default": None, **backends}.items():
+            key = f"{'chunked' if chunked else 'stock'} linears, {name} attention"
+            try:
+                with torch.inference_mode(), sdpa_kernel([backend]) if backend else _nothing():
+                    figures[key] = batch_invariant(slots)
+            except Exception as exc:  # a kernel this device or dtype cannot run
+                figures[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            print(f"  float32, {key}: {figures[key]}", flush=True)
+    return figures
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
 #: The decode benchmark's model shapes (Qwen2.5-0.5B and -3B, random weights built from a config on the
 #: device: nothing to fetch), its vocabulary included: the LM head is a large share of a small model's step.
 SHAPES: dict[str, dict[str, int]] = {
@@ -125,13 +166,26 @@ SHAPES: dict[str, dict[str, int]] = {
         "intermediate_size": 4864,
         "num_hidden_layers": 24,
         "num_attention_heads": 14,
+        "vocab_size": 151936,
     },
     "3B": {
         "hidden_size": 2048,
         "intermediate_size": 11008,
         "num_hidden_layers": 36,
         "num_attention_heads": 16,
+        "vocab_size": 151936,
     },
+}
+#: The CPU rehearsal's shape: another layer count and width than the tiny model's own, so the rehearsal
+#: builds a config the way the GPU run does (a shape's layer count must reach every per-layer list).
+REHEARSAL_SHAPE = {
+    "3 layers": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "vocab_size": 512,
+    }
 }
 
 
@@ -156,6 +210,7 @@ def decode_bench(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.scheduler import ExecutionMode
 
     def timed(fn: Any) -> float:
         fn()  # warm-up: kernels, the allocator, the engine's first-call checks
@@ -170,12 +225,11 @@ def decode_bench(
     figures: dict[str, Any] = {}
     for name, shape in shapes.items():
         config = AutoConfig.from_pretrained(path)
-        if shape:
-            heads = shape["num_attention_heads"]
-            config.update({**shape, "num_key_value_heads": 2, "head_dim": shape["hidden_size"] // heads})
-            config.update(
-                {"vocab_size": 151936, "max_position_embeddings": 4096, "tie_word_embeddings": True}
-            )
+        heads, layers = shape["num_attention_heads"], shape["num_hidden_layers"]
+        config.update({**shape, "num_key_value_heads": 2, "head_dim": shape["hidden_size"] // heads})
+        config.update({"max_position_embeddings": 4096, "tie_word_embeddings": True})
+        if getattr(config, "layer_types", None) is not None:  # one entry per layer: the new count's
+            config.layer_types = ["full_attention"] * layers
         config.eos_token_id = None
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         with torch.device(device):  # initialised on the device: a 3B model's random init on the host is slow
@@ -212,6 +266,15 @@ def decode_bench(
                 "engine_over_generate": round(theirs / ours, 2),
                 "engine_ms_per_step": round(1000 * ours / new, 2),
             }
+            # deterministic rows co-step only where the self-test passed: else they run one at a time,
+            # which at 256 rows would take the rest of the machine's time
+            if engine.batch_invariant:
+                det = timed(
+                    lambda e=engine, r=requests: e.generate_batch(r, mode=ExecutionMode.DETERMINISTIC)
+                )
+                rows[str(batch)]["deterministic_over_batched"] = round(ours / det, 2)
+            else:
+                rows[str(batch)]["deterministic_over_batched"] = "not batch-invariant: rows run alone"
             print(f"  {name} ({params:.0f}M), batch {batch}: {rows[str(batch)]}", flush=True)
         figures[name] = {"params_m": round(params), **rows}
         del engine, model
@@ -341,5 +404,7 @@ def syncs_check(path: str, device: str) -> dict[str, Any]:
                 engine.generate_batch(requests, mode=mode)
             counts.append(counted["sync"])
         figures[mode.value] = (counts[1] - counts[0]) / 16
+    # where the self-test fails, deterministic rows run one at a time: a read per row a step
+    figures["deterministic_rows_co_step"] = engine.batch_invariant
     print(f"  host syncs per decode step: {figures} (1 = reading the chosen tokens)")
     return figures

@@ -64,7 +64,18 @@ from ._worker import CallGateway, RecordTurn
 
 __all__ = ["Launch", "Link", "SubprocessWorker", "spawn_process"]
 
-_BOOT = "from interlens.scheduler._worker_process import main; main()"
+#: A worker's first lines: the directory the parent imported interlens from goes first on ``sys.path`` (with
+#: ``-c`` the interpreter puts the working directory there, and a source checkout in it, whose ``interlens/``
+#: lacks the packages an install maps into it, would shadow the installed package), then the worker module.
+#: ``spawn.prepare`` then gives the worker the parent's whole ``sys.path``.
+_BOOT = "; ".join(
+    [
+        "import sys",
+        "sys.path.insert(0, sys.argv[1])",
+        "from interlens.scheduler._worker_process import main",
+        "main()",
+    ]
+)
 _REAP_S = 5.0  # how long a worker that was told to go (or lost its pipe) gets before SIGKILL
 _SEND_FAILED = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
@@ -474,7 +485,7 @@ async def spawn_process(plan: WorkerPlan) -> _ProcessLink:
     try:
         fd = theirs.fileno()
         process = await anyio.open_process(
-            [sys.executable, "-c", _BOOT, str(fd)],
+            [sys.executable, "-c", _BOOT, _interlens_root(), str(fd)],
             stdin=subprocess.DEVNULL,
             stdout=None,  # inherited: the worker's prints go where the parent's go, never into the pipe
             stderr=None,
@@ -493,6 +504,12 @@ async def spawn_process(plan: WorkerPlan) -> _ProcessLink:
             await _reap(process, grace=0)
         raise
     return _ProcessLink(process, conn, plan.device)
+
+
+def _interlens_root() -> str:
+    """The ``sys.path`` entry this process imported the interlens package from."""
+    package = sys.modules[__name__.partition(".")[0]]
+    return os.path.dirname(os.path.dirname(os.path.abspath(package.__file__ or "")))
 
 
 def _preparation() -> dict[str, Any]:

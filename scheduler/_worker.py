@@ -192,7 +192,10 @@ class InProcessWorker:
         except Exception as exc:  # the job's own failure; cancellation (a BaseException) propagates
             self._check_fatal(exc)
             return AttemptOutcome(error=ErrorInfo.from_exception(exc), transient=_is_transient(job, exc))
-        error = None if result.analysis_error is None else ErrorInfo.from_exception(result.analysis_error)
+        error = None
+        if result.analysis_error is not None:  # an analyzer's CUDA error poisons the process as much
+            self._check_fatal(result.analysis_error)
+            error = ErrorInfo.from_exception(result.analysis_error)
         return AttemptOutcome(
             conversation=result.conversation,
             analysis=result.analysis,

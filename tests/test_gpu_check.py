@@ -37,6 +37,7 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert by_number["0b."] == {
         "batched": 1.0625,
         "deterministic": 1.0625,
+        "deterministic_rows_co_step": True,
         "ok": True,
         "seconds": by_number["0b."]["seconds"],
     }
@@ -46,29 +47,53 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert by_number["6."]["engine_turns_equal"] == [True, True]
     for dtype in ("float32", "bfloat16"):  # 64 rows, probed at their size, each equal to itself alone
         assert by_number["7."]["engine"][dtype]["equal_to_alone"] == 64, by_number["7."]
-    decode = by_number["0c."]["tiny"]
+    decode = by_number["0c."]["3 layers"]
     assert decode["1"]["engine_tok_s"] > 0 and decode["4"]["generate_tok_s"] > 0
+    assert decode["4"]["deterministic_over_batched"] > 0  # the self-test passes on this CPU: rows co-step
+    # float32's diagnosis: the self-test's verdict under each attention kernel (here every one passes or
+    # cannot run on this device)
+    diagnosis = by_number["7."]["float32 diagnosis"]
+    assert diagnosis["stock linears, default attention"] is True
+    assert diagnosis["chunked linears, math attention"] is True
     assert by_number["8."]["skipped"] == "no GPU"
 
 
-def test_a_part_that_fails_is_recorded_and_the_next_still_runs() -> None:
+def test_a_part_that_fails_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
     """One failure never loses the rest: a part that raises prints its traceback, records its error and
-    lets the script go on (run in a process of its own: importing the script registers a worker hook)."""
+    lets the script go on (run in a process of its own: importing the script registers a worker hook). The
+    figures are on disk after each part: a run stopped at the machine's limit keeps what it finished."""
     code = f"""
 import json, sys
 sys.path.insert(0, {str(SCRIPT.parent)!r})
 import gpu_check
+gpu_check.RUN["out"] = {str(tmp_path)!r}
 with gpu_check.part("broken") as fig:
     fig["before"] = 1
     raise ValueError("a kernel failed")
 with gpu_check.part("next") as fig:
+    fig["on disk"] = json.load(open({str(tmp_path / "gpu_check.json")!r}))["parts"]["broken"]["error"]
     fig["ran"] = True
 print(json.dumps(gpu_check.FIGURES))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.splitlines()[-1])
+    assert figures["next"]["on disk"] == "ValueError: a kernel failed"
     assert figures["broken"]["ok"] is False and figures["broken"]["before"] == 1
     assert figures["broken"]["error"] == "ValueError: a kernel failed"
     assert "Traceback" in done.stderr and "a kernel failed" in done.stderr
     assert figures["next"]["ok"] is True and figures["next"]["ran"] is True
+
+
+def test_parts_runs_only_the_parts_named(tmp_path: Path) -> None:
+    """``--parts`` reruns the parts a first run found wrong, in what is left of the machine's time."""
+    done = subprocess.run(
+        [sys.executable, "-u", str(SCRIPT), "--parts", "0b", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert [title.split(" ")[0] for title in parts] == ["versions", "0b."]
+    assert parts[next(t for t in parts if t.startswith("0b."))]["batched"] == 1.0625

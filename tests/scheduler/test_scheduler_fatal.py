@@ -56,6 +56,22 @@ async def test_a_worker_hit_by_a_device_side_assert_exits_and_is_replaced(tmp_pa
     assert children() == set()
 
 
+async def test_an_analyzer_hit_by_a_device_side_assert_is_retried_on_a_fresh_worker() -> None:
+    """An analyzer's exception comes back beside a finished conversation, not raised out of the job: a CUDA
+    error in it poisons the worker all the same (seen on an H200: the job failed and the worker was kept)."""
+    jobs = [WorkerJob(turns=2) for _ in range(3)] + [WorkerJob(turns=2, analysis_error=ASSERT)]
+    with anyio.fail_after(120):
+        out = await run_jobs(
+            [lineup("a", jobs)], RunConfig(devices=TWO, out_dir=None, max_batch_size=4, max_attempts=3)
+        )
+    assert out.failed == [] and len(out.done) == 4
+    poisoned = out.outcome("a/0003")
+    assert poisoned.attempts == 2 and poisoned.error is None and poisoned.analysis is not None
+    pids = {o.analysis["pid"] for o in out.outcomes() if o.analysis}
+    assert poisoned.analysis["pid"] in pids and len(pids) >= 2
+    assert children() == set()
+
+
 @pytest.mark.parametrize("error", ["CUDA out of memory. Tried to allocate 2.00 GiB", CUBLAS_ALLOC])
 async def test_an_out_of_memory_fails_its_job_and_keeps_the_worker(tmp_path: Path, error: str) -> None:
     log = tmp_path / "loads.txt"

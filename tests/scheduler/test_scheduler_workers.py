@@ -196,3 +196,20 @@ async def test_bad_devices_and_hooks_are_refused_before_any_process_starts() -> 
             [lineup("d", [WorkerJob()])], RunConfig(devices=TWO, out_dir=None, worker_init=[lambda: lock])
         )
     assert children() == set()
+
+
+async def test_workers_import_the_parents_interlens_not_a_checkout_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run started in a source checkout's root with interlens installed from a wheel (as on a bare GPU
+    machine): a worker's ``python -c`` puts the working directory first on ``sys.path``, whose ``interlens/``
+    lacks the packages an install maps into it. Workers must import the package the parent imported."""
+    decoy = tmp_path / "interlens"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("the checkout in the working directory")\n')
+    monkeypatch.chdir(tmp_path)
+    with anyio.fail_after(60):
+        out = await run_jobs([lineup("d", [WorkerJob(), WorkerJob()])], RunConfig(devices=TWO, out_dir=None))
+    assert out.failed == [] and len(out.done) == 2
+    assert len({o.analysis["pid"] for o in out.outcomes() if o.analysis}) == 2  # both ran in workers
+    assert children() == set()

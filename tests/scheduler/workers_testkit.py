@@ -78,6 +78,8 @@ class WorkerJob:
     with ``(job_id, pid)`` (the test decides when it returns). ``kill_worker_at``: SIGKILL its own worker
     process at that turn, every attempt.
     ``noise``: print to stdout and write raw bytes to fds 1 and 2 first (none of it may reach the pipe).
+    ``analysis_error``: on attempt 1 only, the analysis fails with ``RuntimeError(analysis_error)`` (as a
+    rollout's analyzer's exception comes back: beside a finished conversation).
     """
 
     turns: int = 2
@@ -86,6 +88,7 @@ class WorkerJob:
     checkpoint_at: int | None = None
     kill_worker_at: int | None = None
     noise: bool = False
+    analysis_error: str | None = None
 
     async def run(self, ctx: JobContext) -> JobResult:
         if self.noise:
@@ -109,6 +112,11 @@ class WorkerJob:
             "init": list(INIT_MARKS),
             "evicted": list(EVICTED),
         }
+        if self.analysis_error is not None and ctx.attempt == 1:
+            failed = RuntimeError(self.analysis_error)
+            return JobResult(
+                conversation={"turns": turns}, tokens_generated=len(turns), analysis_error=failed
+            )
         return JobResult(conversation={"turns": turns}, tokens_generated=len(turns), analysis=analysis)
 
     def is_transient(self, exc: BaseException) -> bool:
