@@ -317,33 +317,74 @@ def test_decode_steps_attend_over_the_written_slots_not_the_whole_static_cache(
     empty, and attention over it was most of a step (``_narrow_cache``). The attention the model calls
     (transformers' SDPA, observed through its registry) sees keys up to the furthest written slot, rounded
     up to 64, growing with the turn: never the whole preallocation."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model, tokenizer = qwen2_model
-    seen: list[int] = []
+    prompts = [_prompt(tokenizer, "tabs " * n) for n in (3, 9)]  # of two lengths: one row is padded
+    steps, masked = _decode_step_attention(model, tokenizer, prompts)
+    width = max(len(p) for p in prompts)
+    assert len(steps) == 149 and steps == sorted(steps)  # grows with the turn
+    assert steps[0] == -(-(width + 1) // 64) * 64  # the written slots, rounded up to 64
+    assert steps[-1] == width + 150  # at most the whole cache, once the turn has filled it
+    assert all(masked)  # the padded row's pad slots and the unwritten tail are masked out
 
-    def observed_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+
+def test_an_unpadded_batch_attends_over_exactly_the_written_slots_with_no_mask(
+    qwen2_model: tuple[Any, Any],
+) -> None:
+    """Where no row is padded, every written slot is visible to every row: on CUDA the decode steps attend
+    over exactly those and pass attention no mask (so SDPA may take its flash kernel). The CPU keeps the
+    rounded, masked window (faster there): the CUDA choice is switched on here, on the same code path."""
+    model, tokenizer = qwen2_model
+    first = _prompt(tokenizer, "tabs " * 6)
+    k = len(first) - 8  # a token of the user's text: another prompt of the same length
+    prompts = [first, (*first[:k], (first[k] + 1) % model.config.vocab_size, *first[k + 1 :])]
+    steps, masked = _decode_step_attention(model, tokenizer, prompts, mask_free=True)
+    width = len(prompts[0])
+    assert steps == list(range(width + 1, width + 150))  # the KV length after each step, nothing more
+    assert not any(masked)
+    steps, masked = _decode_step_attention(model, tokenizer, prompts)  # the CPU's default
+    assert steps[0] == -(-(width + 1) // 64) * 64 and all(masked)
+
+
+def _decode_step_attention(
+    model: Any, tokenizer: Any, prompts: list[tuple[int, ...]], *, mask_free: bool = False
+) -> tuple[list[int], list[bool]]:
+    """Greedy decode of ``prompts`` to 150 tokens each (no end of turn): per decode step, the key length
+    the attention the model calls (transformers' SDPA, observed through its registry, its masks built as
+    SDPA's are) saw, and whether it was given a mask; every layer must see the same. The tokens must be
+    each prompt's tokens alone: the observer changes nothing."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen: list[tuple[int, bool]] = []
+
+    def observed_sdpa(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
+    ) -> Any:
         if query.shape[2] == 1:  # a decode step (one query per row)
-            seen.append(key.shape[2])
-        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+            seen.append((key.shape[2], mask is not None))
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     AttentionInterface.register("observed_sdpa", observed_sdpa)
+    AttentionMaskInterface.register("observed_sdpa", sdpa_mask)  # else transformers builds no mask for it
     before = model.config._attn_implementation
     model.set_attn_implementation("observed_sdpa")
     try:
         engine = LocalEngine(model, tokenizer, device="cpu")
         engine._runner.eos_ids = frozenset()  # every row runs to its cap: the cache fills up
-        prompts = [_prompt(tokenizer, "tabs " * n) for n in (3, 9)]
+        assert engine._runner.mask_free_steps is False  # the CPU's default
+        engine._runner.mask_free_steps = mask_free
         requests = [GenerationRequest(prompt_ids=p, max_new_tokens=150, temperature=0) for p in prompts]
         results = engine.generate_batch(requests)
+        steps_seen = len(seen)
+        alone = [engine.generate_batch([r])[0] for r in requests]
     finally:
         model.set_attn_implementation(before)
-    width = max(len(p) for p in prompts)
     assert all(r.n_tokens == 150 for r in results)  # type: ignore[union-attr]
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]  # type: ignore[union-attr]
+    del seen[steps_seen:]
     layers = model.config.num_hidden_layers
-    steps = seen[::layers]  # one entry per layer per step: every layer sees the same length
-    assert seen == [n for n in steps for _ in range(layers)]
-    assert len(steps) == 149 and steps == sorted(steps)  # grows with the turn
-    assert steps[0] == -(-(width + 1) // 64) * 64  # the written slots, rounded up to 64
-    assert steps[-1] == width + 150  # at most the whole cache, once the turn has filled it
+    steps = seen[::layers]  # one entry per layer per step: every layer sees the same
+    assert seen == [s for s in steps for _ in range(layers)]
+    return [n for n, _ in steps], [m for _, m in steps]

@@ -8,6 +8,14 @@ decode step took 56 ms with a 384-slot cache, 80 ms with 1,024 and 116 ms with 2
 362 ms at 64). Here each step narrows every layer to the slots up to the furthest one written, rounded up to
 :data:`WINDOW_BLOCK`: the same keys and values, the same mask over them, without the tail that held nothing.
 
+On CUDA (``ModelRunner.mask_free_steps``), where no row is padded (every slot in the window holds a key every
+row may see), the window is exactly the written slots and attention gets no mask at all: with none, SDPA may
+take its fused kernels (the flash kernel takes no arbitrary mask, and is the only fused one for a
+grouped-query model), where a mask leaves it the memory-efficient or the plain math kernel. On the CPU the
+rounded, masked window was faster (``ModelRunner``). transformers builds a mask for every decode
+step of a cache it may compile (``is_compileable``), so a layer with an exact window says it is not:
+nothing here is compiled.
+
 The prefill still sees every slot (no window until :meth:`narrow` is first called), and code that writes or
 copies a layer's storage directly (a laid-out prefix, a kept stream's KV) sees the whole of it.
 """
@@ -51,6 +59,15 @@ def _classes() -> tuple[type, type]:
         """A static layer that hands attention only its first ``window`` slots (None: all of them)."""
 
         window: int | None = None
+        exact = False  # the window is exactly the written slots and no row is padded: no mask is needed
+
+        @property
+        def is_compileable(self) -> bool:  # type: ignore[override]
+            """transformers skips the mask of a one-token step only for a cache it will not compile, after
+            asking the padding mask whether it holds a zero (a host sync): so only an exact window says no
+            (the module docstring), and a padded batch's steps build their mask as before, without that
+            question."""
+            return not self.exact
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             keys, values = super().update(key_states, value_states, *args, **kwargs)
@@ -70,10 +87,12 @@ def _classes() -> tuple[type, type]:
             self.layers = list(self.narrowed)
             self.length = max_cache_len
 
-        def narrow(self, used: int) -> None:
-            """The next steps attend over slots ``[0, used)``, rounded up to ``WINDOW_BLOCK`` slots."""
-            window = min(-(-used // WINDOW_BLOCK) * WINDOW_BLOCK, self.length)
+        def narrow(self, used: int, *, exact: bool = False) -> None:
+            """The next steps attend over slots ``[0, used)``: exactly those where no row is padded (no
+            mask is needed then, and none is built), else rounded up to ``WINDOW_BLOCK`` slots (a padded
+            batch's mask covers the window)."""
+            window = min(used if exact else -(-used // WINDOW_BLOCK) * WINDOW_BLOCK, self.length)
             for layer in self.narrowed:
-                layer.window = window
+                layer.window, layer.exact = window, exact
 
     return NarrowedStaticCache, NarrowedLayer
