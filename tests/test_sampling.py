@@ -200,6 +200,6 @@ def test_rows_whose_logits_went_nan_or_infinite_are_reported_and_a_ruled_out_tok
     logits[2] = float("-inf")  # no token left to choose
     logits[3, :100] = float("-inf")  # tokens the model rules out: a usable row
     sampler = Sampler([_request(seed=i, temperature=t) for i, t in enumerate(temperatures)], "cpu")
-    tokens, finite = sampler.choose(logits.to(torch.bfloat16))
+    tokens, finite, _ = sampler.choose(logits.to(torch.bfloat16))
     assert finite.tolist() == [False, False, False, True]
     assert 100 <= int(tokens[3]) < 2_048

@@ -57,6 +57,8 @@ class Row:
     # Where the row's prompt KV lies in the batch cache when its layout has holes (a shared prefix, a kept
     # cache laid out); None: the ``len(prompt)`` slots right before the first generated token's.
     prompt_slots: list[int] | None = None
+    # per generated token, (model, sampling) log-probabilities, when the request records them
+    logprobs: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -188,14 +190,18 @@ class ModelRunner:
         eos = self.eos_ids
         gen_start = kv_len
         active = list(rows)
-        sampler = Sampler([r.request.sampling for r in active], self.device)
+        record = any(r.request.record_logprobs for r in rows)
+        sampler = Sampler([r.request.sampling for r in active], self.device, record=record)
+        # the recorded log-probabilities stay on the device until the rows are done: one read at the end
+        recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]] = []
         dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
         while True:
             # the sampler's row maxima say which rows' logits went NaN / +inf, on the device, no sync of
             # their own and no extra pass over rows × vocab
-            chosen, finite = sampler.choose(logits)
-            chosen = torch.where(finite, chosen, -1)
-            for row, token in zip(active, chosen.tolist(), strict=True):
+            choice = sampler.choose(logits)
+            chosen = torch.where(choice.finite, choice.tokens, -1)
+            took: list[tuple[int, Row]] = []  # the rows that took this step's token, by their index in it
+            for k, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
                 if row.done:  # finished on an earlier step, still in the batch: its draw is ignored
                     continue
                 if token < 0:
@@ -203,6 +209,7 @@ class ModelRunner:
                     dead += 1
                     continue
                 row.tokens.append(token)
+                took.append((k, row))
                 if token in eos:
                     row.finish = "eos"
                 elif row.stop_window and self._hit_stop(row):
@@ -211,7 +218,10 @@ class ModelRunner:
                     row.finish = "length"
                 if row.finish is not None:
                     dead += 1
+            if choice.logprobs is not None and took:
+                recorded.append((took, choice.logprobs))
             if dead == len(active):
+                _hand_out(recorded)
                 if on_leave is not None:
                     on_leave(list(range(len(active))), active, cache, gen_start)
                 return
@@ -265,6 +275,7 @@ class ModelRunner:
             if cuts:
                 text = text[: min(cuts)]
         assert row.finish in FINISH_REASONS
+        recorded = row.request.record_logprobs
         return GenerationResult(
             token_ids=list(row.tokens),
             text=text,
@@ -275,7 +286,25 @@ class ModelRunner:
             batch_size=batch_size,
             shared_prefix_tokens=shared,
             kv_reused_tokens=reused,
+            model_logprobs=[m for m, _ in row.logprobs] if recorded else None,
+            sampling_logprobs=[s for _, s in row.logprobs] if recorded else None,
         )
+
+
+def _hand_out(recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]]) -> None:
+    """Give each row its tokens' log-probabilities, read from the device in one go: per step, the rows
+    that took a token there, by their index in that step's (rows, 2) tensor."""
+    import torch
+
+    if not recorded:
+        return
+    values = torch.cat([lps for _, lps in recorded]).tolist()
+    start = 0
+    for took, lps in recorded:
+        for k, row in took:
+            model, sampling = values[start + k]
+            row.logprobs.append((model, sampling))
+        start += lps.shape[0]
 
 
 def left_pad(

@@ -33,6 +33,8 @@ class GenerationRequest:
     reuse_key: Hashable | None  # KV reuse stream across turns (single-row requests); None = no reuse
     capture: CaptureSpec | None  # record activations of this row (it then runs alone, from scratch)
     steering: tuple[SteeringSpec, ...]  # steer this row (it then runs alone, from scratch)
+    # give each generated token's log-probabilities in the result (the tokens do not change)
+    record_logprobs: bool
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class GenerationRequest:
         sampling: SamplingSettings | None = None,
         capture: CaptureSpec | None = None,
         steering: Sequence[SteeringSpec] = (),
+        record_logprobs: bool = False,
     ) -> None:
         if sampling is None:  # a missing max_new_tokens fails check() below: it must be an int >= 1
             sampling = SamplingSettings(
@@ -62,6 +65,11 @@ class GenerationRequest:
         object.__setattr__(self, "reuse_key", reuse_key)
         object.__setattr__(self, "capture", _capture_arg(capture, "GenerationRequest"))
         object.__setattr__(self, "steering", steering_from(steering, where="GenerationRequest"))
+        if not isinstance(record_logprobs, bool):
+            raise ConfigurationTypeError(
+                f"GenerationRequest(record_logprobs={record_logprobs!r}): must be True or False"
+            )
+        object.__setattr__(self, "record_logprobs", record_logprobs)
         _check_ids(self.prompt_ids, "GenerationRequest", "prompt_ids", empty_ok=False)
         sampling.check("GenerationRequest")
         if self.reuse_key is not None:
@@ -120,6 +128,13 @@ class GenerationResult:
     # whether the row's tokens may depend on its batch mates: co-stepped on a plain or reused-prefix batch
     # (a deterministic row co-stepped on the batch-invariant slot layout does not); the turn's "batched"
     batch_dependent: bool = False
+    # per generated token (with ``record_logprobs``, else None), float32: its log-probability under the
+    # model's own distribution (the log-softmax of the logits: temperature 1, every token), as a
+    # teacher-forced ``LocalEngine.score`` of the same tokens computes it ...
+    model_logprobs: list[float] | None = None
+    # ... and under the distribution it was drawn from (temperature and nucleus applied; 0.0 for a greedy
+    # row, whose pick was certain): what a policy-gradient trainer calls the sampler's log-probabilities
+    sampling_logprobs: list[float] | None = None
 
     @property
     def shared_prefill(self) -> bool:

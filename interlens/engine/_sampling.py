@@ -19,14 +19,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._core import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sampler", "SamplingSettings", "eos_ids", "pad_id"]
+__all__ = ["Choice", "Sampler", "SamplingSettings", "eos_ids", "pad_id"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,12 +101,25 @@ _PER_TURN = frozenset({"seed"})
 _ALWAYS_WRITTEN = frozenset({"max_new_tokens", "temperature", "top_p", "stop"})
 
 
+class Choice(NamedTuple):
+    """One step's picks (:meth:`Sampler.choose`), all on the device."""
+
+    tokens: torch.Tensor  # (rows,) the chosen token ids
+    finite: torch.Tensor  # (rows,) False where the row's logits were unusable (NaN, +inf, all -inf)
+    #: (rows, 2) float32 when the sampler records: each chosen token's log-probability under the model's own
+    #: distribution (a log-softmax of the logits: temperature 1, every token) and under the distribution it
+    #: was drawn from (temperature and nucleus applied; 0.0 for a greedy row: its pick was certain)
+    logprobs: torch.Tensor | None
+
+
 class Sampler:
     """Picks the next token of every active row; built once per batch composition, not per step.
 
     Greedy rows (temperature <= 0) take the argmax. Sampling rows are scaled by their temperature, restricted
     to their nucleus when top_p < 1, and drawn by inverse CDF with one uniform each per step. It reads each
     row's :class:`SamplingSettings` record itself, so a new sampling setting reaches it with the record.
+    With ``record``, each step also gives the chosen tokens' log-probabilities (:class:`Choice`): one more
+    pass over rows x vocabulary (a log-sum-exp), only in the batches that ask.
     """
 
     def __init__(
@@ -114,11 +127,14 @@ class Sampler:
         requests: list[SamplingSettings],
         device: str,
         streams: list[random.Random | None] | None = None,
+        *,
+        record: bool = False,
     ) -> None:
         import torch
 
         self.requests = requests
         self.device = device
+        self.record = record
         if streams is None:  # seeded by the seed's text: an int seed would drop its sign (-5 == 5)
             streams = [
                 random.Random(str(r.seed)) if r.seed is not None and r.temperature > 0 else None
@@ -178,7 +194,12 @@ class Sampler:
         draws it already made ahead included."""
         import torch
 
-        reduced = Sampler([self.requests[j] for j in keep], self.device, [self.streams[j] for j in keep])
+        reduced = Sampler(
+            [self.requests[j] for j in keep],
+            self.device,
+            [self.streams[j] for j in keep],
+            record=self.record,
+        )
         if self._block is not None and reduced._seeded:
             column = {j: c for c, j in enumerate(self._seeded_rows())}
             columns = [column[j] for j in keep if j in column]
@@ -217,17 +238,18 @@ class Sampler:
         return u
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.choose(logits)[0]
+        return self.choose(logits).tokens
 
-    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, logits: torch.Tensor) -> Choice:
         """Each row's token, and whether the row's logits were usable: False where one is NaN or +inf, or
         every one is -inf (a -inf logit alone is a token the model rules out). The check is the row maximum
-        the sampling computes anyway, so it costs no pass of its own over rows × vocab."""
+        the sampling computes anyway, so it costs no pass of its own over rows × vocab. With ``record``,
+        the tokens' log-probabilities too (:class:`Choice`)."""
         import torch
 
         if self.all_greedy:
             top, chosen = logits.max(dim=-1)
-            return chosen, top.isfinite()
+            return Choice(chosen, top.isfinite(), self._logprobs(logits, chosen, None))
         scores = logits if self.all_sampling else logits.index_select(0, self.sampling_idx)
         # Unnormalised weights exp(x / T - max), in place on one float32 copy: inverse CDF needs no
         # normalising (the target is u × the row's total), and each pass over rows × vocab counts (at 64
@@ -236,6 +258,9 @@ class Sampler:
         top = weights.amax(dim=-1, keepdim=True)
         weights.sub_(top).exp_()
         u = self.uniforms()
+        # the mass each sampling row's draw was taken from, out of its weights' total: the nucleus's for a
+        # nucleus row, all of it for the others (recorded log-probabilities only)
+        kept: torch.Tensor | None = None
         if self.nucleus_idx is None:
             picked = _draw(weights, u)
         else:
@@ -246,14 +271,47 @@ class Sampler:
                 draws = u if rows is None else u.index_select(0, rows)
                 picked[slice(None) if rows is None else rows] = _draw(part, draws)
             nucleus = weights.index_select(0, self.nucleus_idx)
-            picked[self.nucleus_idx] = _nucleus_sample(
+            picked[self.nucleus_idx], mass = _nucleus_sample(
                 nucleus / nucleus.sum(dim=-1, keepdim=True), self.top_p, u.index_select(0, self.nucleus_idx)
             )
+            if self.record:
+                kept = torch.ones(weights.shape[0], dtype=torch.float32, device=weights.device)
+                kept[self.nucleus_idx] = mass
+        drawn = (weights, picked, kept) if self.record else None
         if self.all_sampling:
-            return picked, top.squeeze(1).isfinite()
+            return Choice(picked, top.squeeze(1).isfinite(), self._logprobs(logits, picked, drawn))
         best, chosen = logits.max(dim=-1)  # NaN propagates: a row with one is not finite here either
         chosen[self.sampling_idx] = picked
-        return chosen, best.isfinite()
+        return Choice(chosen, best.isfinite(), self._logprobs(logits, chosen, drawn))
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        chosen: torch.Tensor,
+        drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    ) -> torch.Tensor | None:
+        """(rows, 2): the chosen tokens' log-probabilities under the model's distribution, and under the one
+        each was drawn from (0.0 for greedy rows). ``drawn``: the sampling rows' unnormalised weights
+        (temperature applied), their picks, and the share of the weights' total their draw kept (None: all).
+        None unless the sampler records."""
+        import torch
+
+        if not self.record:
+            return None
+        scores = logits.float()
+        model = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - scores.logsumexp(dim=-1)
+        sampled = torch.zeros_like(model)
+        if drawn is not None:
+            weights, picked, kept = drawn
+            total = weights.sum(dim=-1)
+            if kept is not None:
+                total = total * kept
+            lp = weights.gather(1, picked.unsqueeze(1)).squeeze(1).log() - total.log()
+            if self.all_sampling:
+                sampled = lp
+            else:
+                sampled[self.sampling_idx] = lp
+        return torch.stack([model, sampled], dim=1)
 
 
 #: Steps of uniforms drawn ahead in a batch's first block, doubling up to the last size: a short turn draws
@@ -316,8 +374,11 @@ def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor, total: torch.Tensor | None 
     return index.clamp_(max=cdf.shape[-1] - 1)
 
 
-def _nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sample each row within its smallest set of most likely tokens whose mass reaches its top_p.
+def _nucleus_sample(
+    probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample each row within its smallest set of most likely tokens whose mass reaches its top_p; returns
+    the tokens and each row's kept mass (the nucleus's share of ``probs``).
 
     In descending order (a stable sort, so ties are broken the same way in any batch) the kept tokens are a
     prefix: every token whose cdf is below top_p, plus the one that reaches it. Sampling inside that prefix
@@ -330,7 +391,7 @@ def _nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -
     kept = (torch.searchsorted(cdf, top_p) + 1).clamp(max=cdf.shape[-1])  # top_p: (rows, 1)
     total = cdf.gather(1, kept - 1).squeeze(1)
     index = _inverse_cdf(cdf, u, total)
-    return order.gather(1, index.unsqueeze(1)).squeeze(1)
+    return order.gather(1, index.unsqueeze(1)).squeeze(1), total
 
 
 def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
