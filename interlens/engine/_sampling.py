@@ -254,7 +254,10 @@ class Sampler:
         # Unnormalised weights exp(x / T - max), in place on one float32 copy: inverse CDF needs no
         # normalising (the target is u × the row's total), and each pass over rows × vocab counts (at 64
         # rows of a 49k vocabulary the sampler was ~5 ms of a ~120 ms CPU step).
-        weights = scores.to(torch.float32, copy=True).div_(self.temperatures)
+        weights = scores.to(torch.float32, copy=True)
+        # recording: the model's normaliser from the same float32 copy, before the temperature
+        model_lse = weights.logsumexp(dim=-1) if self.record and self.all_sampling else None
+        weights.div_(self.temperatures)
         top = weights.amax(dim=-1, keepdim=True)
         weights.sub_(top).exp_()
         u = self.uniforms()
@@ -279,7 +282,7 @@ class Sampler:
                 kept[self.nucleus_idx] = mass
         drawn = (weights, picked, kept) if self.record else None
         if self.all_sampling:
-            return Choice(picked, top.squeeze(1).isfinite(), self._logprobs(logits, picked, drawn))
+            return Choice(picked, top.squeeze(1).isfinite(), self._logprobs(logits, picked, drawn, model_lse))
         best, chosen = logits.max(dim=-1)  # NaN propagates: a row with one is not finite here either
         chosen[self.sampling_idx] = picked
         return Choice(chosen, best.isfinite(), self._logprobs(logits, chosen, drawn))
@@ -289,17 +292,20 @@ class Sampler:
         logits: torch.Tensor,
         chosen: torch.Tensor,
         drawn: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+        model_lse: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """(rows, 2): the chosen tokens' log-probabilities under the model's distribution, and under the one
         each was drawn from (0.0 for greedy rows). ``drawn``: the sampling rows' unnormalised weights
         (temperature applied), their picks, and the share of the weights' total their draw kept (None: all).
-        None unless the sampler records."""
+        ``model_lse``: each row's log-sum-exp of its logits in float32, where already computed. None unless
+        the sampler records."""
         import torch
 
         if not self.record:
             return None
-        scores = logits.float()
-        model = scores.gather(1, chosen.unsqueeze(1)).squeeze(1) - scores.logsumexp(dim=-1)
+        if model_lse is None:
+            model_lse = logits.float().logsumexp(dim=-1)
+        model = logits.gather(1, chosen.unsqueeze(1)).squeeze(1).float() - model_lse
         sampled = torch.zeros_like(model)
         if drawn is not None:
             weights, picked, kept = drawn

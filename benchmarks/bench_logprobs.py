@@ -1,0 +1,118 @@
+"""What recording each token's log-probabilities costs a batch (issue 27: at most 5 % of batched throughput).
+
+    python benchmarks/bench_logprobs.py [--model real] [--rows 16] [--max-new 128] [--repeats 3]
+
+One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
+the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
+Timed with ``record_logprobs`` off and on, interleaved after a warm-up of each, each run in a fresh thread.
+Recording changes no token (the tokens of every run are compared), so both ways do the same work but the
+recording: a log-sum-exp over each row's logits per step, and one read of the values per batch. Prints
+tok/s (median (min-max)) each way and the ratio. This machine's noise between runs is larger than the cost,
+so the sampler's step is timed on its own too (``Sampler.choose`` on the batch's rows x the model's vocabulary
+in the model's dtype, 200 calls, recording off and on): the added milliseconds against the batch's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from typing import Any
+
+from _common import add_model_option, cpu_summary, fast_dtype, in_thread, model_path, spread
+
+QUESTIONS = [
+    "Tabs or spaces? Give your strongest argument.",
+    "Should a code review block on style?",
+    "Is a monorepo worth it for a team of five?",
+    "When is a global variable acceptable?",
+    "Explain why tests that cannot fail are a defect.",
+    "Is Python's GIL still a problem?",
+    "What makes an error message good?",
+    "Should APIs take keyword-only arguments?",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_option(parser)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    print("command:", shlex.join(["python", *sys.argv]))
+    path, label = model_path(parser, args.model)
+    dtype = fast_dtype(args.dtype)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens.engine._generation import GenerationRequest, LocalEngine
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = LocalEngine(model, tokenizer, device="cpu", kv_reuse_capacity=0)
+    prompts = []
+    for i in range(args.rows):
+        chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        prompts.append(
+            tuple(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        )
+    print(f"{label}, {dtype}, {args.rows} rows, max_new_tokens {args.max_new}; CPU: {cpu_summary()}")
+
+    def run(record: bool) -> tuple[float, list[tuple[int, ...]]]:
+        requests = [
+            GenerationRequest(p, max_new_tokens=args.max_new, temperature=0.9, seed=i, record_logprobs=record)
+            for i, p in enumerate(prompts)
+        ]
+        start = time.perf_counter()
+        results: list[Any] = engine.generate_batch(requests)
+        seconds = time.perf_counter() - start
+        return sum(r.n_tokens for r in results) / seconds, [tuple(r.token_ids) for r in results]
+
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    tokens: dict[bool, set[Any]] = {False: set(), True: set()}
+    for record in (False, True):
+        in_thread(lambda r=record: run(r))  # warm-up
+    for _ in range(args.repeats):
+        for record in (False, True):
+            rate, ids = in_thread(lambda r=record: run(r))
+            rates[record].append(rate)
+            tokens[record].add(tuple(ids))
+    from interlens.engine._sampling import Sampler, SamplingSettings
+
+    logits = torch.randn(args.rows, model.config.vocab_size).to(model.dtype)
+    settings = [SamplingSettings(max_new_tokens=1, temperature=0.9, seed=i) for i in range(args.rows)]
+
+    def choose(record: bool) -> float:
+        sampler = Sampler(settings, "cpu", record=record)
+        start = time.perf_counter()
+        for _ in range(200):
+            sampler.choose(logits)
+        return (time.perf_counter() - start) / 200 * 1000
+
+    step_ms = {
+        record: statistics.median(in_thread(lambda r=record: choose(r)) for _ in range(3))
+        for record in (False, True)
+    }
+    same = tokens[False] == tokens[True] and len(tokens[True]) == 1
+    total = sum(len(t) for t in next(iter(tokens[True])))
+    for record, name in ((False, "not recorded"), (True, "recorded")):
+        print(f"  {name:12s} {spread(rates[record])} tok/s")
+    ratios = [a / b for a, b in zip(rates[True], rates[False], strict=True)]
+    print(f"  recorded / not = {spread(ratios, '.3f')} (median {statistics.median(ratios):.3f}x)")
+    print(f"  {total} tokens a run; the same tokens every run, both ways: {same}")
+    steps = max(len(t) for t in next(iter(tokens[True])))  # the batch's decode steps: its longest row's
+    batch_ms = 1000 * total / statistics.median(rates[False]) / steps
+    added = step_ms[True] - step_ms[False]
+    print(
+        f"  sampler step: {step_ms[False]:.2f} ms, recording {step_ms[True]:.2f} ms (+{added:.2f} ms) "
+        f"against a batch step of ~{batch_ms:.0f} ms: {100 * added / batch_ms:.1f} % (3 x 200 calls)"
+    )
+
+
+if __name__ == "__main__":
+    main()
