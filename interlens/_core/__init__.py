@@ -60,12 +60,14 @@ from ._templating import (
     template_from_json,
     template_to_json,
 )
+from ._token_record import TOKENS_KEY, TokenRecord
 from ._validate import check_bool, check_int, check_number, closest_name, type_name
 from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tokens
 
 __all__ = [
     "CURRENT_JOB",
     "MODERATOR",
+    "TOKENS_KEY",
     "AnalyzerError",
     "ConfigurationError",
     "ConfigurationTypeError",
@@ -92,6 +94,7 @@ __all__ = [
     "Template",
     "TemplateError",
     "TokenBudget",
+    "TokenRecord",
     "Transcript",
     "UnknownAnalyzerError",
     "UnknownParticipantError",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
+from ._token_record import TOKENS_KEY, TokenRecord
 
 __all__ = ["MODERATOR", "Message", "Transcript"]
 
@@ -56,6 +57,14 @@ class Message:
     def n_tokens(self) -> int:
         """Tokens generated for this turn (0 for turns nobody generated, such as the shared context)."""
         return int(self.metadata.get("n_tokens", 0))
+
+    @property
+    def tokens(self) -> TokenRecord | None:
+        """This turn's token ids and their log-probabilities, where its speaker recorded them (a local
+        model participant with ``record_tokens=True``); None otherwise. Decoded from the metadata on each
+        access: keep the result rather than asking again in a loop."""
+        data = self.metadata.get(TOKENS_KEY)
+        return None if data is None else TokenRecord.from_json(data)
 
     def to_json(self) -> dict[str, Any]:
         return {"author": self.author, "content": self.content, "metadata": dict(self.metadata)}

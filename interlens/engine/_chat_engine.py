@@ -36,6 +36,7 @@ class ChatRequest:
     reuse_key: Hashable | None = None
     capture: CaptureSpec | None = None
     steering: tuple[SteeringSpec, ...] = ()
+    record_tokens: bool = False  # the result carries each token's log-probabilities
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class ChatEngine:
                             reuse_key=req.reuse_key,
                             capture=req.capture,
                             steering=req.steering,
+                            record_logprobs=req.record_tokens,
                         )
                     )
             except Exception as exc:  # a view the template cannot render fails its own row only

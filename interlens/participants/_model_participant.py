@@ -28,6 +28,7 @@ from typing import Any
 
 from .._core import (
     CURRENT_JOB,
+    TOKENS_KEY,
     ConfigurationError,
     ConfigurationTypeError,
     GenerationOptions,
@@ -35,6 +36,7 @@ from .._core import (
     Message,
     ModelLoadError,
     Template,
+    TokenRecord,
     View,
     check_int,
     check_number,
@@ -115,6 +117,7 @@ class ModelParticipant(Participant):
         steering: SteeringSpec | Sequence[SteeringSpec] | None = None,
         gguf_file: str | None = None,
         load_kwargs: Mapping[str, Any] | None = None,
+        record_tokens: bool = False,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
         who = f"{type(self).__name__}({name!r})"
@@ -150,6 +153,11 @@ class ModelParticipant(Participant):
             )
         if seed is not None:
             check_int(seed, what=f"{who}: seed", low=0, fix="or None for the run's per-rollout seeds")
+        if not isinstance(record_tokens, bool):
+            raise ConfigurationTypeError(
+                f"{who}: record_tokens must be True or False, got {record_tokens!r}; True keeps each turn's "
+                "token ids and their log-probabilities (message.tokens)"
+            )
         for setting, value in (("device", device), ("dtype", dtype), ("revision", revision)):
             if value is not None and not isinstance(value, str):
                 raise ConfigurationTypeError(
@@ -183,6 +191,8 @@ class ModelParticipant(Participant):
         """A GGUF checkpoint in ``model_id`` (a local directory or hub repo), dequantized at load; or None."""
         self.load_kwargs: dict[str, Any] = check_load_kwargs(load_kwargs, where=who)
         """transformers' other ``from_pretrained`` options (JSON values), part of the load recipe."""
+        self.record_tokens = record_tokens
+        """Each turn keeps its token ids and their log-probabilities (``message.tokens``)."""
 
     @property
     def temperature(self) -> float:
@@ -255,7 +265,14 @@ class ModelParticipant(Participant):
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None and not steering:
             reuse = self._reuse_key(options.stream_id)  # (the engine runs captured/steered rows from scratch)
         sampling = dataclasses.replace(self.sampling, max_new_tokens=cap, seed=options.seed)
-        return ChatRequest(view=view, sampling=sampling, reuse_key=reuse, capture=capture, steering=steering)
+        return ChatRequest(
+            view=view,
+            sampling=sampling,
+            reuse_key=reuse,
+            capture=capture,
+            steering=steering,
+            record_tokens=self.record_tokens,
+        )
 
     def _reuse_key(self, stream_id: str) -> Hashable:
         """The key of this participant's KV cache kept between its turns of conversation ``stream_id``."""
@@ -341,7 +358,7 @@ class ModelParticipant(Participant):
         return result
 
     def message(self, result: Any) -> Message:
-        return Message(
+        message = Message(
             self.name,
             result.text,
             {
@@ -359,6 +376,10 @@ class ModelParticipant(Participant):
                 "at": time.time(),
             },
         )
+        if result.model_logprobs is not None:
+            record = TokenRecord.build(result.token_ids, result.model_logprobs, result.sampling_logprobs)
+            message.metadata[TOKENS_KEY] = record.to_json()
+        return message
 
     # ---------------------------------------------------------------- JSON / pickling
     def to_json(self) -> dict[str, Any]:
@@ -380,6 +401,7 @@ class ModelParticipant(Participant):
             # written only when set, so a recipe that does not use them keeps its fingerprint
             **({"gguf_file": self.gguf_file} if self.gguf_file is not None else {}),
             **({"load_kwargs": dict(self.load_kwargs)} if self.load_kwargs else {}),
+            **({"record_tokens": True} if self.record_tokens else {}),
         }
 
     def describe(self) -> dict[str, Any]:

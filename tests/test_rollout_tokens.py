@@ -1,0 +1,111 @@
+"""A rollout's turns as training data: ``record_tokens=True`` keeps each local turn's token ids and their
+log-probabilities in its message (``message.tokens``), through the ledger and a resume (issue 27).
+
+The engine's numbers are checked against a forward pass in tests/test_token_logprobs.py; here the record's
+way through a real rollout on a real tiny model: a run directory's SQLite ledger, its resume, the recipe's
+fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from interlens import (
+    AutoModelParticipant,
+    ConfigurationTypeError,
+    Conversation,
+    FingerprintMismatchError,
+    Message,
+    TokenRecord,
+)
+
+
+def _debate(path: str, *, record: bool = True) -> Conversation:
+    a = AutoModelParticipant.from_pretrained(
+        path, name="a", max_new_tokens=12, temperature=0.9, record_tokens=record
+    )
+    b = AutoModelParticipant.from_pretrained(
+        path, name="b", max_new_tokens=12, temperature=0, record_tokens=record
+    )
+    return Conversation(participants=[a, b], shared_context="Debate: tabs vs spaces.").turns(4)
+
+
+def test_each_turn_keeps_its_tokens_through_the_ledger_and_a_resume(qwen2_path: str, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
+    first = _debate(qwen2_path).rollout(n=3, out_dir=tmp_path, seed=1)
+    assert not first.failed
+    for result in first.results.values():
+        for message in result.transcript[1:]:
+            record = message.tokens
+            assert record is not None and len(record.ids) == message.n_tokens > 0
+            assert tokenizer.decode(list(record.ids), skip_special_tokens=True) == message.content
+            assert all(lp < 0 for lp in record.model_logprobs)
+            if message.author == "b":  # greedy: each pick was certain
+                assert set(record.sampling_logprobs) == {0.0}
+            else:  # T = 0.9: a sharper distribution than the model's
+                assert record.sampling_logprobs != record.model_logprobs
+        assert result.transcript[0].tokens is None  # the shared context: nobody generated it
+    # a resume reads every turn back from the ledger: the same records
+    again = _debate(qwen2_path).rollout(n=3, out_dir=tmp_path, seed=1)
+    assert again.skipped == sorted(first.results)
+    for job_id, result in first.results.items():
+        assert [m.tokens for m in again.results[job_id].transcript] == [m.tokens for m in result.transcript]
+
+
+def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: Path) -> None:
+    """Stored as base64 of little-endian arrays (about 5.3 characters a float), never JSON floats; ids in 2
+    bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0) not at all."""
+    _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
+        texts = [row[0] for row in db.execute("SELECT turn_json FROM turns")]
+    turns = [json.loads(text) for text in texts if json.loads(text)["author"] != "moderator"]
+    assert len(turns) == 2 * 4  # every generated turn (the shared context is stored as a turn too)
+    for turn in turns:
+        s = turn["metadata"]["tokens"]
+        n = len(TokenRecord.from_json(s).ids)
+        assert s["id_bytes"] == 2 and len(s["ids"]) == 4 * -(-2 * n // 3)  # a vocabulary under 65,536
+        assert len(s["model_logprobs"]) == 4 * -(-4 * n // 3)
+        if turn["author"] == "b":  # greedy: nothing to store
+            assert s["sampling_logprobs"] == "certain"
+        else:
+            assert len(s["sampling_logprobs"]) == 4 * -(-4 * n // 3)
+
+
+def test_recording_is_part_of_the_recipe_a_resume_compares(qwen2_path: str, tmp_path: Path) -> None:
+    """Turns done without a record cannot be given one afterwards: a resume that asks for records refuses
+    (the fix is resume=False or another out_dir), and a recipe that never asked keeps its fingerprint."""
+    plain = _debate(qwen2_path, record=False)
+    assert "record_tokens" not in json.dumps(plain.to_json())
+    plain.rollout(n=2, out_dir=tmp_path, seed=1)
+    with pytest.raises(FingerprintMismatchError, match="resume=False"):
+        _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
+    report = plain.rollout(n=2, out_dir=tmp_path, seed=1)
+    assert all(m.tokens is None for r in report.results.values() for m in r.transcript)
+
+
+def test_a_record_decodes_what_it_stored_and_refuses_what_it_cannot_read() -> None:
+    record = TokenRecord.build([5, 70000, 0], [-0.1, -2.5, -30.0], [0.0, -1.0, -0.25])
+    back = Message("a", "x", {"tokens": record.to_json()}).tokens
+    assert back == record and back.ids == (5, 70000, 0) and back.sampling_logprobs == (0.0, -1.0, -0.25)
+    assert back.model_logprobs[0] == pytest.approx(-0.1, rel=1e-7)  # float32, as the engine computed it
+    assert record.to_json()["id_bytes"] == 4  # an id past 65,535
+    # a turn sampled from the model's own distribution (T = 1, no nucleus), and a greedy one
+    same = TokenRecord.build([1, 2], [-0.5, -1.5], [-0.5, -1.5])
+    greedy = TokenRecord.build([1, 2], [-0.5, -1.5], [0.0, 0.0])
+    assert same.to_json()["sampling_logprobs"] == "model"
+    assert greedy.to_json()["sampling_logprobs"] == "certain"
+    assert TokenRecord.from_json(same.to_json()) == same and TokenRecord.from_json(greedy.to_json()) == greedy
+    with pytest.raises(Exception, match="format 1"):
+        Message("a", "x", {"tokens": {"format": 2}}).tokens  # noqa: B018
+    with pytest.raises(Exception, match="must align"):
+        TokenRecord.build([1, 2], [-1.0], [-1.0])
+
+
+def test_record_tokens_must_be_a_bool(qwen2_path: str) -> None:
+    with pytest.raises(ConfigurationTypeError, match="record_tokens must be True or False, got 'yes'"):
+        AutoModelParticipant.from_pretrained(qwen2_path, name="a", record_tokens="yes")
