@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import (
     AutoModelParticipant,
@@ -109,3 +112,41 @@ def test_a_record_decodes_what_it_stored_and_refuses_what_it_cannot_read() -> No
 def test_record_tokens_must_be_a_bool(qwen2_path: str) -> None:
     with pytest.raises(ConfigurationTypeError, match="record_tokens must be True or False, got 'yes'"):
         AutoModelParticipant.from_pretrained(qwen2_path, name="a", record_tokens="yes")
+
+
+def test_the_token_export_gives_each_turn_the_ids_its_model_saw(qwen2_path: str, tmp_path: Path) -> None:
+    """A row per generated turn, in the report and from the ledger (``interlens export --tokens``): the
+    prompt ids are exactly what the model saw, so a forward pass of prompt + completion gives back the
+    recorded log-probabilities (the later turns ran on kept KV caches: nothing was re-rendered)."""
+    import pandas as pd
+
+    from interlens.report import TOKEN_COLUMNS
+
+    report = _debate(qwen2_path).rollout(n=2, out_dir=tmp_path / "run", seed=1)
+    frame = report.to_pandas(tokens=True)
+    assert list(frame.columns) == list(TOKEN_COLUMNS) and len(frame) == 2 * 4
+    assert list(frame["turn"]) == [1, 2, 3, 4] * 2 and list(frame["speaker"]) == ["a", "b"] * 4
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path, dtype=torch.float32).eval()
+    for row in frame.itertuples():
+        ids = torch.tensor([[*row.prompt_ids, *row.completion_ids]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(row.prompt_ids) - 1 : -1]
+        want = logits.log_softmax(-1).gather(1, torch.tensor(row.completion_ids)[:, None]).squeeze(1)
+        assert (
+            max(abs(a - b) for a, b in zip(row.completion_model_logprobs, want.tolist(), strict=True)) < 1e-4
+        )
+    reused = [m.metadata["kv_reused_tokens"] for r in report.results.values() for m in r.transcript[3:]]
+    assert min(reused) > 0  # the later turns' prompts came from kept caches
+    assert len(report.to_dataset(tokens=True)) == len(frame)
+
+    target = tmp_path / "turns.parquet"
+    command = [sys.executable, "-m", "interlens", "export", str(tmp_path / "run"), "--tokens"]
+    done = subprocess.run(
+        [*command, "-f", "parquet", "-o", str(target)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "wrote 8 turn(s)" in done.stderr
+    exported = pd.read_parquet(target)
+    assert list(exported.columns) == list(TOKEN_COLUMNS)
+    assert [list(x) for x in exported["completion_ids"]] == [list(x) for x in frame["completion_ids"]]
+    assert [list(x) for x in exported["prompt_ids"]] == [list(x) for x in frame["prompt_ids"]]

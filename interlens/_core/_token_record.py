@@ -34,11 +34,14 @@ class TokenRecord:
     model's own distribution (the log-softmax of its logits: temperature 1, every token: what a
     teacher-forced pass of the same view gives) and ``sampling_logprobs[i]`` under the distribution it was
     drawn from (temperature and nucleus applied; 0.0 for a greedy turn, whose picks were certain). ``ids``
-    include the end-of-turn token when the turn ended on one; they decode to the turn's text."""
+    include the end-of-turn token when the turn ended on one; they decode to the turn's text.
+    ``prompt_ids``: the speaker's view as the model saw it (chat template and generation prompt
+    included)."""
 
     ids: tuple[int, ...]
     model_logprobs: tuple[float, ...]
     sampling_logprobs: tuple[float, ...]
+    prompt_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.ids) == len(self.model_logprobs) == len(self.sampling_logprobs):
@@ -49,13 +52,17 @@ class TokenRecord:
 
     @classmethod
     def build(
-        cls, ids: Sequence[int], model_logprobs: Sequence[float], sampling_logprobs: Sequence[float]
+        cls,
+        ids: Sequence[int],
+        model_logprobs: Sequence[float],
+        sampling_logprobs: Sequence[float],
+        prompt_ids: Sequence[int] = (),
     ) -> TokenRecord:
         """From the engine's lists (the log-probabilities rounded to float32, as stored)."""
-        return cls(tuple(ids), _float32(model_logprobs), _float32(sampling_logprobs))
+        return cls(tuple(ids), _float32(model_logprobs), _float32(sampling_logprobs), tuple(prompt_ids))
 
     def to_json(self) -> dict[str, Any]:
-        code = "H" if all(i < 2**16 for i in self.ids) else "I"
+        code = "H" if all(i < 2**16 for i in (*self.ids, *self.prompt_ids)) else "I"
         sampling: str
         if not any(self.sampling_logprobs):
             sampling = _CERTAIN
@@ -69,6 +76,7 @@ class TokenRecord:
             "id_bytes": 2 if code == "H" else 4,
             "model_logprobs": _pack("f", self.model_logprobs),
             "sampling_logprobs": sampling,
+            "prompt_ids": _pack(code, self.prompt_ids),
         }
 
     @classmethod
@@ -86,7 +94,9 @@ class TokenRecord:
             sampled = model
         else:
             sampled = tuple(_unpack("f", sampling))
-        return cls(tuple(_unpack("H" if data["id_bytes"] == 2 else "I", data["ids"])), model, sampled)
+        code = "H" if data["id_bytes"] == 2 else "I"
+        ids, prompt = tuple(_unpack(code, data["ids"])), tuple(_unpack(code, data["prompt_ids"]))
+        return cls(ids, model, sampled, prompt)
 
 
 #: What ``sampling_logprobs`` holds instead of an array where the array would say nothing new.

@@ -178,17 +178,36 @@ def export(
         Path | None,
         typer.Option("--output", "-o", help="File to write (default: stdout; parquet needs one)."),
     ] = None,
+    tokens: Annotated[
+        bool,
+        typer.Option(
+            "--tokens",
+            help="One row per generated turn that kept its tokens (record_tokens=True): prompt ids, "
+            "completion ids and their log-probabilities, for trainers.",
+        ),
+    ] = False,
 ) -> None:
     """One row per job (id, lineup, state, seed, tokens, error, transcript as JSON, final message,
-    analysis.* columns) as JSONL, CSV or parquet."""
-    from ..report import ledger_rows, write_export
+    analysis.* columns) as JSONL, CSV or parquet; with --tokens, one row per generated turn."""
+    from ..report import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, write_export
     from ._runs import open_reader
 
     with _errors():
         open_reader(out_dir).close()  # a missing or foreign OUT_DIR is refused before any output starts
-        count = write_export(lambda: ledger_rows(out_dir), fmt=fmt.value, output=output, stdout=sys.stdout)
+        if tokens:
+            count = write_export(
+                lambda: ledger_token_rows(out_dir),
+                fmt=fmt.value,
+                output=output,
+                stdout=sys.stdout,
+                base=TOKEN_COLUMNS,
+            )
+        else:
+            count = write_export(
+                lambda: ledger_rows(out_dir), fmt=fmt.value, output=output, stdout=sys.stdout
+            )
     if output is not None:
-        _stderr().print(f"wrote {count:,} job(s) to {output}", markup=False)
+        _stderr().print(f"wrote {count:,} {'turn' if tokens else 'job'}(s) to {output}", markup=False)
 
 
 @app.command()

@@ -288,6 +288,7 @@ class ModelRunner:
             kv_reused_tokens=reused,
             model_logprobs=[m for m, _ in row.logprobs] if recorded else None,
             sampling_logprobs=[s for _, s in row.logprobs] if recorded else None,
+            prompt_ids=row.request.prompt_ids if recorded else None,
         )
 
 

@@ -135,6 +135,8 @@ class GenerationResult:
     # ... and under the distribution it was drawn from (temperature and nucleus applied; 0.0 for a greedy
     # row, whose pick was certain): what a policy-gradient trainer calls the sampler's log-probabilities
     sampling_logprobs: list[float] | None = None
+    # with ``record_logprobs``: the prompt ids the row was generated from (else None)
+    prompt_ids: tuple[int, ...] | None = None
 
     @property
     def shared_prefill(self) -> bool:

@@ -377,7 +377,9 @@ class ModelParticipant(Participant):
             },
         )
         if result.model_logprobs is not None:
-            record = TokenRecord.build(result.token_ids, result.model_logprobs, result.sampling_logprobs)
+            record = TokenRecord.build(
+                result.token_ids, result.model_logprobs, result.sampling_logprobs, result.prompt_ids
+            )
             message.metadata[TOKENS_KEY] = record.to_json()
         return message
 

@@ -2,17 +2,19 @@
 report.
 """
 
-from ._export import ledger_rows, write_export
+from ._export import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, write_export
 from ._html_report import write_report
 from ._report import RunReport, RunResult
 from ._usage import SAMPLES_KEY, check_prices, recorded_metadata, summarize, turn_cost
 
 __all__ = [
     "SAMPLES_KEY",
+    "TOKEN_COLUMNS",
     "RunReport",
     "RunResult",
     "check_prices",
     "ledger_rows",
+    "ledger_token_rows",
     "recorded_metadata",
     "summarize",
     "turn_cost",

@@ -16,13 +16,13 @@ import csv
 import html
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from interlens.store import JOB_STATES, LedgerReader
 
-from .._core import ConfigurationError, ConfigurationTypeError, type_name
+from .._core import TOKENS_KEY, ConfigurationError, ConfigurationTypeError, TokenRecord, type_name
 
 if TYPE_CHECKING:
     import datasets
@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 __all__ = [
     "BASE_COLUMNS",
     "EXPORT_FORMATS",
+    "TOKEN_COLUMNS",
     "ledger_rows",
+    "ledger_token_rows",
     "outcome_rows",
+    "outcome_token_rows",
     "summary_html",
     "to_dataset",
     "to_pandas",
@@ -171,8 +174,74 @@ def ledger_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
             )
 
 
-def _columns(rows: Iterable[Mapping[str, Any]]) -> list[str]:
-    seen: dict[str, None] = dict.fromkeys(BASE_COLUMNS)
+#: The columns of a token export (``tokens=True``): one row per generated turn that kept its tokens.
+TOKEN_COLUMNS: tuple[str, ...] = (
+    "job_id",
+    "lineup",
+    "row_index",
+    "seed",
+    "turn",
+    "speaker",
+    "prompt_ids",
+    "completion_ids",
+    "completion_model_logprobs",
+    "completion_sampling_logprobs",
+    "completion",
+    "finish_reason",
+)
+
+
+def turn_token_rows(
+    *, job_id: str, lineup: str, row_index: int | None, seed: int, conversation: Mapping[str, Any] | None
+) -> Iterator[dict[str, Any]]:
+    """One job's generated turns that kept their tokens (``record_tokens=True``), a row each: the ids the
+    speaker saw, the ids it generated and their log-probabilities (``TOKEN_COLUMNS``; docs/rollouts.md
+    maps them to TRL's and verifiers' names). ``turn`` is the message's index in the transcript (0: the
+    shared context)."""
+    for index, message in enumerate((conversation or {}).get("transcript") or []):
+        data = (message.get("metadata") or {}).get(TOKENS_KEY)
+        if data is None:
+            continue
+        record = TokenRecord.from_json(data)
+        yield {
+            "job_id": job_id,
+            "lineup": lineup,
+            "row_index": row_index,
+            "seed": seed,
+            "turn": index,
+            "speaker": message.get("author"),
+            "prompt_ids": list(record.prompt_ids),
+            "completion_ids": list(record.ids),
+            "completion_model_logprobs": list(record.model_logprobs),
+            "completion_sampling_logprobs": list(record.sampling_logprobs),
+            "completion": message.get("content"),
+            "finish_reason": (message.get("metadata") or {}).get("finish_reason"),
+        }
+
+
+def outcome_token_rows(outcomes: Iterable[JobOutcome]) -> Iterator[dict[str, Any]]:
+    """:func:`turn_token_rows` of a ``RunReport``'s job outcomes."""
+    for o in outcomes:
+        yield from turn_token_rows(
+            job_id=o.job_id, lineup=o.lineup, row_index=o.row_index, seed=o.seed, conversation=o.conversation
+        )
+
+
+def ledger_token_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """:func:`turn_token_rows` of every finished job in a ledger, streamed page by page, read-only."""
+    with LedgerReader(out_dir) as reader:
+        for job, result in reader.iter_results(states=JOB_STATES):
+            yield from turn_token_rows(
+                job_id=job.job_id,
+                lineup=job.lineup,
+                row_index=job.row_index,
+                seed=job.seed,
+                conversation=result["conversation"] if result else None,
+            )
+
+
+def _columns(rows: Iterable[Mapping[str, Any]], base: Sequence[str]) -> list[str]:
+    seen: dict[str, None] = dict.fromkeys(base)
     for row in rows:
         seen.update(dict.fromkeys(row))
     return list(seen)
@@ -188,8 +257,9 @@ def _uniform(rows: list[dict[str, Any]], columns: list[str]) -> None:
                     r[column] = _json_text(r[column])
 
 
-def to_pandas(rows: Iterable[dict[str, Any]]) -> pandas.DataFrame:
-    """A DataFrame of ``rows``: one row per job, ``BASE_COLUMNS`` then the ``analysis.*`` columns."""
+def to_pandas(rows: Iterable[dict[str, Any]], *, base: Sequence[str] = BASE_COLUMNS) -> pandas.DataFrame:
+    """A DataFrame of ``rows``: one row per job, ``BASE_COLUMNS`` then the ``analysis.*`` columns (or one row
+    per generated turn: ``base=TOKEN_COLUMNS``)."""
     try:
         import pandas as pd
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -197,12 +267,12 @@ def to_pandas(rows: Iterable[dict[str, Any]]) -> pandas.DataFrame:
             "to_pandas() needs pandas: pip install 'interlens[export]' (pandas, pyarrow, datasets)"
         ) from exc
     materialised = list(rows)
-    columns = _columns(materialised)
+    columns = _columns(materialised, base)
     _uniform(materialised, columns)
     return pd.DataFrame.from_records(materialised, columns=columns)
 
 
-def to_dataset(rows: Iterable[dict[str, Any]]) -> datasets.Dataset:
+def to_dataset(rows: Iterable[dict[str, Any]], *, base: Sequence[str] = BASE_COLUMNS) -> datasets.Dataset:
     """A ``datasets.Dataset`` of ``rows`` (the same columns as :func:`to_pandas`)."""
     try:
         import datasets
@@ -210,11 +280,16 @@ def to_dataset(rows: Iterable[dict[str, Any]]) -> datasets.Dataset:
         raise ConfigurationError(
             "to_dataset() needs datasets: pip install 'interlens[export]' (pandas, pyarrow, datasets)"
         ) from exc
-    return datasets.Dataset.from_pandas(to_pandas(rows), preserve_index=False)
+    return datasets.Dataset.from_pandas(to_pandas(rows, base=base), preserve_index=False)
 
 
 def write_export(
-    rows: Callable[[], Iterator[dict[str, Any]]], *, fmt: str, output: str | Path | None, stdout: IO[str]
+    rows: Callable[[], Iterator[dict[str, Any]]],
+    *,
+    fmt: str,
+    output: str | Path | None,
+    stdout: IO[str],
+    base: Sequence[str] = BASE_COLUMNS,
 ) -> int:
     """Write the rows as ``fmt`` to ``output`` (a path) or ``stdout``; returns the number of rows.
 
@@ -231,7 +306,7 @@ def write_export(
                 "--format parquet needs a file: parquet is binary, so it is not written to the terminal; "
                 "pass -o FILE.parquet"
             )
-        frame = to_pandas(rows())
+        frame = to_pandas(rows(), base=base)
         frame.to_parquet(Path(output), index=False)
         return len(frame)
     handle: IO[str] = stdout if output is None else Path(output).open("w", encoding="utf-8", newline="")
@@ -242,7 +317,7 @@ def write_export(
                 handle.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
                 count += 1
             return count
-        writer = csv.DictWriter(handle, fieldnames=_columns(rows()), lineterminator="\n")
+        writer = csv.DictWriter(handle, fieldnames=_columns(rows(), base), lineterminator="\n")
         writer.writeheader()
         count = 0
         for row in rows():

@@ -223,14 +223,24 @@ class RunReport:
                 out[jid] = conv
         return out
 
-    def to_pandas(self) -> pandas.DataFrame:
+    def to_pandas(self, *, tokens: bool = False) -> pandas.DataFrame:
         """One row per job (``job_id``, ``lineup``, ``state``, ``seed``, tokens, error, the transcript as JSON
         text and its final message, ``skipped``...), a dict analysis flattened into ``analysis.<key>``
-        columns. Needs pandas (``pip install 'interlens[export]'``)."""
+        columns. With ``tokens=True``, one row per generated turn that kept its tokens (participants with
+        ``record_tokens=True``): the prompt ids the speaker saw, the completion ids and their
+        log-probabilities (docs/rollouts.md, "Rollouts as training data"). Needs pandas (``pip install
+        'interlens[export]'``)."""
+        if tokens:
+            rows = _export.outcome_token_rows(self._outcome.outcomes())
+            return _export.to_pandas(rows, base=_export.TOKEN_COLUMNS)
         return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
 
-    def to_dataset(self) -> datasets.Dataset:
-        """The rows of :meth:`to_pandas` as a ``datasets.Dataset``."""
+    def to_dataset(self, *, tokens: bool = False) -> datasets.Dataset:
+        """The rows of :meth:`to_pandas` (``tokens=True``: a row per generated turn) as a
+        ``datasets.Dataset``."""
+        if tokens:
+            rows = _export.outcome_token_rows(self._outcome.outcomes())
+            return _export.to_dataset(rows, base=_export.TOKEN_COLUMNS)
         return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
 
     def _repr_html_(self) -> str:
