@@ -102,6 +102,37 @@ def test_rows_end_at_the_end_token_mid_batch_and_the_batch_goes_on_without_them(
     assert alone[0].token_ids == out[0, len(first.prompt_ids) :].tolist()  # "Hello." ends in a few tokens
 
 
+def test_a_recorded_debate_is_training_data_the_model_itself_agrees_with(engine: Any) -> None:
+    """``record_tokens`` on a real chat model (issue 27): turns that end at the model's own end token keep
+    it as their last id, each turn's ids decode to its text, and the exported rows' prompt ids are exactly
+    what the model saw: a forward pass of prompt + completion gives back the recorded log-probabilities,
+    turns on kept KV caches included."""
+    hot = _speaker("a", temperature=0.8, top_p=0.9, record_tokens=True, max_new_tokens=40)
+    cold = _speaker("b", record_tokens=True, max_new_tokens=40)
+    conv = Conversation(participants=[hot, cold], shared_context="Is a hot dog a sandwich? Be brief.").turns(
+        4
+    )
+    report = conv.rollout(n=1, seed=3)
+    assert not report.failed
+    eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    frame = report.to_pandas(tokens=True)
+    assert len(frame) == 4
+    assert any(row.finish_reason == "eos" for row in frame.itertuples())
+    for row in frame.itertuples():
+        ids = list(row.completion_ids)
+        assert (ids[-1] == eos) == (row.finish_reason == "eos")
+        assert engine.tokenizer.decode(ids, skip_special_tokens=True) == row.completion
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([[*row.prompt_ids, *ids]])).logits
+        want = logits[0, len(row.prompt_ids) - 1 : -1].float().log_softmax(-1)
+        want = want.gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+        assert max(abs(a - b) for a, b in zip(row.completion_model_logprobs, want, strict=True)) < 1e-3
+        if row.speaker == "b":  # greedy
+            assert set(row.completion_sampling_logprobs) == {0.0}
+    reused = [m.metadata["kv_reused_tokens"] for r in report.results.values() for m in r.transcript[3:]]
+    assert min(reused) > 0
+
+
 def test_a_turn_without_a_system_prompt_gets_the_templates_own_and_stop_strings_cut_real_text() -> None:
     from interlens.engine._chat_template import render_view
 

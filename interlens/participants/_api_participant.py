@@ -159,6 +159,13 @@ class APIParticipant(Participant):
         for setting in unsupported:
             if setting in _INTERP_SETTINGS:
                 raise _interp_error(name, setting)
+        if "record_tokens" in unsupported:
+            raise ConfigurationError(
+                f"APIParticipant({name!r}) cannot record_tokens yet: interlens does not ask providers for "
+                "token log-probabilities, so its turns would keep none (message.tokens is None). Token "
+                "records come from local participants: AutoModelParticipant.from_pretrained(..., "
+                "record_tokens=True)"
+            )
         if unsupported:
             raise ConfigurationError(
                 f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
