@@ -168,3 +168,55 @@ def fast_dtype(requested: str) -> str:
     if torch.cuda.is_available():
         return "bfloat16"
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & _cpuinfo()[1] else "float32"
+
+
+#: Chat questions for the engine-level benchmarks (``question_batch``): real prompts of several lengths.
+QUESTIONS = [
+    "Tabs or spaces? Give your strongest argument.",
+    "Should a code review block on style?",
+    "Is a monorepo worth it for a team of five?",
+    "When is a global variable acceptable?",
+    "Explain why tests that cannot fail are a defect.",
+    "Is Python's GIL still a problem?",
+    "What makes an error message good?",
+    "Should APIs take keyword-only arguments?",
+]
+
+
+def add_batch_options(parser: argparse.ArgumentParser, *, max_new: int) -> None:
+    """``--model``, ``--rows``, ``--max-new``, ``--repeats`` and ``--dtype`` of an engine-level benchmark."""
+    add_model_option(parser)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=max_new)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+
+
+def question_batch(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, same: bool = False
+) -> tuple[Any, list[tuple[int, ...]]]:
+    """``--model`` in ``--dtype`` (the one this machine runs fast by default) as a ``LocalEngine`` without KV
+    reuse, and ``--rows`` chat prompts cycling through ``QUESTIONS`` (all the first where ``same``: no row
+    padded); prints the command, the model, dtype and CPU."""
+    import shlex
+    import sys
+
+    print("command:", shlex.join(["python", *sys.argv]))
+    path, label = model_path(parser, args.model)
+    dtype = fast_dtype(args.dtype)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens.engine._generation import LocalEngine
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = LocalEngine(model, tokenizer, device="cpu", kv_reuse_capacity=0)
+    prompts = []
+    for i in range(args.rows):
+        chat = [{"role": "user", "content": QUESTIONS[0 if same else i % len(QUESTIONS)]}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        prompts.append(tuple(ids))
+    print(f"{label}, {dtype}, {args.rows} rows, max_new_tokens {args.max_new}; CPU: {cpu_summary()}")
+    return engine, prompts

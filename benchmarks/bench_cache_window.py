@@ -18,54 +18,27 @@ near-tie; the token counts say whether each did the same work.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import time
 from typing import Any
 
-from _common import add_model_option, cpu_summary, fast_dtype, in_thread, model_path, spread
-
-QUESTIONS = [
-    "Tabs or spaces? Give your strongest argument.",
-    "Should a code review block on style?",
-    "Is a monorepo worth it for a team of five?",
-    "When is a global variable acceptable?",
-    "Explain why tests that cannot fail are a defect.",
-    "Is Python's GIL still a problem?",
-    "What makes an error message good?",
-    "Should APIs take keyword-only arguments?",
-]
+from _common import add_batch_options, in_thread, question_batch, spread
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_option(parser)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--max-new", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto")
+    add_batch_options(parser, max_new=512)
     parser.add_argument("--same", action="store_true", help="every row the same question (no row padded)")
     args = parser.parse_args()
-    print("command:", shlex.join(["python", *sys.argv]))
-    path, label = model_path(parser, args.model)
-    dtype = fast_dtype(args.dtype)
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    engine, prompts = question_batch(parser, args, same=args.same)
 
     from interlens.engine import _narrow_cache
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = LocalEngine(model, tokenizer, device="cpu", kv_reuse_capacity=0)
-    requests = []
-    for i in range(args.rows):
-        chat = [{"role": "user", "content": QUESTIONS[0 if args.same else i % len(QUESTIONS)]}]
-        ids = tuple(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-        requests.append(GenerationRequest(ids, max_new_tokens=args.max_new, temperature=0.9, seed=i))
-    print(f"{label}, {dtype}, {args.rows} rows, max_new_tokens {args.max_new}; CPU: {cpu_summary()}")
+    requests = [
+        GenerationRequest(p, max_new_tokens=args.max_new, temperature=0.9, seed=i)
+        for i, p in enumerate(prompts)
+    ]
     block = _narrow_cache.WINDOW_BLOCK
     cache_class, _ = _narrow_cache._classes()
     narrow = cache_class.narrow

@@ -15,53 +15,24 @@ in the model's dtype, 200 calls, recording off and on): the added milliseconds a
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import time
 from typing import Any
 
-from _common import add_model_option, cpu_summary, fast_dtype, in_thread, model_path, spread
-
-QUESTIONS = [
-    "Tabs or spaces? Give your strongest argument.",
-    "Should a code review block on style?",
-    "Is a monorepo worth it for a team of five?",
-    "When is a global variable acceptable?",
-    "Explain why tests that cannot fail are a defect.",
-    "Is Python's GIL still a problem?",
-    "What makes an error message good?",
-    "Should APIs take keyword-only arguments?",
-]
+from _common import add_batch_options, in_thread, question_batch, spread
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_option(parser)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--max-new", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto")
+    add_batch_options(parser, max_new=128)
     args = parser.parse_args()
-    print("command:", shlex.join(["python", *sys.argv]))
-    path, label = model_path(parser, args.model)
-    dtype = fast_dtype(args.dtype)
+    engine, prompts = question_batch(parser, args)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = LocalEngine(model, tokenizer, device="cpu", kv_reuse_capacity=0)
-    prompts = []
-    for i in range(args.rows):
-        chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        prompts.append(
-            tuple(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-        )
-    print(f"{label}, {dtype}, {args.rows} rows, max_new_tokens {args.max_new}; CPU: {cpu_summary()}")
+    model = engine.model
 
     def run(record: bool) -> tuple[float, list[tuple[int, ...]]]:
         requests = [

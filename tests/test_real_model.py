@@ -109,15 +109,14 @@ def test_a_recorded_debate_is_training_data_the_model_itself_agrees_with(engine:
     turns on kept KV caches included."""
     hot = _speaker("a", temperature=0.8, top_p=0.9, record_tokens=True, max_new_tokens=40)
     cold = _speaker("b", record_tokens=True, max_new_tokens=40)
-    conv = Conversation(participants=[hot, cold], shared_context="Is a hot dog a sandwich? Be brief.").turns(
-        4
-    )
-    report = conv.rollout(n=1, seed=3)
+    question = "Answer with one word, yes or no: is a hot dog a sandwich?"
+    conv = Conversation(participants=[hot, cold], shared_context=question).turns(4)
+    report = conv.rollout(n=2, seed=3)
     assert not report.failed
     eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     frame = report.to_pandas(tokens=True)
-    assert len(frame) == 4
-    assert any(row.finish_reason == "eos" for row in frame.itertuples())
+    assert len(frame) == 2 * 4
+    assert {row.finish_reason for row in frame.itertuples()} == {"eos", "length"}
     for row in frame.itertuples():
         ids = list(row.completion_ids)
         assert (ids[-1] == eos) == (row.finish_reason == "eos")
