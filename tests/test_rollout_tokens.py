@@ -62,15 +62,25 @@ def test_each_turn_keeps_its_tokens_through_the_ledger_and_a_resume(qwen2_path: 
 
 def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: Path) -> None:
     """Stored as base64 of little-endian arrays (about 5.3 characters a float), never JSON floats; ids in 2
-    bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0) not at all."""
-    _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
+    bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0) not at all; a
+    speaker's later prompts as their difference from its previous turn, stored once (the job's result
+    refers to the recorded turns)."""
+    report = _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
-        texts = [row[0] for row in db.execute("SELECT turn_json FROM turns")]
-    turns = [json.loads(text) for text in texts if json.loads(text)["author"] != "moderator"]
-    assert len(turns) == 2 * 4  # every generated turn (the shared context is stored as a turn too)
-    for turn in turns:
+        rows = list(db.execute("SELECT job_id, idx, turn_json FROM turns ORDER BY job_id, idx"))
+    turns = [
+        (job, idx, json.loads(text)) for job, idx, text in rows if json.loads(text)["author"] != "moderator"
+    ]
+    assert [idx for _, idx, _ in turns] == [0, 1, 2, 3] * 2  # every generated turn, each stored once
+    for job, idx, turn in turns:
         s = turn["metadata"]["tokens"]
-        n = len(TokenRecord.from_json(s).ids)
+        n = turn["metadata"]["n_tokens"]
+        prompt = report.results[job].transcript[1 + idx].tokens.prompt_ids  # type: ignore[union-attr]
+        if idx < 2:  # each speaker's first turn: its whole prompt
+            assert len(s["prompt_ids"]) == 4 * -(-2 * len(prompt) // 3)
+        else:  # the previous turn's prompt and answer, then the other speaker's turn and the template's
+            assert s["prompt_ids"]["keep"] > len(prompt) // 2
+            assert len(s["prompt_ids"]["ids"]) == 4 * -(-2 * (len(prompt) - s["prompt_ids"]["keep"]) // 3)
         assert s["id_bytes"] == 2 and len(s["ids"]) == 4 * -(-2 * n // 3)  # a vocabulary under 65,536
         assert len(s["model_logprobs"]) == 4 * -(-4 * n // 3)
         if turn["author"] == "b":  # greedy: nothing to store
@@ -150,3 +160,26 @@ def test_the_token_export_gives_each_turn_the_ids_its_model_saw(qwen2_path: str,
     assert list(exported.columns) == list(TOKEN_COLUMNS)
     assert [list(x) for x in exported["completion_ids"]] == [list(x) for x in frame["completion_ids"]]
     assert [list(x) for x in exported["prompt_ids"]] == [list(x) for x in frame["prompt_ids"]]
+
+
+def test_a_transcript_stores_each_speakers_prompts_as_differences_and_reads_them_back_whole() -> None:
+    from interlens import Transcript
+
+    def turn(author: str, prompt: list[int], ids: list[int]) -> Message:
+        record = TokenRecord.build(ids, [-1.0] * len(ids), [-0.5] * len(ids), prompt)
+        return Message(author, "x", {"n_tokens": len(ids), "tokens": record.to_json()})
+
+    first = turn("a", [1, 2, 3], [4, 5])
+    other = turn("b", [9, 1, 2], [6])
+    again = turn("a", [1, 2, 3, 4, 5, 7, 6, 8], [10])  # a's previous prompt and answer, then more
+    changed = turn("a", [1, 2, 99], [11])  # a template that re-renders the past differently
+    transcript = Transcript([Message("moderator", "go"), first, other, again, changed])
+    stored = transcript.to_json()
+    assert stored[3]["metadata"]["tokens"]["prompt_ids"]["keep"] == 5  # [1, 2, 3, 4, 5] kept
+    assert stored[4]["metadata"]["tokens"]["prompt_ids"]["keep"] == 2
+    assert Transcript.from_json(stored) == transcript  # whole again, every record
+    assert [m.tokens for m in Transcript.from_json(stored)] == [m.tokens for m in transcript]
+    with pytest.raises(Exception, match="read the turn through its transcript"):
+        Message.from_json(stored[3]).tokens  # noqa: B018
+    with pytest.raises(Exception, match="not in the turns given"):
+        Transcript.from_json(stored[3:])

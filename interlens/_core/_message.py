@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
-from ._token_record import TOKENS_KEY, TokenRecord
+from ._token_record import TOKENS_KEY, TokenRecord, compact_turns, expand_turns
 
 __all__ = ["MODERATOR", "Message", "Transcript"]
 
@@ -125,11 +125,15 @@ class Transcript:
         return sum(m.n_tokens for m in self._messages)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [m.to_json() for m in self._messages]
+        """The messages' JSON in order; a token record's prompt ids as a difference from its speaker's
+        previous turn (as the ledger stores them: :func:`from_json` makes them whole again)."""
+        return compact_turns(m.to_json() for m in self._messages)
 
     @classmethod
     def from_json(cls, data: Iterable[Mapping[str, Any]]) -> Transcript:
-        return cls(Message.from_json(m) for m in data)
+        """From messages' JSON in order; token records stored as the ledger keeps them (prompt ids as a
+        difference from the speaker's previous turn) come back whole."""
+        return cls(Message.from_json(m) for m in expand_turns(data))
 
     def __repr__(self) -> str:
         return f"Transcript({len(self)} messages)"

@@ -6,8 +6,15 @@ is little-endian binary (ids as uint16 where every id fits, else uint32; log-pro
 engine's own precision), base64 in the JSON, about 5.3 characters a float instead of ~20 for a JSON float;
 the sampling log-probabilities are not stored where they say nothing new (``"certain"``: a greedy turn's,
 all 0.0; ``"model"``: a turn sampled at temperature 1 with no nucleus, equal to the model's). Decoded only
-when asked (:attr:`Message.tokens`). Measured on SmolLM2-135M (16 debates x 8 turns x 64 tokens, T = 0.9):
-the records take 3.8x the turns' text; see benchmarks/RESULTS.md.
+when asked (:attr:`Message.tokens`).
+
+A turn's prompt holds the whole conversation so far, so stored whole the prompts grow with the square of the
+turns. Where a turn is written to the ledger (:func:`compact_turn`, by the rollout job that has the
+transcript), its prompt ids are stored as a difference from the same speaker's previous recorded turn:
+how many leading ids of that turn's prompt + generated ids it keeps, then its own. Every reader of a
+transcript's turns in order expands them back (:func:`expand_turns`: ``Transcript.from_json``, a job's
+replay, the token export), so in memory a record always holds its whole prompt. Sizes measured on
+SmolLM2-135M: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -15,13 +22,13 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["TOKENS_KEY", "TokenRecord"]
+__all__ = ["TOKENS_KEY", "TokenRecord", "compact_turn", "compact_turns", "expand_turns"]
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
@@ -86,6 +93,12 @@ class TokenRecord:
                 f"a turn's token record is an object of format {_FORMAT} (ids and two log-probability "
                 f"arrays, base64), got {str(data)[:200]}: written by a newer interlens? Upgrade to read it"
             )
+        if isinstance(data.get("prompt_ids"), Mapping):
+            raise ConfigurationError(
+                "this turn's token record stores its prompt ids as a difference from its speaker's previous "
+                "turn (as the ledger keeps them): read the turn through its transcript (Transcript.from_json "
+                "of the turns in order, or a RunReport), not on its own"
+            )
         model = tuple(_unpack("f", data["model_logprobs"]))
         sampling = data["sampling_logprobs"]
         if sampling == _CERTAIN:
@@ -121,3 +134,77 @@ def _unpack(code: str, text: str) -> array[Any]:
     if sys.byteorder == "big":
         values.byteswap()
     return values
+
+
+def compact_turn(turn: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``turn`` (a message's JSON) as the ledger stores it: its record's prompt ids as a difference from its
+    author's latest turn in ``earlier`` (the transcript before it, messages' JSON, records whole) that has a
+    record (``keep`` leading ids of that turn's prompt + generated ids, then its own ``ids``); unchanged
+    when it has no record or its author none before."""
+    if (turn.get("metadata") or {}).get(TOKENS_KEY) is None:
+        return dict(turn)
+    for previous in reversed(earlier):
+        kept = (previous.get("metadata") or {}).get(TOKENS_KEY)
+        if previous.get("author") == turn.get("author") and kept is not None:
+            before = TokenRecord.from_json(kept)
+            return _difference(turn, (*before.prompt_ids, *before.ids))
+    return dict(turn)
+
+
+def compact_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A transcript's turns (messages' JSON in order, records whole) as :func:`compact_turn` stores each:
+    ``Transcript.to_json``, so a job's result holds its turns exactly as the ledger recorded them."""
+    out: list[dict[str, Any]] = []
+    latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
+    for turn in turns:
+        data = (turn.get("metadata") or {}).get(TOKENS_KEY)
+        if data is None:
+            out.append(dict(turn))
+            continue
+        record = TokenRecord.from_json(data)
+        author = turn.get("author")
+        out.append(_difference(turn, latest[author]) if author in latest else dict(turn))
+        latest[author] = (*record.prompt_ids, *record.ids)
+    return out
+
+
+def _difference(turn: Mapping[str, Any], base: tuple[int, ...]) -> dict[str, Any]:
+    data = turn["metadata"][TOKENS_KEY]
+    record = TokenRecord.from_json(data)
+    keep = 0
+    for a, b in zip(base, record.prompt_ids, strict=False):
+        if a != b:
+            break
+        keep += 1
+    code = "H" if data["id_bytes"] == 2 else "I"
+    diff = {"keep": keep, "ids": _pack(code, record.prompt_ids[keep:])}
+    return {**turn, "metadata": {**turn["metadata"], TOKENS_KEY: {**data, "prompt_ids": diff}}}
+
+
+def expand_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``turns`` (messages' JSON, a transcript's in order, or its first ones) with every record's prompt ids
+    whole again: the inverse of :func:`compact_turn`."""
+    out: list[dict[str, Any]] = []
+    latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
+    for turn in turns:
+        data = (turn.get("metadata") or {}).get(TOKENS_KEY)
+        if data is None:
+            out.append(dict(turn))
+            continue
+        prompt = data.get("prompt_ids")
+        if isinstance(prompt, Mapping):
+            author = turn.get("author")
+            if author not in latest:
+                raise ConfigurationError(
+                    f"turn by {author!r}: its token record's prompt ids are a difference from an earlier "
+                    "turn of its speaker that is not in the turns given; expand a transcript's turns from "
+                    "its first"
+                )
+            code = "H" if data["id_bytes"] == 2 else "I"
+            whole = (*latest[author][: prompt["keep"]], *_unpack(code, prompt["ids"]))
+            data = {**data, "prompt_ids": _pack(code, whole)}
+            turn = {**turn, "metadata": {**turn["metadata"], TOKENS_KEY: data}}
+        record = TokenRecord.from_json(data)
+        latest[turn.get("author")] = (*record.prompt_ids, *record.ids)
+        out.append(dict(turn))
+    return out

@@ -45,6 +45,7 @@ from .._core import (
     View,
     ViewMessage,
     ambient_conditions,
+    expand_turns,
     is_templated,
     record_sample,
     resolve,
@@ -310,7 +311,7 @@ class Conversation:
         """
         conv = self._copy()
         conv._stream_id = stream_id
-        committed = [Message.from_json(turn) for turn in turns]
+        committed = [Message.from_json(turn) for turn in expand_turns(turns)]
         speakers = {p.name: p for p in conv.participants}
         kept = turns_on_this_seed_rule(committed, speakers, conv.seed, conv.generated_turns, job=stream_id)
         for message in committed[:kept]:

@@ -22,7 +22,14 @@ from typing import IO, TYPE_CHECKING, Any
 
 from interlens.store import JOB_STATES, LedgerReader
 
-from .._core import TOKENS_KEY, ConfigurationError, ConfigurationTypeError, TokenRecord, type_name
+from .._core import (
+    TOKENS_KEY,
+    ConfigurationError,
+    ConfigurationTypeError,
+    TokenRecord,
+    expand_turns,
+    type_name,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -198,7 +205,7 @@ def turn_token_rows(
     speaker saw, the ids it generated and their log-probabilities (``TOKEN_COLUMNS``; docs/rollouts.md
     maps them to TRL's and verifiers' names). ``turn`` is the message's index in the transcript (0: the
     shared context)."""
-    for index, message in enumerate((conversation or {}).get("transcript") or []):
+    for index, message in enumerate(expand_turns((conversation or {}).get("transcript") or [])):
         data = (message.get("metadata") or {}).get(TOKENS_KEY)
         if data is None:
             continue

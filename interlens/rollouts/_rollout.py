@@ -30,6 +30,7 @@ from .._core import (
     ambient_conditions,
     as_interlens_errors,
     collecting_samples,
+    compact_turn,
     in_job,
     is_templated,
 )
@@ -75,7 +76,9 @@ class ConversationJob:
         conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
 
         async def record(index: int, message: Message) -> None:
-            await ctx.record_turn(index, message.to_json())
+            # a token record's prompt as a difference from its speaker's previous turn (``compact_turn``)
+            earlier = [m.to_json() for m in conv.transcript[:-1]] if message.tokens is not None else []
+            await ctx.record_turn(index, compact_turn(message.to_json(), earlier))
 
         try:
             with in_job(ctx):
