@@ -9,6 +9,7 @@ fingerprint.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -160,6 +161,12 @@ def test_the_token_export_gives_each_turn_the_ids_its_model_saw(qwen2_path: str,
     assert list(exported.columns) == list(TOKEN_COLUMNS)
     assert [list(x) for x in exported["completion_ids"]] == [list(x) for x in frame["completion_ids"]]
     assert [list(x) for x in exported["prompt_ids"]] == [list(x) for x in frame["prompt_ids"]]
+    show = [sys.executable, "-m", "interlens", "show", str(tmp_path / "run"), "rollout_0000", "--metadata"]
+    shown = subprocess.run(
+        show, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "tokens=<" in shown.stdout and "model_logprobs" not in shown.stdout  # no base64 in the terminal
 
 
 def test_a_transcript_stores_each_speakers_prompts_as_differences_and_reads_them_back_whole() -> None:

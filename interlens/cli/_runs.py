@@ -28,7 +28,7 @@ from rich.text import Text
 import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
-from .._core import ConfigurationError, as_interlens_errors
+from .._core import TOKENS_KEY, ConfigurationError, as_interlens_errors
 from ..report import recorded_metadata, summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
@@ -352,5 +352,13 @@ def render_messages(console: Console, messages: list[dict[str, Any]], *, metadat
         console.print(Text(clean(str(message.get("content", "")))))
         meta = message.get("metadata") or {}
         if metadata and meta:
-            pairs = ", ".join(f"{k}={clean(json.dumps(v, ensure_ascii=False))}" for k, v in meta.items())
+            pairs = ", ".join(f"{k}={_shown(k, v, meta)}" for k, v in meta.items())
             console.print(Text(f"metadata: {pairs}", style="dim italic"))
+
+
+def _shown(key: str, value: Any, meta: dict[str, Any]) -> str:
+    """A metadata value as ``show --metadata`` prints it: a token record (kilobytes of base64) by what it
+    holds, the others as JSON."""
+    if key == TOKENS_KEY:
+        return f"<{meta.get('n_tokens', '?')} token ids and their log-probabilities>"
+    return clean(json.dumps(value, ensure_ascii=False))
