@@ -130,6 +130,11 @@ def test_a_recorded_debate_is_training_data_the_model_itself_agrees_with(engine:
             assert set(row.completion_sampling_logprobs) == {0.0}
     reused = [m.metadata["kv_reused_tokens"] for r in report.results.values() for m in r.transcript[3:]]
     assert min(reused) > 0
+    # SmolLM2's template renders an earlier answer as the very ids generated (its end token included): a
+    # row per speaker marks every id the speaker generated, in all its turns
+    for row in report.to_pandas(tokens="speakers").itertuples():
+        transcript = report.results[row.job_id].transcript
+        assert sum(row.generated_mask) == sum(transcript[i].n_tokens for i in row.turns)
 
 
 def test_a_turn_without_a_system_prompt_gets_the_templates_own_and_stop_strings_cut_real_text() -> None:

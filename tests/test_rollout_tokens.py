@@ -190,3 +190,51 @@ def test_a_transcript_stores_each_speakers_prompts_as_differences_and_reads_them
         Message.from_json(stored[3]).tokens  # noqa: B018
     with pytest.raises(Exception, match="not in the turns given"):
         Transcript.from_json(stored[3:])
+
+
+def test_a_row_per_speaker_holds_its_last_sequence_and_a_mask_of_what_it_generated(
+    qwen2_path: str, tmp_path: Path
+) -> None:
+    """``tokens="speakers"`` / ``--per speaker``: each speaker's last prompt + answer as one sequence, 1 in
+    the mask where the speaker generated that very id (its last answer, and earlier answers its later
+    prompts kept verbatim). One forward pass over the sequence gives back every masked log-probability:
+    each such id saw exactly the prefix it was generated after."""
+    import pandas as pd
+
+    report = _debate(qwen2_path).rollout(n=2, out_dir=tmp_path / "run", seed=1)
+    frame = report.to_pandas(tokens="speakers")
+    assert len(frame) == 2 * 2 and sorted(frame["speaker"]) == ["a", "a", "b", "b"]
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path, dtype=torch.float32).eval()
+    for row in frame.itertuples():
+        turns = report.results[row.job_id].transcript
+        last = turns[row.turns[-1]].tokens
+        assert last is not None and list(row.input_ids) == [*last.prompt_ids, *last.ids]
+        assert list(row.generated_mask[-len(last.ids) :]) == [1] * len(last.ids)
+        assert list(row.turns) == [i for i, m in enumerate(turns) if m.author == row.speaker]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(row.input_ids)])).logits[0].log_softmax(-1)
+        for p, generated in enumerate(row.generated_mask):
+            if generated:
+                want = logits[p - 1, row.input_ids[p]].item()
+                assert abs(row.model_logprobs[p] - want) < 1e-4, (row.speaker, p)
+            else:
+                assert row.model_logprobs[p] == 0.0 and row.sampling_logprobs[p] == 0.0
+    with pytest.raises(Exception, match="pass True or 'turns'"):
+        report.to_pandas(tokens="rows")
+    target = tmp_path / "speakers.parquet"
+    command = [
+        sys.executable,
+        "-m",
+        "interlens",
+        "export",
+        str(tmp_path / "run"),
+        "--tokens",
+        "--per",
+        "speaker",
+    ]
+    done = subprocess.run(
+        [*command, "-f", "parquet", "-o", str(target)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "wrote 4 speaker row(s)" in done.stderr, done.stderr
+    exported = pd.read_parquet(target)
+    assert [list(x) for x in exported["generated_mask"]] == [list(x) for x in frame["generated_mask"]]

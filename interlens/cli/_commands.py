@@ -170,6 +170,13 @@ class ExportFormat(StrEnum):
     parquet = "parquet"
 
 
+class TokenRows(StrEnum):
+    """``interlens export --tokens --per``: the rows of a token export."""
+
+    turn = "turn"
+    speaker = "speaker"
+
+
 @app.command()
 def export(
     out_dir: OutDir,
@@ -182,32 +189,38 @@ def export(
         bool,
         typer.Option(
             "--tokens",
-            help="One row per generated turn that kept its tokens (record_tokens=True): prompt ids, "
-            "completion ids and their log-probabilities, for trainers.",
+            help="Rows of the turns that kept their tokens (record_tokens=True), for trainers: prompt ids, "
+            "completion ids and their log-probabilities (see --per).",
         ),
     ] = False,
+    per: Annotated[
+        TokenRows,
+        typer.Option("--per", help="With --tokens: a row per generated turn, or per job and speaker."),
+    ] = TokenRows.turn,
 ) -> None:
     """One row per job (id, lineup, state, seed, tokens, error, transcript as JSON, final message,
-    analysis.* columns) as JSONL, CSV or parquet; with --tokens, one row per generated turn."""
-    from ..report import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, write_export
+    analysis.* columns) as JSONL, CSV or parquet; with --tokens, one row per generated turn (or per job
+    and speaker: --per speaker)."""
+    from ..report import ledger_rows, ledger_token_rows, token_columns, write_export
     from ._runs import open_reader
 
     with _errors():
         open_reader(out_dir).close()  # a missing or foreign OUT_DIR is refused before any output starts
         if tokens:
             count = write_export(
-                lambda: ledger_token_rows(out_dir),
+                lambda: ledger_token_rows(out_dir, per=per.value),
                 fmt=fmt.value,
                 output=output,
                 stdout=sys.stdout,
-                base=TOKEN_COLUMNS,
+                base=token_columns(per.value),
             )
         else:
             count = write_export(
                 lambda: ledger_rows(out_dir), fmt=fmt.value, output=output, stdout=sys.stdout
             )
     if output is not None:
-        _stderr().print(f"wrote {count:,} {'turn' if tokens else 'job'}(s) to {output}", markup=False)
+        what = f"{per.value} row" if tokens else "job"
+        _stderr().print(f"wrote {count:,} {what}(s) to {output}", markup=False)
 
 
 @app.command()

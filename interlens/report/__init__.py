@@ -2,7 +2,7 @@
 report.
 """
 
-from ._export import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, write_export
+from ._export import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, token_columns, write_export
 from ._html_report import write_report
 from ._report import RunReport, RunResult
 from ._usage import SAMPLES_KEY, check_prices, recorded_metadata, summarize, turn_cost
@@ -17,6 +17,7 @@ __all__ = [
     "ledger_token_rows",
     "recorded_metadata",
     "summarize",
+    "token_columns",
     "turn_cost",
     "write_export",
     "write_report",

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BASE_COLUMNS",
     "EXPORT_FORMATS",
+    "SPEAKER_COLUMNS",
     "TOKEN_COLUMNS",
+    "TOKEN_ROWS_PER",
     "ledger_rows",
     "ledger_token_rows",
     "outcome_rows",
@@ -50,6 +52,7 @@ __all__ = [
     "summary_html",
     "to_dataset",
     "to_pandas",
+    "token_columns",
     "write_export",
 ]
 
@@ -226,25 +229,107 @@ def turn_token_rows(
         }
 
 
-def outcome_token_rows(outcomes: Iterable[JobOutcome]) -> Iterator[dict[str, Any]]:
-    """:func:`turn_token_rows` of a ``RunReport``'s job outcomes."""
+#: The columns of a per-speaker token export (``tokens="speakers"``): one row per (job, speaker).
+SPEAKER_COLUMNS: tuple[str, ...] = (
+    "job_id",
+    "lineup",
+    "row_index",
+    "seed",
+    "speaker",
+    "turns",
+    "input_ids",
+    "generated_mask",
+    "model_logprobs",
+    "sampling_logprobs",
+)
+
+
+def speaker_token_rows(
+    *, job_id: str, lineup: str, row_index: int | None, seed: int, conversation: Mapping[str, Any] | None
+) -> Iterator[dict[str, Any]]:
+    """One job as a row per speaker that kept its tokens: its last turn's prompt and generated ids as one
+    sequence (``input_ids``), with ``generated_mask`` 1 where the speaker generated that very id, in this
+    turn or an earlier one whose ids its later prompts kept verbatim (a chat template that re-renders an
+    earlier answer differently leaves those positions 0), and each such position's two log-probabilities
+    (0.0 elsewhere)."""
+    turns: dict[Any, list[tuple[int, TokenRecord]]] = {}
+    for index, message in enumerate(expand_turns((conversation or {}).get("transcript") or [])):
+        data = (message.get("metadata") or {}).get(TOKENS_KEY)
+        if data is not None:
+            turns.setdefault(message.get("author"), []).append((index, TokenRecord.from_json(data)))
+    for speaker, records in turns.items():
+        sequences = [(*r.prompt_ids, *r.ids) for _, r in records]
+        final = sequences[-1]
+        mask, model, sampling = [0] * len(final), [0.0] * len(final), [0.0] * len(final)
+        survives = len(final)  # positions below this are the same in every later prompt
+        for t in range(len(records) - 1, -1, -1):
+            record = records[t][1]
+            start = len(record.prompt_ids)
+            for k in range(len(record.ids)):
+                if start + k < survives:
+                    mask[start + k] = 1
+                    model[start + k] = record.model_logprobs[k]
+                    sampling[start + k] = record.sampling_logprobs[k]
+            if t:  # how much of the previous turn's sequence this turn's prompt kept
+                survives = min(survives, _common_prefix(sequences[t - 1], record.prompt_ids))
+        yield {
+            "job_id": job_id,
+            "lineup": lineup,
+            "row_index": row_index,
+            "seed": seed,
+            "speaker": speaker,
+            "turns": [index for index, _ in records],
+            "input_ids": list(final),
+            "generated_mask": mask,
+            "model_logprobs": model,
+            "sampling_logprobs": sampling,
+        }
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def outcome_token_rows(outcomes: Iterable[JobOutcome], *, per: str = "turn") -> Iterator[dict[str, Any]]:
+    """:func:`turn_token_rows` (``per="turn"``) or :func:`speaker_token_rows` (``per="speaker"``) of a
+    ``RunReport``'s job outcomes."""
+    rows = _TOKEN_ROWS[per][0]
     for o in outcomes:
-        yield from turn_token_rows(
+        yield from rows(
             job_id=o.job_id, lineup=o.lineup, row_index=o.row_index, seed=o.seed, conversation=o.conversation
         )
 
 
-def ledger_token_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """:func:`turn_token_rows` of every finished job in a ledger, streamed page by page, read-only."""
+def ledger_token_rows(out_dir: str | Path, *, per: str = "turn") -> Iterator[dict[str, Any]]:
+    """:func:`outcome_token_rows` of every finished job in a ledger, streamed page by page, read-only."""
+    rows = _TOKEN_ROWS[per][0]
     with LedgerReader(out_dir) as reader:
         for job, result in reader.iter_results(states=JOB_STATES):
-            yield from turn_token_rows(
+            yield from rows(
                 job_id=job.job_id,
                 lineup=job.lineup,
                 row_index=job.row_index,
                 seed=job.seed,
                 conversation=result["conversation"] if result else None,
             )
+
+
+#: ``per``: the rows of a token export and their columns.
+_TOKEN_ROWS: dict[str, tuple[Callable[..., Iterator[dict[str, Any]]], tuple[str, ...]]] = {
+    "turn": (turn_token_rows, TOKEN_COLUMNS),
+    "speaker": (speaker_token_rows, SPEAKER_COLUMNS),
+}
+TOKEN_ROWS_PER: tuple[str, ...] = tuple(_TOKEN_ROWS)
+
+
+def token_columns(per: str) -> tuple[str, ...]:
+    """The columns of a token export with rows ``per`` turn or speaker."""
+    return _TOKEN_ROWS[per][1]
 
 
 def _columns(rows: Iterable[Mapping[str, Any]], base: Sequence[str]) -> list[str]:

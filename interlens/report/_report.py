@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._core import Transcript
+from .._core import ConfigurationError, Transcript
 from . import _export
 from ._usage import UsageReport, conversation_metadata, recorded_metadata, summarize
 
@@ -194,7 +194,6 @@ class RunReport:
     def to_html(self, path: str | os.PathLike[str], *, max_jobs: int = 1000) -> Path:
         """Write this run's report as one self-contained HTML page (what ``interlens report`` writes) to
         ``path`` and return it; ``max_jobs`` transcripts are embedded. Needs the run's ``out_dir``."""
-        from .._core import ConfigurationError
         from ._html_report import write_report
 
         if self.out_dir is None:
@@ -223,25 +222,28 @@ class RunReport:
                 out[jid] = conv
         return out
 
-    def to_pandas(self, *, tokens: bool = False) -> pandas.DataFrame:
+    def to_pandas(self, *, tokens: bool | str = False) -> pandas.DataFrame:
         """One row per job (``job_id``, ``lineup``, ``state``, ``seed``, tokens, error, the transcript as JSON
         text and its final message, ``skipped``...), a dict analysis flattened into ``analysis.<key>``
-        columns. With ``tokens=True``, one row per generated turn that kept its tokens (participants with
-        ``record_tokens=True``): the prompt ids the speaker saw, the completion ids and their
-        log-probabilities (docs/rollouts.md, "Rollouts as training data"). Needs pandas (``pip install
-        'interlens[export]'``)."""
-        if tokens:
-            rows = _export.outcome_token_rows(self._outcome.outcomes())
-            return _export.to_pandas(rows, base=_export.TOKEN_COLUMNS)
-        return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
+        columns. For trainers, from the turns that kept their tokens (participants with
+        ``record_tokens=True``): ``tokens=True`` (or ``"turns"``) gives one row per generated turn (the
+        prompt ids the speaker saw, the completion ids and their log-probabilities), ``tokens="speakers"``
+        one row per (job, speaker) (its last turn's whole sequence and a mask of the ids it generated);
+        docs/rollouts.md, "Rollouts as training data". Needs pandas (``pip install 'interlens[export]'``)."""
+        if tokens is False:
+            return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
+        per = _token_rows_per(tokens)
+        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per)
+        return _export.to_pandas(rows, base=_export.token_columns(per))
 
-    def to_dataset(self, *, tokens: bool = False) -> datasets.Dataset:
-        """The rows of :meth:`to_pandas` (``tokens=True``: a row per generated turn) as a
+    def to_dataset(self, *, tokens: bool | str = False) -> datasets.Dataset:
+        """The rows of :meth:`to_pandas` (``tokens=``: a row per generated turn or per (job, speaker)) as a
         ``datasets.Dataset``."""
-        if tokens:
-            rows = _export.outcome_token_rows(self._outcome.outcomes())
-            return _export.to_dataset(rows, base=_export.TOKEN_COLUMNS)
-        return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
+        if tokens is False:
+            return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
+        per = _token_rows_per(tokens)
+        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per)
+        return _export.to_dataset(rows, base=_export.token_columns(per))
 
     def _repr_html_(self) -> str:
         return _export.summary_html(self)
@@ -254,3 +256,14 @@ class RunReport:
             f"<RunReport jobs={len(self.results)} done={c.get('done', 0)} failed={c.get('failed', 0)} "
             f"skipped={c.get('skipped', 0)}{stopped}{where}>"
         )
+
+
+def _token_rows_per(tokens: bool | str) -> str:
+    """``to_pandas(tokens=...)``'s value as the rows it asks for: ``"turn"`` or ``"speaker"``."""
+    per = {True: "turn", "turns": "turn", "speakers": "speaker"}.get(tokens)
+    if per is None:
+        raise ConfigurationError(
+            f"tokens={tokens!r}: pass True or 'turns' (a row per generated turn), 'speakers' (a row per job "
+            "and speaker) or False (a row per job)"
+        )
+    return per
