@@ -156,7 +156,7 @@ def test_the_token_export_gives_each_turn_the_ids_its_model_saw(qwen2_path: str,
         [*command, "-f", "parquet", "-o", str(target)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "wrote 8 turn(s)" in done.stderr
+    assert "wrote 8 turn row(s)" in done.stderr
     exported = pd.read_parquet(target)
     assert list(exported.columns) == list(TOKEN_COLUMNS)
     assert [list(x) for x in exported["completion_ids"]] == [list(x) for x in frame["completion_ids"]]

@@ -28,7 +28,7 @@ from typing import Any
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["TOKENS_KEY", "TokenRecord", "compact_turn", "compact_turns", "expand_turns"]
+__all__ = ["TOKENS_KEY", "TokenRecord", "common_prefix", "compact_turn", "compact_turns", "expand_turns"]
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
@@ -171,11 +171,7 @@ def compact_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def _difference(turn: Mapping[str, Any], base: tuple[int, ...]) -> dict[str, Any]:
     data = turn["metadata"][TOKENS_KEY]
     record = TokenRecord.from_json(data)
-    keep = 0
-    for a, b in zip(base, record.prompt_ids, strict=False):
-        if a != b:
-            break
-        keep += 1
+    keep = common_prefix(base, record.prompt_ids)
     code = "H" if data["id_bytes"] == 2 else "I"
     diff = {"keep": keep, "ids": _pack(code, record.prompt_ids[keep:])}
     return {**turn, "metadata": {**turn["metadata"], TOKENS_KEY: {**data, "prompt_ids": diff}}}
@@ -208,3 +204,13 @@ def expand_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         latest[turn.get("author")] = (*record.prompt_ids, *record.ids)
         out.append(dict(turn))
     return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share: what a later prompt kept of an earlier sequence."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

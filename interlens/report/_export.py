@@ -27,6 +27,7 @@ from .._core import (
     ConfigurationError,
     ConfigurationTypeError,
     TokenRecord,
+    common_prefix,
     expand_turns,
     type_name,
 )
@@ -271,7 +272,7 @@ def speaker_token_rows(
                     model[start + k] = record.model_logprobs[k]
                     sampling[start + k] = record.sampling_logprobs[k]
             if t:  # how much of the previous turn's sequence this turn's prompt kept
-                survives = min(survives, _common_prefix(sequences[t - 1], record.prompt_ids))
+                survives = min(survives, common_prefix(sequences[t - 1], record.prompt_ids))
         yield {
             "job_id": job_id,
             "lineup": lineup,
@@ -284,15 +285,6 @@ def speaker_token_rows(
             "model_logprobs": model,
             "sampling_logprobs": sampling,
         }
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def outcome_token_rows(outcomes: Iterable[JobOutcome], *, per: str = "turn") -> Iterator[dict[str, Any]]:
