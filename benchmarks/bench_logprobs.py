@@ -1,6 +1,11 @@
 """What recording each token's log-probabilities costs a batch (issue 27: at most 5 % of batched throughput).
 
     python benchmarks/bench_logprobs.py [--model real] [--rows 16] [--max-new 128] [--repeats 3]
+    python benchmarks/bench_logprobs.py --ledger [--model real]
+
+``--ledger`` measures the records' size instead: 16 debates x 8 turns x up to 64 tokens (``_common.debate``,
+T = 0.9) run into a fresh ledger with ``record_tokens`` off and on; prints each ledger's size after
+``VACUUM``, the turns' text and the records' JSON.
 
 One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
 the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
@@ -19,13 +24,56 @@ import statistics
 import time
 from typing import Any
 
-from _common import add_batch_options, in_thread, question_batch, spread
+from _common import (
+    add_batch_options,
+    cpu_summary,
+    debate,
+    fast_dtype,
+    in_thread,
+    model_path,
+    question_batch,
+    spread,
+)
+
+
+def ledger_sizes(path: str, dtype: str) -> None:
+    """The ``--ledger`` measurement (see the module docstring)."""
+    import json
+    import os
+    import sqlite3
+    import tempfile
+
+    for record in (False, True):
+        with tempfile.TemporaryDirectory() as out:
+            conv = debate(path, turns=8, new_tokens=64, dtype=dtype, record_tokens=record)
+            conv.rollout(n=16, out_dir=out, seed=1)
+            db = sqlite3.connect(os.path.join(out, "ledger.sqlite"))
+            turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
+            db.execute("VACUUM")
+            db.close()  # the write-ahead log folded in: the files' size is the ledger's
+            size = sum(
+                os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("ledger")
+            )
+        text = sum(len(t["content"].encode()) for t in turns)
+        records = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
+        tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
+        print(
+            f"  record_tokens={record}: ledger {size / 1024:.0f} KiB; turn text {text / 1024:.0f} KiB; "
+            f"records {records / 1024:.0f} KiB ({records / text:.1f}x the text); {tokens} tokens"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_options(parser, max_new=128)
+    parser.add_argument("--ledger", action="store_true", help="measure the records' size in the ledger")
     args = parser.parse_args()
+    if args.ledger:
+        path, label = model_path(parser, args.model)
+        dtype = fast_dtype(args.dtype)
+        print(f"{label}, {dtype}; CPU: {cpu_summary()}")
+        ledger_sizes(path, dtype)
+        return
     engine, prompts = question_batch(parser, args)
 
     import torch
