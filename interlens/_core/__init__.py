@@ -60,7 +60,7 @@ from ._templating import (
     template_from_json,
     template_to_json,
 )
-from ._token_record import TOKENS_KEY, TokenRecord, common_prefix, compact_turn, expand_turns
+from ._token_record import TOKENS_KEY, TokenRecord, common_prefix, expand_turns
 from ._validate import check_bool, check_int, check_number, closest_name, type_name
 from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tokens
 
@@ -112,7 +112,6 @@ __all__ = [
     "closest_name",
     "collecting_samples",
     "common_prefix",
-    "compact_turn",
     "condition_from_json",
     "count_tokens",
     "dataset_field",

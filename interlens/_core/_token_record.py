@@ -9,9 +9,10 @@ all 0.0; ``"model"``: a turn sampled at temperature 1 with no nucleus, equal to 
 when asked (:attr:`Message.tokens`).
 
 A turn's prompt holds the whole conversation so far, so stored whole the prompts grow with the square of the
-turns. Where a turn is written to the ledger (:func:`compact_turn`, by the rollout job that has the
-transcript), its prompt ids are stored as a difference from the same speaker's previous recorded turn:
-how many leading ids of that turn's prompt + generated ids it keeps, then its own. Every reader of a
+turns. Where a transcript's turns are written (:func:`compact_turns`: ``Transcript.to_json``, and each turn
+a rollout job records in the ledger), a record's prompt ids are stored as a difference from the same
+speaker's previous recorded turn: how many leading ids of that turn's prompt + generated ids it keeps, then
+its own. Every reader of a
 transcript's turns in order expands them back (:func:`expand_turns`: ``Transcript.from_json``, a job's
 replay, the token export), so in memory a record always holds its whole prompt. Sizes measured on
 SmolLM2-135M: benchmarks/RESULTS.md.
@@ -28,7 +29,7 @@ from typing import Any
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["TOKENS_KEY", "TokenRecord", "common_prefix", "compact_turn", "compact_turns", "expand_turns"]
+__all__ = ["TOKENS_KEY", "TokenRecord", "common_prefix", "compact_turns", "expand_turns"]
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
@@ -136,24 +137,10 @@ def _unpack(code: str, text: str) -> array[Any]:
     return values
 
 
-def compact_turn(turn: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``turn`` (a message's JSON) as the ledger stores it: its record's prompt ids as a difference from its
-    author's latest turn in ``earlier`` (the transcript before it, messages' JSON, records whole) that has a
-    record (``keep`` leading ids of that turn's prompt + generated ids, then its own ``ids``); unchanged
-    when it has no record or its author none before."""
-    if (turn.get("metadata") or {}).get(TOKENS_KEY) is None:
-        return dict(turn)
-    for previous in reversed(earlier):
-        kept = (previous.get("metadata") or {}).get(TOKENS_KEY)
-        if previous.get("author") == turn.get("author") and kept is not None:
-            before = TokenRecord.from_json(kept)
-            return _difference(turn, (*before.prompt_ids, *before.ids))
-    return dict(turn)
-
-
 def compact_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A transcript's turns (messages' JSON in order, records whole) as :func:`compact_turn` stores each:
-    ``Transcript.to_json``, so a job's result holds its turns exactly as the ledger recorded them."""
+    """A transcript's turns (messages' JSON in order, records whole) with each record's prompt ids as a
+    difference from its author's previous recorded turn (``keep`` leading ids of that turn's prompt +
+    generated ids, then its own ``ids``); a turn without a record, or its author's first, unchanged."""
     out: list[dict[str, Any]] = []
     latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
     for turn in turns:
@@ -179,7 +166,7 @@ def _difference(turn: Mapping[str, Any], base: tuple[int, ...]) -> dict[str, Any
 
 def expand_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``turns`` (messages' JSON, a transcript's in order, or its first ones) with every record's prompt ids
-    whole again: the inverse of :func:`compact_turn`."""
+    whole again: the inverse of :func:`compact_turns`."""
     out: list[dict[str, Any]] = []
     latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
     for turn in turns:

@@ -30,7 +30,6 @@ from .._core import (
     ambient_conditions,
     as_interlens_errors,
     collecting_samples,
-    compact_turn,
     in_job,
     is_templated,
 )
@@ -76,9 +75,10 @@ class ConversationJob:
         conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
 
         async def record(index: int, message: Message) -> None:
-            # a token record's prompt as a difference from its speaker's previous turn (``compact_turn``)
-            earlier = [m.to_json() for m in conv.transcript[:-1]] if message.tokens is not None else []
-            await ctx.record_turn(index, compact_turn(message.to_json(), earlier))
+            # a token record's prompt as a difference from its speaker's previous turn, as the result's
+            # transcript will hold it (``Transcript.to_json``), so the result refers to this very turn
+            recorded = conv.transcript.to_json()[-1] if message.tokens is not None else message.to_json()
+            await ctx.record_turn(index, recorded)
 
         try:
             with in_job(ctx):
