@@ -11,7 +11,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 __all__ = [
@@ -145,17 +145,12 @@ def invariance_diagnosis(path: str, device: str) -> dict[str, Any]:
         for name, backend in {"default": None, **backends}.items():
             key = f"{'chunked' if chunked else 'stock'} linears, {name} attention"
             try:
-                with torch.inference_mode(), sdpa_kernel([backend]) if backend else _nothing():
+                with torch.inference_mode(), sdpa_kernel([backend]) if backend else nullcontext():
                     figures[key] = batch_invariant(slots)
             except Exception as exc:  # a kernel this device or dtype cannot run
                 figures[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
             print(f"  float32, {key}: {figures[key]}", flush=True)
     return figures
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 #: The decode benchmark's model shapes (Qwen2.5-0.5B and -3B, random weights built from a config on the

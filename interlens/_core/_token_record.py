@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,32 +141,47 @@ def compact_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """A transcript's turns (messages' JSON in order, records whole) with each record's prompt ids as a
     difference from its author's previous recorded turn (``keep`` leading ids of that turn's prompt +
     generated ids, then its own ``ids``); a turn without a record, or its author's first, unchanged."""
-    out: list[dict[str, Any]] = []
-    latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
-    for turn in turns:
-        data = (turn.get("metadata") or {}).get(TOKENS_KEY)
-        if data is None:
-            out.append(dict(turn))
-            continue
-        record = TokenRecord.from_json(data)
-        author = turn.get("author")
-        out.append(_difference(turn, latest[author]) if author in latest else dict(turn))
-        latest[author] = (*record.prompt_ids, *record.ids)
-    return out
 
+    def difference(
+        data: Mapping[str, Any], code: str, base: tuple[int, ...] | None, _: Any
+    ) -> tuple[Any, ...]:
+        prompt = tuple(_unpack(code, data["prompt_ids"]))
+        if base is None:
+            return data["prompt_ids"], prompt
+        keep = common_prefix(base, prompt)
+        return {"keep": keep, "ids": _pack(code, prompt[keep:])}, prompt
 
-def _difference(turn: Mapping[str, Any], base: tuple[int, ...]) -> dict[str, Any]:
-    data = turn["metadata"][TOKENS_KEY]
-    record = TokenRecord.from_json(data)
-    keep = common_prefix(base, record.prompt_ids)
-    code = "H" if data["id_bytes"] == 2 else "I"
-    diff = {"keep": keep, "ids": _pack(code, record.prompt_ids[keep:])}
-    return {**turn, "metadata": {**turn["metadata"], TOKENS_KEY: {**data, "prompt_ids": diff}}}
+    return _rewrite_prompts(turns, difference)
 
 
 def expand_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``turns`` (messages' JSON, a transcript's in order, or its first ones) with every record's prompt ids
     whole again: the inverse of :func:`compact_turns`."""
+
+    def whole(
+        data: Mapping[str, Any], code: str, base: tuple[int, ...] | None, author: Any
+    ) -> tuple[Any, ...]:
+        stored = data["prompt_ids"]
+        if not isinstance(stored, Mapping):
+            return stored, tuple(_unpack(code, stored))
+        if base is None:
+            raise ConfigurationError(
+                f"turn by {author!r}: its token record's prompt ids are a difference from an earlier turn of "
+                "its speaker that is not in the turns given; expand a transcript's turns from its first"
+            )
+        prompt = (*base[: stored["keep"]], *_unpack(code, stored["ids"]))
+        return _pack(code, prompt), prompt
+
+    return _rewrite_prompts(turns, whole)
+
+
+def _rewrite_prompts(
+    turns: Iterable[Mapping[str, Any]],
+    rewrite: Callable[[Mapping[str, Any], str, tuple[int, ...] | None, Any], tuple[Any, ...]],
+) -> list[dict[str, Any]]:
+    """``turns`` with each record's ``prompt_ids`` as ``rewrite(record's JSON, id code, base, author)``
+    stores it (it returns that and the whole prompt); ``base``: its author's previous recorded turn's
+    prompt + generated ids, None for the author's first. Only ids are decoded, never the log-probabilities."""
     out: list[dict[str, Any]] = []
     latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
     for turn in turns:
@@ -174,22 +189,12 @@ def expand_turns(turns: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if data is None:
             out.append(dict(turn))
             continue
-        prompt = data.get("prompt_ids")
-        if isinstance(prompt, Mapping):
-            author = turn.get("author")
-            if author not in latest:
-                raise ConfigurationError(
-                    f"turn by {author!r}: its token record's prompt ids are a difference from an earlier "
-                    "turn of its speaker that is not in the turns given; expand a transcript's turns from "
-                    "its first"
-                )
-            code = "H" if data["id_bytes"] == 2 else "I"
-            whole = (*latest[author][: prompt["keep"]], *_unpack(code, prompt["ids"]))
-            data = {**data, "prompt_ids": _pack(code, whole)}
-            turn = {**turn, "metadata": {**turn["metadata"], TOKENS_KEY: data}}
-        record = TokenRecord.from_json(data)
-        latest[turn.get("author")] = (*record.prompt_ids, *record.ids)
-        out.append(dict(turn))
+        author = turn.get("author")
+        code = "H" if data["id_bytes"] == 2 else "I"
+        stored, prompt = rewrite(data, code, latest.get(author), author)
+        latest[author] = (*prompt, *_unpack(code, data["ids"]))
+        record = {**data, "prompt_ids": stored}
+        out.append({**turn, "metadata": {**turn["metadata"], TOKENS_KEY: record}})
     return out
 
 

@@ -45,7 +45,6 @@ __all__ = [
     "EXPORT_FORMATS",
     "SPEAKER_COLUMNS",
     "TOKEN_COLUMNS",
-    "TOKEN_ROWS_PER",
     "ledger_rows",
     "ledger_token_rows",
     "outcome_rows",
@@ -316,7 +315,6 @@ _TOKEN_ROWS: dict[str, tuple[Callable[..., Iterator[dict[str, Any]]], tuple[str,
     "turn": (turn_token_rows, TOKEN_COLUMNS),
     "speaker": (speaker_token_rows, SPEAKER_COLUMNS),
 }
-TOKEN_ROWS_PER: tuple[str, ...] = tuple(_TOKEN_ROWS)
 
 
 def token_columns(per: str) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from .._core import (
+    TOKENS_KEY,
     ConfigurationError,
     DatasetField,
     InterlensError,
@@ -77,7 +78,7 @@ class ConversationJob:
         async def record(index: int, message: Message) -> None:
             # a token record's prompt as a difference from its speaker's previous turn, as the result's
             # transcript will hold it (``Transcript.to_json``), so the result refers to this very turn
-            recorded = conv.transcript.to_json()[-1] if message.tokens is not None else message.to_json()
+            recorded = conv.transcript.to_json()[-1] if TOKENS_KEY in message.metadata else message.to_json()
             await ctx.record_turn(index, recorded)
 
         try:
