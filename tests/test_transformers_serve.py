@@ -8,6 +8,7 @@ server. Started once for the module and stopped after it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +85,26 @@ def test_a_model_the_server_does_not_have_fails_the_job_with_its_reason(serve_ur
     assert error is not None and error.type == "GenerationError", error
     # the server's own reason, which the SDK's message leaves out ("Error code: 400")
     assert "HTTP 400" in error.message and "requested 'no-such-org/no-such-model'" in error.message, error
+
+
+def test_record_tokens_against_a_server_that_ignores_logprobs_keeps_the_turns_and_says_so(
+    serve_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``transformers serve`` accepts ``logprobs: true`` and answers without them. Each turn keeps its text
+    (the work is not lost), its metadata says why it has no token record, and the participant warns once."""
+    conv = Conversation(
+        [_speaker("rec", serve_url, record_tokens=True, system_prompt="One sentence.")],
+        shared_context="Tabs or spaces?",
+    ).turns(2)
+    with caplog.at_level(logging.WARNING, logger="interlens"):
+        conv.run()
+    turns = conv.transcript[1:]
+    assert len(turns) == 2 and all(m.content.strip() for m in turns)
+    for message in turns:
+        assert message.tokens is None
+        assert message.metadata["tokens_missing"].startswith(
+            "asked for log-probabilities (record_tokens=True)"
+        )
+        assert serve_url in message.metadata["tokens_missing"]
+    warned = [r.getMessage() for r in caplog.records if "keep no token record" in r.getMessage()]
+    assert len(warned) == 1 and "record_tokens=False" in warned[0]

@@ -60,9 +60,11 @@ class Message:
 
     @property
     def tokens(self) -> TokenRecord | None:
-        """This turn's token ids and their log-probabilities, where its speaker recorded them (a local
-        model participant with ``record_tokens=True``); None otherwise. Decoded from the metadata on each
-        access: keep the result rather than asking again in a loop."""
+        """This turn's tokens and their log-probabilities, where its speaker recorded them (a participant
+        with ``record_tokens=True``: a local model's ids, or a hosted model's token texts as its provider
+        reported them); None otherwise (``metadata["tokens_missing"]`` says why where they were asked
+        for). Decoded from the metadata on each access: keep the result rather than asking again in a
+        loop."""
         data = self.metadata.get(TOKENS_KEY)
         return None if data is None else TokenRecord.from_json(data)
 

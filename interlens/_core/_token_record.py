@@ -16,6 +16,12 @@ its own. Every reader of a
 transcript's turns in order expands them back (:func:`expand_turns`: ``Transcript.from_json``, a job's
 replay, the token export), so in memory a record always holds its whole prompt. Sizes measured on
 SmolLM2-135M: benchmarks/RESULTS.md.
+
+A hosted model's turn (an ``APIParticipant`` with ``record_tokens=True``) is recorded from what its provider
+reported: the tokens as text (OpenAI's chat completions give no ids), each one's log-probability as the
+provider computed it, and the provider's name (``reported_by``); no sampling log-probabilities and no
+prompt ids. Its JSON is format 2, so an interlens that predates it says it cannot read it; a local turn's
+stays format 1.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ __all__ = ["TOKENS_KEY", "TokenRecord", "common_prefix", "compact_turns", "expan
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
-_FORMAT = 1
+_FORMAT = 1  # a local turn's record
+_PROVIDER_FORMAT = 2  # a hosted model's turn: token texts and the provider's log-probabilities
 
 
 @dataclass(frozen=True)
@@ -44,18 +51,40 @@ class TokenRecord:
     drawn from (temperature and nucleus applied; 0.0 for a greedy turn, whose picks were certain). ``ids``
     include the end-of-turn token when the turn ended on one; they decode to the turn's text.
     ``prompt_ids``: the speaker's view as the model saw it (chat template and generation prompt
-    included)."""
+    included).
+
+    A hosted model's turn (``reported_by``: its provider's name) has no ids: ``texts[i]`` is its i-th token as
+    the provider wrote it (they join to the turn's text) and ``model_logprobs[i]`` that token's
+    log-probability as the provider reported it (OpenAI's, and vLLM's by default, are the model's own
+    distribution, before temperature and nucleus: docs/rollouts.md); ``sampling_logprobs`` is None (not
+    reported) and ``prompt_ids`` empty."""
 
     ids: tuple[int, ...]
     model_logprobs: tuple[float, ...]
-    sampling_logprobs: tuple[float, ...]
+    sampling_logprobs: tuple[float, ...] | None
     prompt_ids: tuple[int, ...] = ()
+    texts: tuple[str, ...] | None = None
+    reported_by: str | None = None
 
     def __post_init__(self) -> None:
-        if not len(self.ids) == len(self.model_logprobs) == len(self.sampling_logprobs):
+        if self.reported_by is not None:
+            aligned = self.texts is not None and len(self.texts) == len(self.model_logprobs)
+            if not aligned or self.ids or self.prompt_ids or self.sampling_logprobs is not None:
+                raise ConfigurationError(
+                    "TokenRecord: a provider's record (reported_by set) has texts aligned with "
+                    "model_logprobs, and no ids, prompt_ids or sampling_logprobs"
+                )
+            return
+        sampling = self.sampling_logprobs
+        if (
+            self.texts is not None
+            or sampling is None
+            or not len(self.ids) == len(self.model_logprobs) == len(sampling)
+        ):
             raise ConfigurationError(
-                f"TokenRecord: ids, model_logprobs and sampling_logprobs must align, got lengths "
-                f"{len(self.ids)}, {len(self.model_logprobs)} and {len(self.sampling_logprobs)}"
+                "TokenRecord: ids, model_logprobs and sampling_logprobs must align (texts is for a "
+                f"provider's record), got lengths {len(self.ids)}, {len(self.model_logprobs)} and "
+                f"{None if sampling is None else len(sampling)}"
             )
 
     @classmethod
@@ -69,9 +98,23 @@ class TokenRecord:
         """From the engine's lists (the log-probabilities rounded to float32, as stored)."""
         return cls(tuple(ids), _float32(model_logprobs), _float32(sampling_logprobs), tuple(prompt_ids))
 
+    @classmethod
+    def reported(cls, provider: str, texts: Sequence[str], logprobs: Sequence[float]) -> TokenRecord:
+        """A hosted model's turn: its tokens' texts and their log-probabilities as ``provider`` reported
+        them (rounded to float32, as stored)."""
+        return cls((), _float32(logprobs), None, (), tuple(texts), provider)
+
     def to_json(self) -> dict[str, Any]:
+        if self.reported_by is not None:
+            return {
+                "format": _PROVIDER_FORMAT,
+                "reported_by": self.reported_by,
+                "texts": list(self.texts or ()),
+                "model_logprobs": _pack("f", self.model_logprobs),
+            }
         code = "H" if all(i < 2**16 for i in (*self.ids, *self.prompt_ids)) else "I"
         sampling: str
+        assert self.sampling_logprobs is not None  # __post_init__: a local record has them
         if not any(self.sampling_logprobs):
             sampling = _CERTAIN
         elif self.sampling_logprobs == self.model_logprobs:
@@ -89,10 +132,15 @@ class TokenRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TokenRecord:
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+        form = data.get("format") if isinstance(data, Mapping) else None
+        if form == _PROVIDER_FORMAT:
+            model = tuple(_unpack("f", data["model_logprobs"]))
+            return cls((), model, None, (), tuple(data["texts"]), str(data["reported_by"]))
+        if form != _FORMAT:
             raise ConfigurationError(
-                f"a turn's token record is an object of format {_FORMAT} (ids and two log-probability "
-                f"arrays, base64), got {str(data)[:200]}: written by a newer interlens? Upgrade to read it"
+                f"a turn's token record is an object of format {_FORMAT} or {_PROVIDER_FORMAT} (ids or "
+                f"token texts, and log-probability arrays in base64), got {str(data)[:200]}: written by a "
+                "newer interlens? Upgrade to read it"
             )
         if isinstance(data.get("prompt_ids"), Mapping):
             raise ConfigurationError(
@@ -186,7 +234,7 @@ def _rewrite_prompts(
     latest: dict[Any, tuple[int, ...]] = {}  # per author: its latest record's prompt + generated ids
     for turn in turns:
         data = (turn.get("metadata") or {}).get(TOKENS_KEY)
-        if data is None:
+        if data is None or "prompt_ids" not in data:  # no record, or a provider's (no ids)
             out.append(dict(turn))
             continue
         author = turn.get("author")

@@ -360,5 +360,8 @@ def _shown(key: str, value: Any, meta: dict[str, Any]) -> str:
     """A metadata value as ``show --metadata`` prints it: a token record (kilobytes of base64) by what it
     holds, the others as JSON."""
     if key == TOKENS_KEY:
+        reporter = value.get("reported_by") if isinstance(value, dict) else None
+        if reporter is not None:
+            return f"<{meta.get('n_tokens', '?')} tokens and their log-probabilities, reported by {reporter}>"
         return f"<{meta.get('n_tokens', '?')} token ids and their log-probabilities>"
     return clean(json.dumps(value, ensure_ascii=False))

@@ -15,6 +15,7 @@ otherwise the running event loop's gateway serves it (live use, and jobs in the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -31,6 +32,7 @@ from interlens.scheduler.gateway import (
 from .._core import (
     CURRENT_JOB,
     MODERATOR,
+    TOKENS_KEY,
     ConfigurationError,
     ConfigurationTypeError,
     GenerationError,
@@ -38,6 +40,7 @@ from .._core import (
     InterpModeError,
     Message,
     Template,
+    TokenRecord,
     View,
     count_tokens,
     template_from_json,
@@ -45,6 +48,11 @@ from .._core import (
 from ..providers import PROVIDERS, APIRequest, APIResult, fold_view, open_client, resolve_base_url
 from ..providers import provider as provider_named
 from ._participant import Participant, register_participant_kind
+
+log = logging.getLogger("interlens")
+
+#: Participants (by name) already warned in this process that their answers came without log-probabilities.
+_WARNED_MISSING: set[str] = set()
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "DEFAULT_MAX_TOKENS", "DEFAULT_TIMEOUT", "APIParticipant"]
 
@@ -77,6 +85,14 @@ _INTERP_SETTINGS = (
 
 
 def _interp_error(name: str, setting: str) -> InterpModeError:
+    if setting in ("logprobs", "top_logprobs"):
+        return InterpModeError(
+            f"APIParticipant({name!r}) cannot do interp ({setting}=): a hosted model exposes no activations, "
+            "steering or scoring of given text through interlens. For the log-probability of each token it "
+            "generates, pass record_tokens=True (message.tokens; providers that report them: "
+            f"{', '.join(p for p in PROVIDERS if provider_named(p).token_logprobs)}). Score text with a "
+            "local participant (AutoModelParticipant.from_pretrained(...)) and conv.logprobs()."
+        )
     return InterpModeError(
         f"APIParticipant({name!r}) cannot do interp ({setting}=): a hosted model exposes no activations, "
         "steering or logprobs through interlens. Use a local participant "
@@ -153,28 +169,36 @@ class APIParticipant(Participant):
         batch_policy: BatchPolicy | None = None,
         auth: bool | None = None,
         prompt_cache: bool = True,
+        record_tokens: bool = False,
         **unsupported: Any,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
         for setting in unsupported:
             if setting in _INTERP_SETTINGS:
                 raise _interp_error(name, setting)
-        if "record_tokens" in unsupported:
-            raise ConfigurationError(
-                f"APIParticipant({name!r}) cannot record_tokens yet: interlens does not ask providers for "
-                "token log-probabilities, so its turns would keep none (message.tokens is None). Token "
-                "records come from local participants: AutoModelParticipant.from_pretrained(..., "
-                "record_tokens=True)"
-            )
         if unsupported:
             raise ConfigurationError(
                 f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
                 "provider, model_id, system_prompt, temperature, top_p, max_tokens, stop, batch, base_url, "
-                "timeout, max_in_flight, retry, batch_policy, auth, prompt_cache"
+                "timeout, max_in_flight, retry, batch_policy, auth, prompt_cache, record_tokens"
             )
         if provider not in PROVIDERS:
             raise ConfigurationError(
                 f"{name}: provider must be one of {', '.join(PROVIDERS)}, got {provider!r}"
+            )
+        if not isinstance(record_tokens, bool):
+            raise ConfigurationError(
+                f"{name}: record_tokens must be True or False, got {record_tokens!r}; True keeps each turn's "
+                "tokens and their log-probabilities as the provider reports them (message.tokens)"
+            )
+        if record_tokens and not provider_named(provider).token_logprobs:
+            reporting = " or ".join(f"{p!r}" for p in PROVIDERS if provider_named(p).token_logprobs)
+            raise ConfigurationError(
+                f"APIParticipant({name!r}, provider={provider!r}): record_tokens=True cannot work: "
+                f"{provider_named(provider).title} reports no token log-probabilities, so every turn would "
+                f"keep none. Hosted turns record their tokens with provider={reporting} (an "
+                "OpenAI-compatible server such as vLLM included); local models record theirs "
+                "(AutoModelParticipant.from_pretrained(..., record_tokens=True))"
             )
         if not isinstance(model_id, str) or not model_id.strip():
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
@@ -222,6 +246,7 @@ class APIParticipant(Participant):
         if not isinstance(prompt_cache, bool):
             raise ConfigurationError(f"{name}: prompt_cache must be True or False, got {prompt_cache!r}")
         self.prompt_cache = prompt_cache
+        self.record_tokens = record_tokens
         self.auth = auth
         self.provider = provider
         self.model_id = model_id
@@ -288,6 +313,7 @@ class APIParticipant(Participant):
             turn=turn,
             cache=self.prompt_cache,
             seed=seed,
+            logprobs=self.record_tokens,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
@@ -316,7 +342,7 @@ class APIParticipant(Participant):
             if isinstance(result, BaseException):
                 raise result
         except (ProviderCallError, BatchRowError) as exc:
-            hint = self._refused_without_key(exc)
+            hint = self._refused_without_key(exc) or self._refused_logprobs(exc)
             raise GenerationError(
                 f"{self.name} ({self.provider} model {self.model_id!r}): {exc}{hint}"
             ) from exc
@@ -338,6 +364,17 @@ class APIParticipant(Participant):
                 f"and the server wants one: set {variable} to the server's key"
             )
         return ""
+
+    def _refused_logprobs(self, exc: BaseException) -> str:
+        """The fix, when a request that asked for log-probabilities (``record_tokens``) was refused for
+        them (OpenAI's reasoning models, some servers: a 400 naming logprobs)."""
+        refused = getattr(exc, "status", None) in (400, 422) and "logprob" in str(exc).lower()
+        if not (self.record_tokens and refused):
+            return ""
+        return (
+            ". The request asked for each token's log-probability (record_tokens=True), which this model or "
+            "server refuses: set record_tokens=False for this participant, or use a model that reports them"
+        )
 
     def recorded_seed(self, seed: int) -> int | None:
         """The request's ``seed`` field: the turn's seed in 31 bits, where the provider takes one."""
@@ -377,7 +414,34 @@ class APIParticipant(Participant):
             metadata["batch_id"] = result.batch_id
         if seed is not None:
             metadata["seed"] = seed  # what the request carried
+        if self.record_tokens:
+            self._record_tokens(result, metadata)
         return Message(self.name, result.text, metadata)
+
+    def _record_tokens(self, result: APIResult, metadata: dict[str, Any]) -> None:
+        """The turn's token record from the answer's log-probabilities; an answer without them (a server that
+        ignores the field, a model whose host gives none) keeps its text, paid for, and says why it has no
+        record (``metadata["tokens_missing"]``), warned once per participant and process."""
+        if result.token_logprobs is not None:
+            texts = [token for token, _ in result.token_logprobs]
+            values = [value for _, value in result.token_logprobs]
+            metadata[TOKENS_KEY] = TokenRecord.reported(self.provider, texts, values).to_json()
+            return
+        where = self.base_url or provider_named(self.provider).title
+        metadata["tokens_missing"] = (
+            f"asked for log-probabilities (record_tokens=True), {where} answered without them"
+        )
+        if self.name not in _WARNED_MISSING:
+            _WARNED_MISSING.add(self.name)
+            log.warning(
+                "%s (%s model %r): %s, so its turns keep no token record (message.tokens is None; "
+                "metadata['tokens_missing'] says so). A server that ignores logprobs (transformers serve) "
+                "never gives them: use one that does (vLLM, SGLang, OpenAI) or record_tokens=False.",
+                self.name,
+                self.provider,
+                self.model_id,
+                metadata["tokens_missing"],
+            )
 
     # ---------------------------------------------------------------- JSON / pickling
     def to_json(self) -> dict[str, Any]:
@@ -401,6 +465,8 @@ class APIParticipant(Participant):
             "batch_policy": dataclasses.asdict(self.batch_policy),
             "auth": self.auth,
             "prompt_cache": self.prompt_cache,
+            # only when on: recipes written before the setting existed keep their fingerprint
+            **({"record_tokens": True} if self.record_tokens else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -417,6 +483,8 @@ class APIParticipant(Participant):
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "stop": list(self.stop),
+            # what a turn keeps (a run recorded without cannot be resumed with): only when on, as in to_json
+            **({"record_tokens": True} if self.record_tokens else {}),
         }
 
     @classmethod

@@ -76,6 +76,7 @@ class APIRequest:
     turn: int | None = None  # the conversation's turn index (None: an ephemeral sample); the batch map key
     cache: bool = False  # mark prompt-cache breakpoints where the provider takes them (Anthropic)
     seed: int | None = None  # the turn's sampling seed, sent where the provider takes one (accepts_seed)
+    logprobs: bool = False  # ask for each generated token's log-probability (record_tokens; chat completions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,9 @@ class APIResult:
     batch_id: str | None = None
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    #: Each generated token's text and log-probability as the provider reported them, where asked
+    #: (``APIRequest.logprobs``) and given; None where the answer carried none.
+    token_logprobs: tuple[tuple[str, float], ...] | None = None
 
 
 class ProviderResponseError(Exception):
@@ -134,8 +138,9 @@ class Provider:
     Capabilities, read by the participant, the registry and the CLI instead of comparing provider names:
     ``batch`` (above), ``keyless_local`` (an endpoint on a local or private host is called without a key
     when none is set: OpenAI-compatible servers such as vLLM or ``transformers serve``), ``accepts_seed``
-    (a request can carry a sampling seed, chat completions' ``seed``). ``sdk``: the official SDK's package,
-    whose version a run records.
+    (a request can carry a sampling seed, chat completions' ``seed``), ``token_logprobs`` (an answer can
+    carry each generated token's log-probability, chat completions' ``logprobs``: what ``record_tokens``
+    needs). ``sdk``: the official SDK's package, whose version a run records.
     """
 
     name: str
@@ -152,6 +157,7 @@ class Provider:
     settings_problem: Callable[[dict[str, Any]], str | None] = lambda settings: None
     keyless_local: bool = False
     accepts_seed: bool = False
+    token_logprobs: bool = False
 
 
 _SHARD_SIZE = 8

@@ -64,7 +64,25 @@ def body(request: APIRequest) -> dict[str, Any]:
         out["top_p"] = request.top_p
     if request.seed is not None:
         out["seed"] = request.seed
+    if request.logprobs:
+        out["logprobs"] = True
     return out
+
+
+def _token_logprobs(logprobs: Any) -> tuple[tuple[str, float], ...] | None:
+    """A choice's ``logprobs.content`` as (token text, log-probability) pairs; None where the answer has
+    none (not asked, or a server that ignores the field) or where they cannot be read."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    pairs = []
+    for entry in content:
+        token = entry.get("token") if isinstance(entry, dict) else None
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if not isinstance(token, str) or not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 def _json_line(custom_id: str, request: APIRequest) -> str:
@@ -152,6 +170,7 @@ class OpenAIClient:
             request_id=request_id,
             batch_id=batch_id,
             cache_read_tokens=count(details.get("cached_tokens") if isinstance(details, dict) else None),
+            token_logprobs=_token_logprobs(choice.get("logprobs")),
         )
 
     # ------------------------------------------------------------------------------------------- batches
@@ -240,6 +259,7 @@ OPENAI = Provider(
     batch_price=0.5,  # "50% lower costs" than the synchronous API (platform.openai.com/docs/guides/batch)
     keyless_local=True,  # the OpenAI-compatible servers (vLLM, SGLang, llama.cpp, transformers serve)
     accepts_seed=True,
+    token_logprobs=True,
 )
 
 OPENROUTER = Provider(
@@ -254,6 +274,7 @@ OPENROUTER = Provider(
     body=body,
     client=OpenAIClient,
     accepts_seed=True,  # passed through to the models that take one
+    token_logprobs=True,  # passed through; a model whose host gives none answers without (tokens_missing)
 )
 
 #: The providers this module speaks for, by name (what a client built for one of them is).

@@ -196,6 +196,8 @@ TOKEN_COLUMNS: tuple[str, ...] = (
     "completion_ids",
     "completion_model_logprobs",
     "completion_sampling_logprobs",
+    "completion_tokens",
+    "logprobs_source",
     "completion",
     "finish_reason",
 )
@@ -207,12 +209,15 @@ def turn_token_rows(
     """One job's generated turns that kept their tokens (``record_tokens=True``), a row each: the ids the
     speaker saw, the ids it generated and their log-probabilities (``TOKEN_COLUMNS``; docs/rollouts.md
     maps them to TRL's and verifiers' names). ``turn`` is the message's index in the transcript (0: the
-    shared context)."""
+    shared context). ``logprobs_source``: "local" (computed by interlens from the local model), else the
+    provider that reported them; a hosted model's turn has its tokens as text (``completion_tokens``) and
+    no ids or sampling log-probabilities (None)."""
     for index, message in enumerate(expand_turns((conversation or {}).get("transcript") or [])):
         data = (message.get("metadata") or {}).get(TOKENS_KEY)
         if data is None:
             continue
         record = TokenRecord.from_json(data)
+        provided = record.reported_by is not None
         yield {
             "job_id": job_id,
             "lineup": lineup,
@@ -220,10 +225,12 @@ def turn_token_rows(
             "seed": seed,
             "turn": index,
             "speaker": message.get("author"),
-            "prompt_ids": list(record.prompt_ids),
-            "completion_ids": list(record.ids),
+            "prompt_ids": None if provided else list(record.prompt_ids),
+            "completion_ids": None if provided else list(record.ids),
             "completion_model_logprobs": list(record.model_logprobs),
-            "completion_sampling_logprobs": list(record.sampling_logprobs),
+            "completion_sampling_logprobs": _listed(record.sampling_logprobs),
+            "completion_tokens": _listed(record.texts),
+            "logprobs_source": record.reported_by or "local",
             "completion": message.get("content"),
             "finish_reason": (message.get("metadata") or {}).get("finish_reason"),
         }
@@ -251,12 +258,16 @@ def speaker_token_rows(
     sequence (``input_ids``), with ``generated_mask`` 1 where the speaker generated that very id, in this
     turn or an earlier one whose ids its later prompts kept verbatim (a chat template that re-renders an
     earlier answer differently leaves those positions 0), and each such position's two log-probabilities
-    (0.0 elsewhere)."""
+    (0.0 elsewhere). A hosted model's turns have no ids, so they make no row here (they are in the rows per
+    turn)."""
     turns: dict[Any, list[tuple[int, TokenRecord]]] = {}
     for index, message in enumerate(expand_turns((conversation or {}).get("transcript") or [])):
         data = (message.get("metadata") or {}).get(TOKENS_KEY)
-        if data is not None:
-            turns.setdefault(message.get("author"), []).append((index, TokenRecord.from_json(data)))
+        if data is None:
+            continue
+        record = TokenRecord.from_json(data)
+        if record.reported_by is None:
+            turns.setdefault(message.get("author"), []).append((index, record))
     for speaker, records in turns.items():
         sequences = [(*r.prompt_ids, *r.ids) for _, r in records]
         final = sequences[-1]
@@ -269,7 +280,7 @@ def speaker_token_rows(
                 if start + k < survives:
                     mask[start + k] = 1
                     model[start + k] = record.model_logprobs[k]
-                    sampling[start + k] = record.sampling_logprobs[k]
+                    sampling[start + k] = (record.sampling_logprobs or ())[k]
             if t:  # how much of the previous turn's sequence this turn's prompt kept
                 survives = min(survives, common_prefix(sequences[t - 1], record.prompt_ids))
         yield {
@@ -284,6 +295,10 @@ def speaker_token_rows(
             "model_logprobs": model,
             "sampling_logprobs": sampling,
         }
+
+
+def _listed(values: Sequence[Any] | None) -> list[Any] | None:
+    return None if values is None else list(values)
 
 
 def outcome_token_rows(outcomes: Iterable[JobOutcome], *, per: str = "turn") -> Iterator[dict[str, Any]]:

@@ -352,6 +352,13 @@ class FakeProviderServer:
                 )
             return out
 
+    @staticmethod
+    def token_logprobs(text: str) -> list[tuple[str, float]]:
+        """The tokens and log-probabilities this server reports for a chat completion that answered
+        ``text`` and was asked ``logprobs: true``: each word with the whitespace before it (they join to
+        ``text``), each one's log-probability a fixed function of it (made up)."""
+        return _openai.token_logprobs(text)
+
     @property
     def reported_usage(self) -> list[dict[str, Any]]:
         """The usage of every answer given since start or :meth:`reset_meters`, live or as a batch row, as

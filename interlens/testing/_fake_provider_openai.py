@@ -110,7 +110,7 @@ def chat_completion(
     choice: dict[str, Any] = {
         "index": 0,
         "finish_reason": finish,
-        "logprobs": None,
+        "logprobs": _logprobs(gen.text) if body.get("logprobs") is True else None,
         "message": {"role": "assistant", "content": gen.text, "refusal": None, "annotations": []},
     }
     blocks = [
@@ -149,6 +149,22 @@ def chat_completion(
         usage["cost"] = 0.0
     state.usage.append({"provider": provider, "model": body["model"], "batch": batch, "usage": usage})
     return out
+
+
+def token_logprobs(text: str) -> list[tuple[str, float]]:
+    """The tokens the fake provider reports for a reply ``text`` (each word with the whitespace before it;
+    they join to ``text``) and their log-probabilities: made up, but a fixed function of the token, so a
+    test computes what a turn must have recorded from its text."""
+    return [(token, -(sum(token.encode()) % 997) / 97) for token in re.findall(r"\s*\S+", text)]
+
+
+def _logprobs(text: str) -> dict[str, Any]:
+    """A choice's ``logprobs`` as chat completions answer ``logprobs: true`` (no ``top_logprobs`` asked)."""
+    content = [
+        {"token": token, "logprob": value, "bytes": list(token.encode()), "top_logprobs": []}
+        for token, value in token_logprobs(text)
+    ]
+    return {"content": content, "refusal": None}
 
 
 def _chat(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:

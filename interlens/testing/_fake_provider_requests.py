@@ -180,6 +180,8 @@ def validate_chat(body: Any, *, provider: str = "openai") -> str | None:
     for problem in checks:
         if problem is not None:
             return problem
+    if "logprobs" in body and not isinstance(body["logprobs"], bool | None):
+        return "Invalid type for 'logprobs': expected a boolean, but got a value of another type instead."
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
