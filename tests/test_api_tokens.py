@@ -182,3 +182,50 @@ def test_a_provider_record_round_trips_and_validates() -> None:
         TokenRecord((), (-1.0,), None, (), ("a", "b"), "openai")
     with pytest.raises(ConfigurationError, match="must align"):
         TokenRecord((1,), (-1.0,), None)
+
+
+def test_a_rollout_can_ask_every_participant_that_can_to_record(
+    server: FakeProviderServer, qwen2_path: str, tmp_path: Path
+) -> None:
+    """``rollout(record_tokens=True)``: the local model and OpenAI record without being told one by one;
+    Anthropic and a scripted speaker cannot, and their turns say why. The option is part of the recipe a
+    resume compares: the same call resumes, one without it is refused."""
+    from interlens import ScriptedParticipant, run
+
+    local = AutoModelParticipant.from_pretrained(qwen2_path, name="local", max_new_tokens=5)
+    lineup = Conversation(
+        [local, _api("oa", "openai"), _api("an", "anthropic"), ScriptedParticipant(name="s", replies=["ok"])],
+        shared_context="Is a hot dog a sandwich?",
+    ).turns(4)
+    report = lineup.rollout(n=2, out_dir=tmp_path, seed=1, record_tokens=True)
+    assert not report.failed
+    for result in report.results.values():
+        local_turn, openai_turn, anthropic_turn, scripted_turn = result.transcript[1:]
+        assert local_turn.tokens is not None and local_turn.tokens.reported_by is None
+        _assert_reported(openai_turn, "openai")
+        assert anthropic_turn.tokens is None and scripted_turn.tokens is None
+        assert anthropic_turn.metadata["tokens_missing"] == (
+            "asked for (record_tokens=True): Anthropic reports no token log-probabilities"
+        )
+        assert "has no model tokens to record" in scripted_turn.metadata["tokens_missing"]
+        assert "tokens_missing" not in local_turn.metadata | openai_turn.metadata
+    again = lineup.rollout(n=2, out_dir=tmp_path, seed=1, record_tokens=True)
+    assert again.skipped == sorted(report.results)
+    assert again.results["rollout_0000"].transcript[3].metadata["tokens_missing"]  # read back from the ledger
+    with pytest.raises(FingerprintMismatchError, match="resume=False"):
+        lineup.rollout(n=2, out_dir=tmp_path, seed=1)
+    plain = lineup.rollout(n=1, seed=1)  # the lineup itself is unchanged: nothing recorded, nothing said
+    assert all(
+        m.tokens is None and "tokens_missing" not in m.metadata
+        for m in plain.results["rollout_0000"].transcript
+    )
+    both = run([lineup.name("a"), lineup.name("b")], seed=1, record_tokens=True)
+    assert all(r.transcript[2].tokens is not None for r in both.results.values())
+
+
+def test_record_tokens_as_a_run_option_must_be_a_bool(server: FakeProviderServer) -> None:
+    from interlens import ConfigurationTypeError
+
+    conv = Conversation([_api("oa", "openai")], shared_context="Hi").turns(1)
+    with pytest.raises(ConfigurationTypeError, match=r"rollout\(\): record_tokens must be True or False"):
+        conv.rollout(n=1, record_tokens="yes")  # type: ignore[typeddict-item]

@@ -101,6 +101,10 @@ def _interp_error(name: str, setting: str) -> InterpModeError:
     )
 
 
+def _no_logprobs(provider: str) -> str:
+    return f"{provider_named(provider).title} reports no token log-probabilities"
+
+
 def _number_or_none(name: str, field: str, value: Any, low: float, high: float, *, open_low: bool) -> Any:
     if value is None:
         return None
@@ -195,10 +199,9 @@ class APIParticipant(Participant):
             reporting = " or ".join(f"{p!r}" for p in PROVIDERS if provider_named(p).token_logprobs)
             raise ConfigurationError(
                 f"APIParticipant({name!r}, provider={provider!r}): record_tokens=True cannot work: "
-                f"{provider_named(provider).title} reports no token log-probabilities, so every turn would "
-                f"keep none. Hosted turns record their tokens with provider={reporting} (an "
-                "OpenAI-compatible server such as vLLM included); local models record theirs "
-                "(AutoModelParticipant.from_pretrained(..., record_tokens=True))"
+                f"{_no_logprobs(provider)}, so every turn would keep none. Hosted turns record their tokens "
+                f"with provider={reporting} (an OpenAI-compatible server such as vLLM included); local "
+                "models record theirs (AutoModelParticipant.from_pretrained(..., record_tokens=True))"
             )
         if not isinstance(model_id, str) or not model_id.strip():
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
@@ -468,6 +471,9 @@ class APIParticipant(Participant):
             # only when on: recipes written before the setting existed keep their fingerprint
             **({"record_tokens": True} if self.record_tokens else {}),
         }
+
+    def token_record_problem(self) -> str | None:
+        return None if provider_named(self.provider).token_logprobs else _no_logprobs(self.provider)
 
     def describe(self) -> dict[str, Any]:
         """What shapes the outputs, not how they are fetched (endpoint, batching, limits, retries)."""

@@ -406,6 +406,9 @@ class ModelParticipant(Participant):
             **({"record_tokens": True} if self.record_tokens else {}),
         }
 
+    def token_record_problem(self) -> str | None:
+        return None  # the engine computes every token's log-probabilities
+
     def describe(self) -> dict[str, Any]:
         from .._core import describe_template
 

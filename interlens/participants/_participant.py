@@ -65,6 +65,12 @@ class Participant:
         (``Conversation.replay``)."""
         return None
 
+    def token_record_problem(self) -> str | None:
+        """Why this participant's turns cannot keep their tokens and log-probabilities (``record_tokens``),
+        or None when they can (it then has a ``record_tokens`` setting). ``run(record_tokens=True)`` turns
+        the setting on where it can and puts this reason in the others' turns (``tokens_missing``)."""
+        return f"{type(self).__name__} {self.name!r} has no model tokens to record"
+
     async def end_conversation(self, stream_id: str) -> None:
         """The conversation ``stream_id`` is over: let go of anything kept for it between turns (a rollout job
         calls this when it ends, in the process where it ran). Nothing is kept here."""

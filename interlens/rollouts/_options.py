@@ -57,6 +57,7 @@ class RunOptions(TypedDict, total=False):
     worker_start_timeout: float
     api_budget: APIBudget | None
     cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
+    record_tokens: bool  # every participant that can keeps its turns' tokens (message.tokens)
 
 
 _RUN = RunConfig()  # the scheduler's defaults, stated once there
@@ -77,6 +78,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "worker_start_timeout": _RUN.worker_start_timeout,
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
     "cluster": _RUN.cluster,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local one)
+    "record_tokens": False,  # True: record_tokens=True on every participant that can (docs/rollouts.md)
 }
 
 #: The values ``cluster=`` accepts.
@@ -101,6 +103,7 @@ class Options:
     seed: int
     run: RunConfig  # devices, out_dir (a Path), resume, mode, limits, progress, cluster: passed on whole
     api_budget: APIBudget | None = None
+    record_tokens: bool = False  # each participant that can records its turns' tokens (part of the recipe)
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -146,7 +149,18 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         ),
         cluster=_cluster(where, given["cluster"]),
     )
-    return Options(caller=caller, seed=seed, run=run, api_budget=_api_budget(where, given["api_budget"]))
+    record_tokens = check_bool(
+        given["record_tokens"],
+        what=f"{where}: record_tokens",
+        fix="True keeps every turn's tokens and their log-probabilities where its participant can",
+    )
+    return Options(
+        caller=caller,
+        seed=seed,
+        run=run,
+        api_budget=_api_budget(where, given["api_budget"]),
+        record_tokens=bool(record_tokens),
+    )
 
 
 def _cluster(where: str, cluster: Any) -> str | None:

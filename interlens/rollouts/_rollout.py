@@ -67,6 +67,8 @@ class ConversationJob:
     needs_device: bool
     recipe: Mapping[str, Any] | None = None  # the lineup's recipe JSON; None: the expanded conversation's
     error: BaseException | None = None  # a row that could not be expanded fails its own job only
+    #: ``run(record_tokens=True)``: the speakers that cannot record, by name, and why (their turns say so)
+    tokens_missing: Mapping[str, str] | None = None
 
     async def run(self, ctx: JobContext) -> JobResult:
         from interlens.scheduler import JobResult
@@ -76,6 +78,9 @@ class ConversationJob:
         conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
 
         async def record(index: int, message: Message) -> None:
+            why = (self.tokens_missing or {}).get(message.author)
+            if why is not None and TOKENS_KEY not in message.metadata:
+                message.metadata.setdefault("tokens_missing", f"asked for (record_tokens=True): {why}")
             # a token record's prompt as a difference from its speaker's previous turn, as the result's
             # transcript will hold it (``Transcript.to_json``), so the result refers to this very turn
             recorded = conv.transcript.to_json()[-1] if TOKENS_KEY in message.metadata else message.to_json()
@@ -163,10 +168,21 @@ def lineup_spec(
     prefix: str | None,
     single_job_id: str | None,
     lineup: str,
+    record_tokens: bool = False,
 ) -> LineupSpec:
-    """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked."""
+    """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked.
+    ``record_tokens``: every participant that can records its turns' tokens (so the recipe a resume
+    compares says so); the turns of those that cannot say why they have none."""
     from interlens.scheduler import ExecutionMode, JobSpec, LineupSpec
 
+    unrecorded: dict[str, str] | None = None  # who cannot record, and why
+    if record_tokens:
+        unrecorded = {p.name: why for p in conv.participants if (why := p.token_record_problem()) is not None}
+        conv = conv.set(
+            participants=[
+                p if p.name in unrecorded else p.replace(record_tokens=True) for p in conv.participants
+            ]
+        )
     ambient = ambient_conditions()
     if ambient:
         conv = conv.run_until(*ambient)
@@ -191,7 +207,7 @@ def lineup_spec(
         expanded: Conversation | None = None
         try:
             expanded = base.for_row(row, index=row_index, seed=seed + i)
-            job = ConversationJob(expanded, needs_device, recipe)
+            job = ConversationJob(expanded, needs_device, recipe, tokens_missing=unrecorded)
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
         fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
@@ -367,7 +383,14 @@ def _shorten(text: str, limit: int = 500) -> str:
 async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunReport:
     lineup = conv.name() or "rollout"
     spec = lineup_spec(
-        conv, n, seed=options.seed, mode=options.run.mode, prefix="", single_job_id=None, lineup=lineup
+        conv,
+        n,
+        seed=options.seed,
+        mode=options.run.mode,
+        prefix="",
+        single_job_id=None,
+        lineup=lineup,
+        record_tokens=options.record_tokens,
     )
     return await execute([(conv, spec)], options)
 

@@ -24,7 +24,7 @@ __all__ = ["arun", "run"]
 
 
 def _lineups(
-    conversations: Iterable[Conversation], seed: int, mode: ExecutionMode
+    conversations: Iterable[Conversation], seed: int, mode: ExecutionMode, record_tokens: bool
 ) -> list[tuple[Conversation, LineupSpec]]:
     convs = list(conversations) if not isinstance(conversations, Conversation) else [conversations]
     if not convs:
@@ -38,7 +38,14 @@ def _lineups(
         name = conv.name() or f"conv{i}"
         single = name if conv.data_source is None else None
         spec = lineup_spec(
-            conv, None, seed=seed, mode=mode, prefix=f"{name}/", single_job_id=single, lineup=name
+            conv,
+            None,
+            seed=seed,
+            mode=mode,
+            prefix=f"{name}/",
+            single_job_id=single,
+            lineup=name,
+            record_tokens=record_tokens,
         )
         out.append((conv, spec))
     # one iterator read by two lineups: the second would get what the first left (a recipe holds one
@@ -63,7 +70,8 @@ async def _arun(conversations: Iterable[Conversation], options: Options) -> RunR
             f"{options.caller}() takes a list of Conversation objects (one per lineup), got "
             f"{type(conversations).__name__}; e.g. {options.caller}([pair, solo], out_dir='runs/x')"
         )
-    return await execute(_lineups(conversations, options.seed, options.run.mode), options)
+    lineups = _lineups(conversations, options.seed, options.run.mode, options.record_tokens)
+    return await execute(lineups, options)
 
 
 async def arun(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) -> RunReport:
@@ -85,7 +93,10 @@ def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) ->
     ``batched=False``), ``max_batch_size`` (64), ``max_concurrency`` (256), ``max_attempts`` (3), ``progress``
     (None: a bar when interactive), ``max_batch_wait`` (0.05 s), ``worker_start_timeout`` (300 s),
     ``api_budget`` (None), ``cluster`` (None: this machine; ``"ray"``: the device workers are Ray actors, one
-    per GPU of the cluster, or one per ``"cpu"``/``"cuda"`` entry of ``devices``; see docs/ray.md).
+    per GPU of the cluster, or one per ``"cpu"``/``"cuda"`` entry of ``devices``; see docs/ray.md),
+    ``record_tokens`` (False; True: every participant that can keeps each turn's tokens and their
+    log-probabilities, ``message.tokens``, as its own ``record_tokens=True`` would; the turns of those
+    that cannot, such as Anthropic's, say why in ``metadata["tokens_missing"]``; docs/rollouts.md).
     Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
     how many failed and why the first did.
     """
