@@ -16,6 +16,7 @@ from ._errors import (
     WorkerLostError,
     WorkerStartError,
 )
+from ._openmp import release_openmp_pool
 from ._outcome import ErrorInfo, JobOutcome, RunOutcome
 from ._placement import worker_device
 from ._protocols import (
@@ -78,6 +79,7 @@ __all__ = [
     "WorkerStartError",
     "available_devices",
     "check_ray_devices",
+    "release_openmp_pool",
     "run_jobs",
     "run_sync",
     "validate_devices",

@@ -22,6 +22,8 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 import anyio
 
+from ._openmp import release_openmp_pool
+
 __all__ = ["run_sync"]
 
 P = ParamSpec("P")
@@ -122,6 +124,7 @@ def _run_on_helper_thread(
     async_fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> T:
     helper = _Helper()
+    release_openmp_pool()  # this thread blocks from here on: its OpenMP pool would only slow the helper's
 
     async def main() -> None:
         helper.loop = asyncio.get_running_loop()

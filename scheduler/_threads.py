@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import anyio
 
+from ._openmp import release_openmp_pool
+
 __all__ = ["HEARTBEAT_S", "run_in_thread"]
 
 T = TypeVar("T")
@@ -34,7 +36,9 @@ async def run_in_thread(
     cancelled: threading.Event | None = None,
     abandon_on_cancel: bool = False,
 ) -> T:
-    """``fn()`` in a worker thread; exceptions are raised as they are (never in an ExceptionGroup)."""
+    """``fn()`` in a worker thread; exceptions are raised as they are (never in an ExceptionGroup). This
+    thread's OpenMP pool is given back first (``_openmp``: it would slow ``fn``'s parallel regions)."""
+    release_openmp_pool()
     result: list[T] = []
     error: list[Exception] = []
     async with anyio.create_task_group() as tg:

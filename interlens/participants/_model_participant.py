@@ -349,6 +349,9 @@ class ModelParticipant(Participant):
         if job is not None:
             result = await job.generate(self, request)
         else:
+            from interlens.scheduler import release_openmp_pool
+
+            release_openmp_pool()  # this thread's OpenMP pool would slow the generating thread's
             engine = await anyio.to_thread.run_sync(self.live_engine)
             [result] = await anyio.to_thread.run_sync(lambda: engine.generate_batch([request]))
         if isinstance(result, BaseException):
