@@ -362,6 +362,7 @@ def _shown(key: str, value: Any, meta: dict[str, Any]) -> str:
     if key == TOKENS_KEY:
         reporter = value.get("reported_by") if isinstance(value, dict) else None
         if reporter is not None:
-            return f"<{meta.get('n_tokens', '?')} tokens and their log-probabilities, reported by {reporter}>"
+            count = len(value.get("texts") or ())
+            return f"<{count} tokens and their log-probabilities, reported by {reporter}>"
         return f"<{meta.get('n_tokens', '?')} token ids and their log-probabilities>"
     return clean(json.dumps(value, ensure_ascii=False))

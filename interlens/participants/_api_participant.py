@@ -146,6 +146,11 @@ class APIParticipant(Participant):
     OpenAI caches long prefixes by itself, for free: the body keeps the history as a stable prefix (system
     first, then the messages as they were), nothing is sent. Cache reads and writes are in the turn's usage.
 
+    Token records (``record_tokens=True``; openai and openrouter): each request asks for ``logprobs`` and the
+    turn keeps its tokens' texts and log-probabilities as the provider reported them (``message.tokens``,
+    ``reported_by`` the provider); an answer that came without them says so in ``metadata["tokens_missing"]``.
+    Anthropic reports none: refused. docs/rollouts.md says which distribution the values come from.
+
     Scheduling: ``max_in_flight`` (default 64) bounds concurrent requests per (provider, endpoint, limit),
     shared by every participant with the same three; ``timeout`` (120 s) per request; ``retry`` a
     :class:`RetryPolicy` (429/5xx/timeouts, honouring retry-after); ``batch_policy`` a :class:`BatchPolicy`.
