@@ -238,3 +238,28 @@ def test_a_row_per_speaker_holds_its_last_sequence_and_a_mask_of_what_it_generat
     assert done.returncode == 0 and "wrote 4 speaker row(s)" in done.stderr, done.stderr
     exported = pd.read_parquet(target)
     assert [list(x) for x in exported["generated_mask"]] == [list(x) for x in frame["generated_mask"]]
+
+
+def test_records_come_back_from_a_worker_process(qwen2_path: str, tmp_path: Path) -> None:
+    """In a worker process (``devices=["cpu"]``) as in-process: ``rollout(record_tokens=True)`` turns the
+    setting on for the local model, a scripted speaker's turns say why they have none, and each record comes
+    back through the worker pipe into the parent's ledger whole."""
+    from interlens import ScriptedParticipant
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
+    local = AutoModelParticipant.from_pretrained(qwen2_path, name="a", max_new_tokens=6, temperature=0.9)
+    conv = Conversation([local, ScriptedParticipant(name="s", replies=["ok"])], shared_context="Hi").turns(4)
+    report = conv.rollout(n=2, devices=["cpu"], out_dir=tmp_path, seed=2, record_tokens=True, progress=False)
+    assert not report.failed
+    for result in report.results.values():
+        for message in result.transcript[1:]:
+            if message.author == "a":
+                record = message.tokens
+                assert record is not None and len(record.ids) == message.n_tokens
+                assert tokenizer.decode(list(record.ids), skip_special_tokens=True) == message.content
+            else:
+                assert message.tokens is None and "no model tokens" in message.metadata["tokens_missing"]
+    again = conv.rollout(n=2, devices=["cpu"], out_dir=tmp_path, seed=2, record_tokens=True, progress=False)
+    assert again.skipped == sorted(report.results)
+    for job_id, result in report.results.items():
+        assert [m.tokens for m in again.results[job_id].transcript] == [m.tokens for m in result.transcript]
