@@ -26,33 +26,34 @@ from typing import Any
 __all__ = ["release_openmp_pool"]
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: soft pause (the runtime may keep what it can rebuild)
-_LOOKED_UP = threading.Event()
-_LIBGOMP: list[Any] = []  # the loaded libgomp, once found
+_LOOKUP = threading.Lock()
+_LIBGOMPS: list[Any] | None = None  # every libgomp the process had loaded when first asked
 
 
 def release_openmp_pool() -> bool:
     """Free the calling thread's OpenMP thread pool, if torch has loaded libgomp; True when it did."""
+    global _LIBGOMPS
     if "torch" not in sys.modules:
         return False  # nothing has run a parallel region through torch yet
-    if not _LOOKED_UP.is_set():
-        _LIBGOMP.extend(_loaded_libgomp())
-        _LOOKED_UP.set()
-    if not _LIBGOMP:
-        return False
-    return bool(_LIBGOMP[0].omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0)
+    with _LOOKUP:
+        if _LIBGOMPS is None:
+            _LIBGOMPS = _loaded_libgomps()
+    # each copy keeps its own pools (torch's wheels bundle one; numpy or a conda torch may use the system's)
+    return bool(_LIBGOMPS) and all(lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0 for lib in _LIBGOMPS)
 
 
-def _loaded_libgomp() -> list[Any]:
-    """The libgomp this process has loaded (torch's wheels bundle their own copy), as a ctypes library."""
+def _loaded_libgomps() -> list[Any]:
+    """The copies of libgomp this process has loaded, as ctypes libraries."""
     maps = Path("/proc/self/maps")
     if not maps.exists():  # not Linux: macOS builds use LLVM's runtime
         return []
-    for line in maps.read_text().splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if Path(path).name.startswith("libgomp"):
-            try:
-                library = ctypes.CDLL(path)
-            except OSError:
-                return []
-            return [library] if hasattr(library, "omp_pause_resource_all") else []
-    return []
+    paths = {fields[-1] for fields in map(str.split, maps.read_text().splitlines()) if len(fields) >= 6}
+    found = []
+    for path in sorted(p for p in paths if Path(p).name.startswith("libgomp")):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(library, "omp_pause_resource_all"):
+            found.append(library)
+    return found
