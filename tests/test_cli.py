@@ -525,8 +525,17 @@ def test_demo_with_an_api_model(server: Any, tmp_path: Path) -> None:
     assert "reply to Debate: should code be indented" in result.stdout
     bodies = [r.json for r in server.requests]
     assert len(bodies) == 4 and {b["model"] for b in bodies} == {"gpt-demo"}
+    assert all("logprobs" not in b for b in bodies)
     with LedgerReader(out) as reader:
         assert reader.counts()["done"] == 2
+    # --record-tokens: each turn keeps the log-probabilities the provider reported, and the way to export them
+    recorded = interlens_cli(*args[:-1], str(tmp_path / "tokens"), "--record-tokens", env={"COLUMNS": "250"})
+    assert recorded.returncode == 0, recorded.stderr
+    assert "--tokens --format parquet" in recorded.stdout
+    assert all(r.json["logprobs"] is True for r in server.requests[4:])
+    with LedgerReader(tmp_path / "tokens") as reader:
+        turns = [t for j in reader.job_ids() for t in reader.turns(j)]
+    assert len(turns) == 4 and all(t["metadata"]["tokens"]["reported_by"] == "openai" for t in turns)
 
 
 def test_demo_with_failed_jobs_exits_1(server: Any, tmp_path: Path) -> None:

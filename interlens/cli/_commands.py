@@ -102,6 +102,13 @@ def demo(
     progress: Annotated[
         bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: on a terminal).")
     ] = None,
+    record_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--record-tokens",
+            help="Keep each turn's tokens and their log-probabilities (then: interlens export --tokens).",
+        ),
+    ] = False,
 ) -> None:
     """A two-participant debate rolled out N times into a ledger, then a summary and two transcripts.
 
@@ -122,6 +129,7 @@ def demo(
         fresh=fresh,
         device=device,
         progress=progress,
+        record_tokens=record_tokens,
     )
     hint = f"interlens demo: pass --fresh to start over in {out} (old ledger moved aside) or another --out"
     with _errors(mismatch_hint=hint):

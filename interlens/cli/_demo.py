@@ -54,6 +54,7 @@ class DemoSettings:
     fresh: bool = False
     device: str | None = None
     progress: bool | None = None
+    record_tokens: bool = False
 
     def check(self) -> None:
         """Refuse contradictory or incomplete options before anything is built or run."""
@@ -200,6 +201,8 @@ def run_demo(settings: DemoSettings, *, console: Console) -> RunReport:
         options["progress"] = settings.progress
     if settings.device is not None:
         options["devices"] = [settings.device]
+    if settings.record_tokens:
+        options["record_tokens"] = True
     started = time.perf_counter()
     report = conv.rollout(settings.n, **options)
     wall = time.perf_counter() - started
@@ -251,10 +254,14 @@ def _summary(console: Console, report: RunReport, wall: float, settings: DemoSet
             )
     console.print()
     first = shown[0].job_id if shown else (report.failed[0] if report.failed else "JOB_ID")
+    export = (
+        f"interlens export {settings.out} --tokens --format parquet -o tokens.parquet"
+        if settings.record_tokens
+        else f"interlens export {settings.out} --format csv -o demo.csv"
+    )
     console.print(
         Text.assemble(
             ("Next: ", "bold"),
-            f"interlens status {settings.out}   ·   interlens show {settings.out} {first}   ·   "
-            f"interlens export {settings.out} --format csv -o demo.csv",
+            f"interlens status {settings.out}   ·   interlens show {settings.out} {first}   ·   {export}",
         )
     )
