@@ -585,3 +585,23 @@ def test_importing_the_engine_modules_stays_cheap() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_a_turn_that_would_run_past_the_models_context_ends_there(qwen2_path: str) -> None:
+    """A prompt that fits leaves ``context - len(prompt)`` positions: a turn allowed more ends there, exactly
+    as a turn allowed that many would (same tokens, "length"), instead of decoding past the positions."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
+    engine = LocalEngine(model, AutoTokenizer.from_pretrained(qwen2_path), device="cpu")
+    context = model.config.max_position_embeddings
+    prompt = [5, 6, 7, 8] * ((context - 3) // 4) + [5] * ((context - 3) % 4)  # 3 positions left
+    asked, fitting = engine.generate_batch(
+        [
+            GenerationRequest(prompt, max_new_tokens=20, temperature=0.0),
+            GenerationRequest(prompt, max_new_tokens=3, temperature=0.0),
+        ]
+    )
+    assert isinstance(asked, GenerationResult) and isinstance(fitting, GenerationResult)
+    assert asked.token_ids == fitting.token_ids and asked.finish_reason == fitting.finish_reason
+    assert len(prompt) + asked.n_tokens <= context
+    if asked.finish_reason == "length":
+        assert asked.n_tokens == 3

@@ -259,12 +259,18 @@ class LocalEngine:
                 raise TypeError(f"LocalEngine.generate_batch expects GenerationRequest objects, got {kind}.")
         out: list[GenerationResult | Exception | None] = [None] * len(requests)
         valid: list[int] = []
+        context = self._context()
         for i, request in enumerate(requests):
             problem = self._check(request)
-            if problem is None:
-                valid.append(i)
-            else:
+            if problem is not None:
                 out[i] = problem
+                continue
+            valid.append(i)
+            room = None if context is None else context - len(request.prompt_ids)
+            if room is not None and request.max_new_tokens > room:
+                # a turn ends ("length") where the model's positions end, as it would at its own cap: past
+                # them RoPE extrapolates into noise and a learned position table fails mid-forward
+                requests[i] = request.capped(room)
         with self._lock, torch.inference_mode():
             for path, rows in self._route(requests, valid, deterministic=mode is ExecutionMode.DETERMINISTIC):
                 results = path([requests[i] for i in rows], cancelled)
@@ -386,8 +392,8 @@ class LocalEngine:
                 f"prompt token id {highest} is outside this model's vocabulary (size {vocab}); "
                 "tokenize the prompt with this model's own tokenizer."
             )
-        context = getattr(text_config(self.model.config), "max_position_embeddings", None)
-        if isinstance(context, int) and len(request.prompt_ids) >= context:
+        context = self._context()
+        if context is not None and len(request.prompt_ids) >= context:
             # past its positions a model's output is not an answer: RoPE extrapolates into noise, learned
             # position tables fail with an index error deep in the forward pass
             return GenerationError(
@@ -397,6 +403,11 @@ class LocalEngine:
                 "longer context."
             )
         return self._hooked.check(request.capture, request.steering)
+
+    def _context(self) -> int | None:
+        """How many positions the model holds (``max_position_embeddings``), where its config says."""
+        context = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        return context if isinstance(context, int) and not isinstance(context, bool) else None
 
     def _check_score(self, request: ScoreRequest) -> Exception | None:
         if not request.continuation_ids:

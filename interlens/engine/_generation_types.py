@@ -8,6 +8,7 @@ value fails in the participant that built it, not deep inside a batch shared wit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,18 @@ class GenerationRequest:
                     f"GenerationRequest(reuse_key={self.reuse_key!r}): reuse_key must be hashable "
                     "(a string or a tuple such as (job_id, participant))."
                 ) from None
+
+    def capped(self, max_new_tokens: int) -> GenerationRequest:
+        """This request with at most ``max_new_tokens`` new tokens (the cap at the model's context)."""
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=min(max_new_tokens, self.max_new_tokens))
+        return GenerationRequest(
+            self.prompt_ids,
+            sampling=sampling,
+            reuse_key=self.reuse_key,
+            capture=self.capture,
+            steering=self.steering,
+            record_logprobs=self.record_logprobs,
+        )
 
     @property
     def interp(self) -> bool:
