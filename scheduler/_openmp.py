@@ -17,7 +17,6 @@ and Intel's runtimes pause process-wide); elsewhere, and before torch is importe
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
 from pathlib import Path
@@ -44,6 +43,8 @@ def release_openmp_pool() -> bool:
 
 def _loaded_libgomps() -> list[Any]:
     """The copies of libgomp this process has loaded, as ctypes libraries."""
+    import ctypes  # here: ``import interlens`` stays cheap
+
     maps = Path("/proc/self/maps")
     if not maps.exists():  # not Linux: macOS builds use LLVM's runtime
         return []
