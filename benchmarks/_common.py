@@ -115,9 +115,9 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` in a fresh thread, its exception re-raised here. Torch work on the MAIN thread slows every
     later rollout of the process: after 50 matmuls of 512x512 on the main thread, the 4-turn real-model debate
     ran at 174 instead of 255 tok/s, for good (its generation runs in the rollout's worker thread; measured
-    2026-12-03, torch 2.13 CPU, 2 cores: the main thread's OpenMP pool). interlens now frees the caller's pool
-    before it generates (``release_openmp_pool``); a baseline that runs torch still runs here, in a thread that
-    ends with it, so that no arm depends on that."""
+    2026-12-03, torch 2.13 CPU, 2 cores: the main thread's OpenMP pool). interlens now frees the caller's
+    pool before it generates (``release_openmp_pool``); a baseline that runs torch still runs here, in a
+    thread that ends with it, so that no arm depends on that."""
     out: list[Any] = []
     failed: list[BaseException] = []
 

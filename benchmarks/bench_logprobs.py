@@ -1,11 +1,11 @@
 """What recording each token's log-probabilities costs a batch (issue 27: at most 5 % of batched throughput).
 
     python benchmarks/bench_logprobs.py [--model real] [--rows 16] [--max-new 128] [--repeats 3]
-    python benchmarks/bench_logprobs.py --ledger [--model real]
+    python benchmarks/bench_logprobs.py --ledger [--model real] [--ledger-tokens 64]
 
-``--ledger`` measures the records' size instead: 16 debates x 8 turns x up to 64 tokens (``_common.debate``,
-T = 0.9) run into a fresh ledger with ``record_tokens`` off and on; prints each ledger's size after
-``VACUUM``, the turns' text and the records' JSON.
+``--ledger`` measures the records' size instead: 16 debates x 8 turns x up to ``--ledger-tokens`` tokens
+(``_common.debate``, T = 0.9) run into a fresh ledger with ``record_tokens`` off and on; prints each
+ledger's size after ``VACUUM``, the turns' text, the records' JSON, and what the records add.
 
 One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
 the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
@@ -36,16 +36,17 @@ from _common import (
 )
 
 
-def ledger_sizes(path: str, dtype: str) -> None:
+def ledger_sizes(path: str, dtype: str, new_tokens: int) -> None:
     """The ``--ledger`` measurement (see the module docstring)."""
     import json
     import os
     import sqlite3
     import tempfile
 
+    sizes = {}
     for record in (False, True):
         with tempfile.TemporaryDirectory() as out:
-            conv = debate(path, turns=8, new_tokens=64, dtype=dtype, record_tokens=record)
+            conv = debate(path, turns=8, new_tokens=new_tokens, dtype=dtype, record_tokens=record)
             conv.rollout(n=16, out_dir=out, seed=1)
             db = sqlite3.connect(os.path.join(out, "ledger.sqlite"))
             turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
@@ -57,22 +58,29 @@ def ledger_sizes(path: str, dtype: str) -> None:
         text = sum(len(t["content"].encode()) for t in turns)
         records = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
         tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
+        sizes[record] = size
         print(
             f"  record_tokens={record}: ledger {size / 1024:.0f} KiB; turn text {text / 1024:.0f} KiB; "
             f"records {records / 1024:.0f} KiB ({records / text:.1f}x the text); {tokens} tokens"
         )
+    print(
+        f"  the records grow the ledger by {(sizes[True] - sizes[False]) / 1024:.0f} KiB: "
+        f"{(sizes[True] - sizes[False]) / sizes[False]:.2f}x the ledger without them, "
+        f"{(sizes[True] - sizes[False]) / text:.1f}x the turns' text"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_options(parser, max_new=128)
     parser.add_argument("--ledger", action="store_true", help="measure the records' size in the ledger")
+    parser.add_argument("--ledger-tokens", type=int, default=64, help="--ledger: tokens per turn at most")
     args = parser.parse_args()
     if args.ledger:
         path, label = model_path(parser, args.model)
         dtype = fast_dtype(args.dtype)
         print(f"{label}, {dtype}; CPU: {cpu_summary()}")
-        ledger_sizes(path, dtype)
+        ledger_sizes(path, dtype, args.ledger_tokens)
         return
     engine, prompts = question_batch(parser, args)
 
