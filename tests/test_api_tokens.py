@@ -72,6 +72,11 @@ def test_hosted_turns_keep_the_log_probabilities_their_provider_reported(
     assert not first.failed
     chats = [r for r in server.requests if r.path.endswith("/chat/completions")]
     assert len(chats) == 2 * 4 and all(r.json["logprobs"] is True for r in chats)
+    # OpenRouter routes only to hosts that give them; OpenAI refuses the field it does not know
+    assert {str(r.json.get("provider")) for r in chats if r.provider == "openrouter"} == {
+        "{'require_parameters': True}"
+    }
+    assert all("provider" not in r.json for r in chats if r.provider == "openai")
     for result in first.results.values():
         for message in result.transcript[1:]:
             if message.author == "local":
@@ -126,6 +131,17 @@ def test_a_refusal_of_logprobs_names_the_setting_and_the_fix(server: FakeProvide
     conv = Conversation([_api("oa", "openai", record_tokens=True)], shared_context="Hi").turns(1)
     with pytest.raises(GenerationError, match=r"logprobs is not supported.*set record_tokens=False"):
         conv.run()
+    # OpenRouter, asked to route only to hosts that honour every parameter, finds none
+    none = "No endpoints found that can handle the requested parameters."
+    server.fail_next(1, status=404, message=none, provider="openrouter")
+    routed = Conversation([_api("or", "openrouter", record_tokens=True)], shared_context="Hi").turns(1)
+    with pytest.raises(GenerationError, match=r"No endpoints found.*set record_tokens=False"):
+        routed.run()
+    server.fail_next(1, status=404, message=none, provider="openrouter")
+    plain = Conversation([_api("or", "openrouter")], shared_context="Hi").turns(1)
+    with pytest.raises(GenerationError) as raised:
+        plain.run()
+    assert "record_tokens" not in str(raised.value)  # nothing asked for: no hint about it
 
 
 def test_an_answer_without_log_probabilities_keeps_its_text_and_says_so(

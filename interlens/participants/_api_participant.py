@@ -375,8 +375,12 @@ class APIParticipant(Participant):
 
     def _refused_logprobs(self, exc: BaseException) -> str:
         """The fix, when a request that asked for log-probabilities (``record_tokens``) was refused for
-        them (OpenAI's reasoning models, some servers: a 400 naming logprobs)."""
-        refused = getattr(exc, "status", None) in (400, 422) and "logprob" in str(exc).lower()
+        them: OpenAI's reasoning models and some servers answer 400 naming logprobs; OpenRouter answers 404
+        when no host of the model honours every parameter sent."""
+        text = str(exc).lower()
+        refused = getattr(exc, "status", None) in (400, 404, 422) and (
+            "logprob" in text or "requested parameters" in text
+        )
         if not (self.record_tokens and refused):
             return ""
         return (

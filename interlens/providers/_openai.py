@@ -1,8 +1,9 @@
 """OpenAI and OpenRouter: chat completions through the official ``openai`` SDK, and OpenAI's batch API.
 
 OpenRouter speaks OpenAI's chat completions on its own endpoint, so one client serves both; it differs in
-three places, all here: it still takes ``max_tokens`` (OpenAI deprecated it for ``max_completion_tokens``,
-which reasoning models require), it may answer 200 with an error mid-generation, and it has no batch API.
+four places, all here: it still takes ``max_tokens`` (OpenAI deprecated it for ``max_completion_tokens``,
+which reasoning models require), it may answer 200 with an error mid-generation, it has no batch API, and a
+request for log-probabilities must ask it to route to hosts that give them (``provider.require_parameters``).
 Both accept messages in any order, so the view is sent as it is (an empty one gets an opening user turn).
 
 The same client serves OpenAI-compatible servers (vLLM, SGLang, llama.cpp) at a ``base_url``: such a server
@@ -66,6 +67,10 @@ def body(request: APIRequest) -> dict[str, Any]:
         out["seed"] = request.seed
     if request.logprobs:
         out["logprobs"] = True
+        if request.provider == "openrouter":
+            # route only to hosts that honour every parameter sent: a turn asked for log-probabilities is
+            # not paid for without them (none such: the request fails, 404, saying so)
+            out["provider"] = {"require_parameters": True}
     return out
 
 
