@@ -79,6 +79,7 @@ def test_live_conversation_with_each_provider(server: FakeProviderServer) -> Non
     pro, con, judge = requests[3].json, requests[4].json, requests[5].json
     assert pro["messages"][0] == {"role": "system", "content": "Argue YES."}
     assert pro["max_completion_tokens"] == 1024 and "temperature" not in pro
+    assert pro["max_tokens"] == 1024  # a server on this machine also gets the older name of the cap
     assert con["max_tokens"] == 1024
     assert con["system"] == [{"type": "text", "text": "Argue NO.", "cache_control": {"type": "ephemeral"}}]
     roles = [m["role"] for m in con["messages"]]
@@ -377,3 +378,25 @@ def test_anthropic_sampling_settings_the_installed_sdk_cannot_send_are_refused_a
             APIParticipant(name="c", provider="anthropic", model_id="claude-x", **settings)
     APIParticipant(name="c", provider="anthropic", model_id="claude-x")  # no sampling setting: fine
     APIParticipant(name="g", provider="openai", model_id="gpt-x", temperature=0.7, top_p=0.9)
+
+
+def test_a_public_endpoint_gets_one_name_for_the_cap_a_self_hosted_one_both() -> None:
+    """OpenAI's reasoning models refuse ``max_tokens``; llama.cpp's Python server ignores
+    ``max_completion_tokens`` (a 24-token cap ran to 231 tokens against it). So the older name rides along
+    only to a local or private host, where self-hosted servers run."""
+    from interlens.providers._openai import live_body
+
+    request = api("x", "openai", max_tokens=24).request(
+        View(speaker="x", system=None, messages=()), GenerationOptions()
+    )
+    assert live_body(request, local=False)["max_completion_tokens"] == 24
+    assert "max_tokens" not in live_body(request, local=False)
+    assert (
+        live_body(request, local=True)["max_tokens"]
+        == 24
+        == live_body(request, local=True)["max_completion_tokens"]
+    )
+    router = api("r", "openrouter", max_tokens=24).request(
+        View(speaker="x", system=None, messages=()), GenerationOptions()
+    )
+    assert live_body(router, local=True) == live_body(router, local=False)  # OpenRouter: max_tokens only

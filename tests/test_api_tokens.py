@@ -71,7 +71,9 @@ def test_hosted_turns_keep_the_log_probabilities_their_provider_reported(
     first = conv.rollout(n=2, out_dir=tmp_path, seed=3)
     assert not first.failed
     chats = [r for r in server.requests if r.path.endswith("/chat/completions")]
-    assert len(chats) == 2 * 4 and all(r.json["logprobs"] is True for r in chats)
+    assert len(chats) == 2 * 4 and all(
+        r.json["logprobs"] is True and r.json["top_logprobs"] == 0 for r in chats
+    )
     # OpenRouter routes only to hosts that give them; OpenAI refuses the field it does not know
     assert {str(r.json.get("provider")) for r in chats if r.provider == "openrouter"} == {
         "{'require_parameters': True}"

@@ -19,12 +19,14 @@ like the provider.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from interlens.scheduler.gateway import BatchRowError, Failure, ProviderClient, retry_after_seconds
 
@@ -39,6 +41,7 @@ __all__ = [
     "Shards",
     "classify_failure",
     "count",
+    "is_local_endpoint",
     "post_json",
     "request_digest",
     "row_error",
@@ -158,6 +161,20 @@ class Provider:
     keyless_local: bool = False
     accepts_seed: bool = False
     token_logprobs: bool = False
+
+
+def is_local_endpoint(url: str) -> bool:
+    """Whether ``url``'s host is this machine or a private network (``localhost``, 127.0.0.0/8, ::1, 10/8,
+    172.16/12, 192.168/16, fc00::/7): where OpenAI-compatible servers (vLLM, SGLang, llama.cpp) run, by
+    default without an API key."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private
 
 
 _SHARD_SIZE = 8

@@ -32,12 +32,13 @@ from ._base import (
     Shards,
     classify_failure,
     count,
+    is_local_endpoint,
     post_json,
     request_digest,
     row_error,
 )
 
-__all__ = ["OPENAI", "OPENROUTER", "OpenAIClient", "body"]
+__all__ = ["OPENAI", "OPENROUTER", "OpenAIClient", "body", "live_body"]
 
 _BATCH_ENDPOINT: Final = "/v1/chat/completions"
 _DONE = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -67,10 +68,25 @@ def body(request: APIRequest) -> dict[str, Any]:
         out["seed"] = request.seed
     if request.logprobs:
         out["logprobs"] = True
+        # no alternatives asked; but llama.cpp's Python server (llama-cpp-python) answers logprobs only when
+        # top_logprobs is set, and 0 is valid everywhere (OpenAI: 0-20)
+        out["top_logprobs"] = 0
         if request.provider == "openrouter":
             # route only to hosts that honour every parameter sent: a turn asked for log-probabilities is
             # not paid for without them (none such: the request fails, 404, saying so)
             out["provider"] = {"require_parameters": True}
+    return out
+
+
+def live_body(request: APIRequest, *, local: bool) -> dict[str, Any]:
+    """:func:`body` as a live request sends it: to a server on a local or private host (a self-hosted
+    OpenAI-compatible server) the output cap goes under both names, ``max_tokens`` beside
+    ``max_completion_tokens``, since some servers know only the older one and would ignore the cap
+    (llama.cpp's Python server, llama-cpp-python 0.3.36: a 24-token turn ran to 231). OpenAI itself, and
+    any other public host, gets the one name its reasoning models require."""
+    out = body(request)
+    if local and "max_completion_tokens" in out:
+        out["max_tokens"] = out["max_completion_tokens"]
     return out
 
 
@@ -107,6 +123,7 @@ class OpenAIClient:
         # No key: the SDK still wants one, so a placeholder, and every request omits the header it makes.
         self._headers: dict[str, Any] | None = None if api_key else {"Authorization": openai.Omit()}
         self._base_url = base_url
+        self._local = is_local_endpoint(base_url)  # a self-hosted server: both names of the output cap
         self._sdk_module = openai
         headers = {"X-Title": "interlens"} if provider == "openrouter" else None
         self._shards = Shards(
@@ -130,7 +147,7 @@ class OpenAIClient:
         data, headers = await post_json(
             self._shards,
             "/chat/completions",
-            body(request),
+            live_body(request, local=self._local),
             timeout=request.timeout,
             provider=self.provider,
             headers=self._headers,

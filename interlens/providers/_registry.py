@@ -11,16 +11,14 @@ provider"); nothing else compares provider names.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from typing import Any
-from urllib.parse import urlsplit
 
 from interlens.scheduler.gateway import ProviderClient
 
 from .._core import ConfigurationError, View
 from ._anthropic import ANTHROPIC
-from ._base import APIRequest, Messages, Provider
+from ._base import APIRequest, Messages, Provider, is_local_endpoint
 from ._openai import OPENAI, OPENROUTER
 
 __all__ = [
@@ -60,20 +58,6 @@ def resolve_base_url(name: str, base_url: str | None) -> str:
     """An explicit ``base_url`` wins, then the provider's ``*_BASE_URL`` variable, then the public one."""
     entry = _REGISTRY[name]
     return (base_url or os.environ.get(entry.url_variable) or entry.default_url).rstrip("/")
-
-
-def is_local_endpoint(url: str) -> bool:
-    """Whether ``url``'s host is this machine or a private network (``localhost``, 127.0.0.0/8, ::1, 10/8,
-    172.16/12, 192.168/16, fc00::/7): where OpenAI-compatible servers (vLLM, SGLang, llama.cpp) run, by
-    default without an API key."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return address.is_loopback or address.is_private
 
 
 def key_optional(name: str, base_url: str | None = None) -> bool:

@@ -182,6 +182,14 @@ def validate_chat(body: Any, *, provider: str = "openai") -> str | None:
             return problem
     if "logprobs" in body and not isinstance(body["logprobs"], bool | None):
         return "Invalid type for 'logprobs': expected a boolean, but got a value of another type instead."
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            return f"Invalid 'top_logprobs': expected an integer between 0 and 20, got {top!r}."
+        if body.get("logprobs") is not True:
+            return (
+                "Invalid value for 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is set."
+            )
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
