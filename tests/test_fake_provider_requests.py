@@ -73,6 +73,9 @@ MSG = {"model": "claude-test", "max_tokens": 16, "messages": [{"role": "user", "
         ({"messages": []}, "Invalid 'messages': empty array"),
         ({"messages": [{"role": "bot", "content": "x"}]}, r"Invalid value: 'bot'.*messages\[0\]\.role"),
         ({"messages": [{"role": "user"}]}, r"Missing required parameter: 'messages\[0\]\.content'"),
+        ({"logprobs": "yes"}, "Invalid type for 'logprobs'"),
+        ({"logprobs": True, "top_logprobs": 21}, "Invalid 'top_logprobs'"),
+        ({"top_logprobs": 0}, "'logprobs' must be set to true"),
     ],
 )
 async def test_openai_refuses_what_the_real_api_refuses(
@@ -90,9 +93,14 @@ async def test_openai_accepts_what_the_product_sends(oa: openai.AsyncOpenAI) -> 
         "temperature": 0.0,
         "top_p": 1,
         "stop": ["\n\n"],
+        "logprobs": True,  # record_tokens
+        "top_logprobs": 0,
     }
     completion = await post(oa, "/chat/completions", body)
     assert completion["object"] == "chat.completion"
+    tokens = completion["choices"][0]["logprobs"]["content"]
+    assert "".join(t["token"] for t in tokens) == completion["choices"][0]["message"]["content"]
+    assert all(t["top_logprobs"] == [] and bytes(t["bytes"]).decode() == t["token"] for t in tokens)
 
 
 async def test_openrouter_takes_its_own_extras_but_checks_the_shared_parameters(
