@@ -3,7 +3,7 @@
 Torch work on the caller's thread leaves a libgomp thread pool there, and while it lives every parallel
 region of the thread that generates runs slower (measured in benchmarks/bench_main_thread.py; timing is
 not a unit test's business). What a test can see is whether the pool is gone: the threads libgomp started
-for the caller's parallel region exit. Each check runs in a fresh interpreter, whose threads are its own.
+for the caller's parallel region exit. The checks run in fresh interpreters, whose threads are their own.
 """
 
 from __future__ import annotations
@@ -77,49 +77,58 @@ def test_releasing_frees_the_calling_threads_pool_and_spares_other_threads() -> 
     assert out["wrong"] == 0
 
 
-@pytest.mark.parametrize("where", ["script", "inside a running loop"])
-def test_a_live_turn_gives_back_the_callers_pool(qwen2_path: str, where: str) -> None:
-    """``conv.run()`` from a script (the loop runs on the caller's thread) and from inside a running event
-    loop, as in a notebook (``run_sync`` runs it on a helper thread while the caller waits): either way the
-    pool the caller's torch work left is gone once the turn has been generated."""
-    out = _child(
+@pytest.fixture(scope="module")
+def callers(qwen2_path: str) -> dict[str, Any]:
+    """One fresh interpreter runs each caller in turn, after leaving a pool on its main thread each time:
+    ``conv.run()`` from a script (the loop runs on the caller's thread), from inside a running event loop
+    as in a notebook (``run_sync`` runs it on a helper thread while the caller waits), and an in-process
+    rollout (the scheduler hands every engine call to a thread through one function)."""
+    return _child(
         """
         import asyncio
         from interlens import AutoModelParticipant, Conversation
+        from interlens.scheduler import release_openmp_pool
 
         model = AutoModelParticipant.from_pretrained(sys.argv[1], name="a", max_new_tokens=3)
-        conv = Conversation([model], shared_context="hi").turns(1)
+
+        def fresh():  # a conversation that has not run (a run one has its turns already)
+            return Conversation([model], shared_context="hi").turns(1)
+
+        fresh().rollout(n=1, progress=False)  # load the engine
+
+        def after(work):
+            pool = main_thread_work()
+            failed = work()
+            left = len(pool & tids())
+            release_openmp_pool()  # the next case starts without a pool, whatever this one did
+            return {"pool": len(pool), "left": left, "failed": failed}
 
         def turn():
-            pool = main_thread_work()
+            conv = fresh()
             conv.run()
-            return {"pool": len(pool), "left": len(pool & tids())}
+            return 1 - conv.generated_turns  # 0: the turn was generated
 
         async def in_loop():
-            return turn()
+            return after(turn)
 
-        print(json.dumps(turn() if sys.argv[2] == "script" else asyncio.run(in_loop())))
-        """,
-        qwen2_path,
-        where,
-    )
-    assert out["pool"] >= 1 and out["left"] == 0
-
-
-def test_a_rollout_in_process_gives_back_the_callers_pool(qwen2_path: str) -> None:
-    """The in-process scheduler hands every engine call to a thread through one function; it releases the
-    pool of the thread it runs on."""
-    out = _child(
-        """
-        from interlens import AutoModelParticipant, Conversation
-
-        model = AutoModelParticipant.from_pretrained(sys.argv[1], name="a", max_new_tokens=3)
-        conv = Conversation([model], shared_context="hi").turns(1)
-        conv.rollout(n=1, progress=False)  # load the engine
-        pool = main_thread_work()
-        report = conv.rollout(n=2, progress=False)
-        print(json.dumps({"pool": len(pool), "left": len(pool & tids()), "failed": len(report.failed)}))
+        out = {
+            "script": after(turn),
+            "inside a running loop": asyncio.run(in_loop()),
+            "rollout": after(lambda: len(fresh().rollout(n=2, progress=False).failed)),
+        }
+        print(json.dumps(out))
         """,
         qwen2_path,
     )
+
+
+@pytest.mark.parametrize("where", ["script", "inside a running loop"])
+def test_a_live_turn_gives_back_the_callers_pool(callers: dict[str, Any], where: str) -> None:
+    """Either way the pool the caller's torch work left is gone once the turn has been generated."""
+    out = callers[where]
+    assert out["failed"] == 0 and out["pool"] >= 1 and out["left"] == 0
+
+
+def test_a_rollout_in_process_gives_back_the_callers_pool(callers: dict[str, Any]) -> None:
+    out = callers["rollout"]
     assert out["failed"] == 0 and out["pool"] >= 1 and out["left"] == 0
