@@ -363,3 +363,37 @@ def test_an_analyzer_with_a_comprehension_fingerprints_the_same_in_every_process
         for _ in range(3)
     }
     assert len(prints) == 1, prints
+
+
+def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(tmp_path: Path) -> None:
+    """A conversation that has run (``step``/``run``) rolls out from its turns: every copy starts there. Those
+    turns shape the answer, so a rerun from another start (the unrun recipe, another first turn) is refused,
+    saying so, and the same start resumes. The unrun recipe's fingerprint has no such part (ledgers written
+    before it existed still resume)."""
+    answerer = Answerer()
+
+    def debate() -> Conversation:
+        solver = ScriptedParticipant("solver", answerer.reply)
+        return Conversation(
+            participants=[solver, ScriptedParticipant("b", ["ok"])], shared_context="Q"
+        ).turns(3)
+
+    started = debate()
+    started.step("solver")  # the live turn every copy starts from
+    first = started.rollout(n=2, out_dir=tmp_path, progress=False)
+    assert [m.author for m in first.results["rollout_0000"].transcript] == [
+        "moderator",
+        "solver",
+        "b",
+        "solver",
+    ]
+    assert started.rollout(n=2, out_dir=tmp_path, progress=False).skipped == ["rollout_0000", "rollout_0001"]
+    before = _snapshot(tmp_path)
+    with pytest.raises(FingerprintMismatchError) as excinfo:
+        debate().rollout(n=2, out_dir=tmp_path, progress=False)  # the unrun recipe: another question
+    assert "the turns the conversation started from changed" in _refusal(excinfo)
+    assert _snapshot(tmp_path) == before
+    fresh = debate().rollout(n=1, out_dir=tmp_path / "fresh", progress=False)
+    with LedgerReader(tmp_path / "fresh") as reader:
+        assert '"start"' not in reader.job("rollout_0000").input_fp  # a recipe's fingerprint: as before
+    assert fresh.results["rollout_0000"].transcript[1].content == "answer to Q"

@@ -1,7 +1,8 @@
 """What a rollout job is asked, as a fingerprint that a rerun compares (``JobSpec.input_fp``).
 
 A job's answer depends on its data row, its resolved prompts (the shared context, the shared system prompt,
-each participant's system prompt), its seed, the execution mode, and the participants' settings (models,
+each participant's system prompt), the turns it starts from (those of a conversation that had already run
+when it was rolled out), its seed, the execution mode, and the participants' settings (models,
 sampling settings) with the rest of the recipe (turns, stop conditions, analyzer), which
 ``Conversation.fingerprint()`` covers. The fingerprint is a small JSON object with one entry per part — a
 digest for the row, the prompts and the settings, the seed and the mode as they are — so that a refused rerun
@@ -82,6 +83,13 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()[:16]
 
 
+def _start(conv: Conversation) -> list[Any]:
+    """The turns an expanded conversation starts from besides the shared context: a conversation that had
+    already run (``run``/``step``) rolls out from its turns, so they shape every copy's answer. None for
+    the unrun recipe."""
+    return [[m.author, m.content] for m in conv.transcript if not m.metadata.get("shared_context")]
+
+
 def _prompts(conv: Conversation) -> list[Any]:
     """The resolved prompts of an expanded conversation: what its participants are told besides the turns."""
     context = next((m.content for m in conv.transcript if m.metadata.get("shared_context")), None)
@@ -100,6 +108,9 @@ def input_fingerprint(conv: Conversation | None, *, row: Any, seed: int, mode: s
         "seed": seed,
         "settings": settings,
     }
+    start = [] if conv is None else _start(conv)
+    if start:  # only then: a recipe's fingerprint stays what it was before this part existed
+        parts["start"] = _digest(start)
     return _ENCODER.encode(parts)
 
 
@@ -118,6 +129,11 @@ def explain_change(spec: JobSpec, recorded: str) -> list[str]:
         lines.append("row content changed" + (f": now {_preview(row)}" if row is not None else ""))
     elif old.get("prompts") != new.get("prompts"):  # with the row unchanged: a template resolved otherwise
         lines.append("resolved prompts changed (shared context, shared system prompt or a system prompt)")
+    if old.get("start") != new.get("start"):
+        lines.append(
+            "the turns the conversation started from changed (a conversation that has run, with run() or "
+            "step(), rolls out from its turns; the recipe that has not run starts from the shared context)"
+        )
     for part in ("seed", "mode"):
         if old.get(part) != new.get(part):
             lines.append(f"{part}: {old.get(part)} → {new.get(part)}")
