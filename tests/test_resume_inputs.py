@@ -9,6 +9,7 @@ is refused before any job starts, saying which jobs changed and how, and how to 
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -365,7 +366,9 @@ def test_an_analyzer_with_a_comprehension_fingerprints_the_same_in_every_process
     assert len(prints) == 1, prints
 
 
-def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(tmp_path: Path) -> None:
+def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A conversation that has run (``step``/``run``) rolls out from its turns: every copy starts there. Those
     turns shape the answer, so a rerun from another start (the unrun recipe, another first turn) is refused,
     saying so, and the same start resumes. The unrun recipe's fingerprint has no such part (ledgers written
@@ -380,7 +383,9 @@ def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(t
 
     started = debate()
     started.step("solver")  # the live turn every copy starts from
-    first = started.rollout(n=2, out_dir=tmp_path, progress=False)
+    with caplog.at_level(logging.WARNING, logger="interlens"):
+        first = started.rollout(n=2, out_dir=tmp_path, progress=False)
+    assert any("has already run (1 generated turn(s))" in r.getMessage() for r in caplog.records)
     assert [m.author for m in first.results["rollout_0000"].transcript] == [
         "moderator",
         "solver",
@@ -393,7 +398,9 @@ def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(t
         debate().rollout(n=2, out_dir=tmp_path, progress=False)  # the unrun recipe: another question
     assert "the turns the conversation started from changed" in _refusal(excinfo)
     assert _snapshot(tmp_path) == before
+    caplog.clear()
     fresh = debate().rollout(n=1, out_dir=tmp_path / "fresh", progress=False)
+    assert not any("has already run" in r.getMessage() for r in caplog.records)
     with LedgerReader(tmp_path / "fresh") as reader:
         assert '"start"' not in reader.job("rollout_0000").input_fp  # a recipe's fingerprint: as before
     assert fresh.results["rollout_0000"].transcript[1].content == "answer to Q"

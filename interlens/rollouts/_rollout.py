@@ -183,6 +183,14 @@ def lineup_spec(
                 p if p.name in unrecorded else p.replace(record_tokens=True) for p in conv.participants
             ]
         )
+    if conv.generated_turns:
+        log.warning(
+            "lineup %r: this conversation has already run (%d generated turn(s)), so every copy starts from "
+            "its turns (they are part of what a resume compares). To roll out from the shared context, roll "
+            "out a conversation that has not run.",
+            lineup,
+            conv.generated_turns,
+        )
     ambient = ambient_conditions()
     if ambient:
         conv = conv.run_until(*ambient)
