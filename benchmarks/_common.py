@@ -7,9 +7,10 @@ Imported by the scripts as ``from _common import ...`` (a script's own directory
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from interlens import AutoModelParticipant, Conversation
@@ -109,6 +110,22 @@ def bare_step_ms(model: Any, rows: int, context: int, *, steps: int = 6, repeats
                 token = out.logits[:, -1:].argmax(-1)
             times.append((time.perf_counter() - start) * 1000 / steps)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def stock_attention(model: Any, implementation: str = "sdpa") -> Iterator[None]:
+    """``model`` on transformers' own attention (``implementation``) for the duration, then back. A baseline
+    written by hand runs transformers' SDPA; interlens gives the model of a CPU engine its own decode-step
+    attention (``interlens/engine/_cpu_attention.py``), so a baseline on the engine's model must ask for the
+    stock one, or it would run interlens' code."""
+    before = model.config._attn_implementation
+    if before != implementation:
+        model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        if before != implementation:
+            model.set_attn_implementation(before)
 
 
 def in_thread(fn: Callable[[], Any]) -> Any:

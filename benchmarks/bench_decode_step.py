@@ -1,7 +1,7 @@
 """Benchmark: the engine's decode step against the bare model's, and the loop's own cost per step.
 
 Run:  python benchmarks/bench_decode_step.py [--model real] [--rows 1 16 64] [--new 32] [--repeats 3]
-                                             [--dtype auto] [--device cpu] [--threads N]
+                                             [--dtype auto] [--device cpu] [--threads N] [--attention]
 
 ``LocalEngine.generate_batch`` on the real model (``--model bench``: the toy random-weight Qwen2), seeded
 sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``, at each
@@ -17,6 +17,10 @@ cost: sampling, the host sync of the chosen tokens, the non-finite check, stop c
 rows. The bare model's step (``_common.bare_step_ms``: one token per row into a static cache, the same kind
 the engine uses, at the uniform case's mean context, logits included) is the limit: engine / bare, goal
 <= 1.05. Medians of ``--repeats`` runs after a warm-up.
+
+``--attention`` instead times the engine's step (the staggered case where rows > 1: padded rows, a mask)
+on transformers' own SDPA attention and on the decode-step attention a CPU engine installs
+(``interlens/engine/_cpu_attention.py``), interleaved, and prints stock / interlens per batch size.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main() -> None:
     add_model_option(parser)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--attention", action="store_true", help="SDPA vs interlens' CPU decode attention")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
@@ -70,6 +75,9 @@ def main() -> None:
             return_dict=False,
         )
     )
+    if args.attention:
+        compare_attention(engine, timer, prompt, args)
+        return
     for rows in args.rows:
         cases = {"uniform": [args.new] * rows}
         if rows > 1:
@@ -107,6 +115,40 @@ def main() -> None:
             if name == "uniform":
                 line += f"; bare model step {bare:7.2f} ms: engine / bare = {step * 1e3 / bare:.3f}"
             print(line)
+
+
+def compare_attention(engine: Any, timer: Any, prompt: tuple[int, ...], args: argparse.Namespace) -> None:
+    """The engine's model step on transformers' SDPA and on interlens' CPU decode attention, interleaved."""
+    from _common import stock_attention
+
+    from interlens.engine._cpu_attention import CPU_DECODE_ATTENTION
+    from interlens.engine._generation import GenerationRequest
+
+    model = engine.model
+    if model.config._attn_implementation != CPU_DECODE_ATTENTION:
+        raise SystemExit(f"the engine's model runs {model.config._attn_implementation!r}: nothing to compare")
+    for rows in args.rows:
+        requests = [
+            GenerationRequest(
+                prompt_ids=prompt[: len(prompt) - i % 7], max_new_tokens=args.new, temperature=0.9, seed=i
+            )
+            for i in range(rows)
+        ]
+        ms: dict[str, list[float]] = {"sdpa": [], CPU_DECODE_ATTENTION: []}
+        for repeat in range(args.repeats + 1):  # the first round is the warm-up
+            order = list(ms) if repeat % 2 else list(ms)[::-1]
+            for name in order:
+                with stock_attention(model, name):
+                    timer.reset()
+                    engine.generate_batch(requests)
+                if repeat:
+                    ms[name].append(timer.step_seconds * 1e3 / timer.steps)
+        stock, ours = (statistics.median(ms[n]) for n in ms)
+        ratios = [a / b for a, b in zip(*ms.values(), strict=True)]
+        print(
+            f"  B={rows:3d}: model step on sdpa {stock:6.2f} ms, on {CPU_DECODE_ATTENTION} {ours:6.2f} ms: "
+            f"sdpa / interlens = {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
 
 def timed_engine(model: Any, tokenizer: Any, *, device: str) -> tuple[Any, Any]:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _common import stock_attention
+
 _MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": "4294967296",
     "MALLOC_TRIM_THRESHOLD_": "68719476736",
@@ -194,7 +196,7 @@ def _part_a(
     batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(device)
 
     def hf_generate() -> int:
-        with torch.inference_mode():
+        with torch.inference_mode(), stock_attention(model):
             out = model.generate(
                 **batch,
                 do_sample=True,

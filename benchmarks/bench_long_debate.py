@@ -41,6 +41,7 @@ from _common import (
     in_thread,
     model_path,
     spread,
+    stock_attention,
 )
 
 from interlens import Conversation
@@ -88,7 +89,7 @@ def rollout(conv: Conversation, n: int) -> tuple[float, int, list[Any], float]:
 
 def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) -> tuple[float, int]:
     """HF ``generate`` round by round on the prompts of a finished rollout (rendered and tokenized in the
-    timed region, as a hand-written loop would each round)."""
+    timed region, as a hand-written loop would each round), on transformers' own attention."""
     import torch
 
     from interlens.engine._chat_template import render_view
@@ -107,7 +108,7 @@ def raw_generate(conv: Conversation, transcripts: list[Any], new_tokens: int) ->
             state.transcript = transcript[: 1 + turn]
             prompts.append(render_view(tok, state.view(speaker)))
         batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.inference_mode():
+        with torch.inference_mode(), stock_attention(model):
             out = model.generate(
                 **batch,
                 do_sample=True,

@@ -46,7 +46,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import add_model_option, cpu_summary, debate, fast_dtype, in_thread, model_path, spread
+from _common import (
+    add_model_option,
+    cpu_summary,
+    debate,
+    fast_dtype,
+    in_thread,
+    model_path,
+    spread,
+    stock_attention,
+)
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
 
@@ -112,7 +121,7 @@ def hf_generate(engine: Any, batches: list[tuple[list[Any], Any]], *, static: bo
         ids = [[pad] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in requests]
         mask = [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests]
         settings: dict[str, Any] = {"cache_implementation": "static"} if static else {}
-        with torch.inference_mode():
+        with torch.inference_mode(), stock_attention(model):
             out = model.generate(
                 input_ids=torch.tensor(ids),
                 attention_mask=torch.tensor(mask),

@@ -138,7 +138,7 @@ def test_fixed_row_linear_chunks_give_each_row_its_own_output_whatever_its_compa
     layer = next(m for m in engine.model.modules() if type(m) is torch.nn.Linear)  # one of the model's own
     rows = torch.randn(13, layer.in_features, generator=torch.Generator().manual_seed(0))
     layout.fixed_linear_rows = True
-    with torch.inference_mode(), layout.linear_rows(slot_rows.DECODE_CHUNK_ROWS):
+    with torch.inference_mode(), layout.invariant_kernels(slot_rows.DECODE_CHUNK_ROWS):
         assert "forward" in vars(layer)  # chunked, on this instance only
         together = layer(rows)
         alone = [layer(rows[i : i + 1]) for i in range(13)]
@@ -149,7 +149,7 @@ def test_fixed_row_linear_chunks_give_each_row_its_own_output_whatever_its_compa
         assert torch.equal(together[i], alone[i][0]) and torch.equal(shuffled[12 - i], alone[i][0])
     torch.testing.assert_close(together, torch.nn.functional.linear(rows, layer.weight, layer.bias))
     layout.fixed_linear_rows = False
-    with layout.linear_rows(slot_rows.DECODE_CHUNK_ROWS):
+    with layout.invariant_kernels(slot_rows.DECODE_CHUNK_ROWS):
         assert "forward" not in vars(layer)  # off: the stock kernels, untouched
 
 

@@ -148,7 +148,7 @@ def _run(
                 active = active[1:]
             tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
             seen.clear()
-            with layout.linear_rows(DECODE_CHUNK_ROWS):  # as the slot path's decode loop runs its steps
+            with layout.invariant_kernels(DECODE_CHUNK_ROWS):  # as the slot path's decode loop runs its steps
                 logits = runner.step(tokens, positions, None, cache, 0, True)
             positions = positions + 1
     finally:

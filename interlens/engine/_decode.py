@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from interlens.scheduler import BatchCancelled
 
 from .._core import GenerationError
+from ._cpu_attention import use_cpu_decode_attention
 from ._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
 from ._sampling import Sampler, eos_ids, pad_id
 
@@ -81,6 +82,8 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.device = device
         self.mask_free_steps = device.startswith("cuda")
+        if device == "cpu":
+            use_cpu_decode_attention(model)  # decode steps without SDPA's CPU kernel (``_cpu_attention``)
         self.eos_ids: frozenset[int] = eos_ids(model, tokenizer)
         self.pad_id: int = pad_id(model, tokenizer, self.eos_ids)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])

@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..interp import text_config
+from ._cpu_attention import at_any_row_count
 from ._decode import ModelRunner, Row, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
 
@@ -136,7 +137,7 @@ class SlotLayout:
         logits = self.first(prompts, distinct, cache)
         rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
-        with self.linear_rows(DECODE_CHUNK_ROWS):
+        with self.invariant_kernels(DECODE_CHUNK_ROWS):
             runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
         seconds = time.perf_counter() - started
         uses = {p: prompts.count(p) for p in set(prompts)}
@@ -170,7 +171,7 @@ class SlotLayout:
         if width:  # else every prompt is one token: nothing before its last
             ids = [list(p[:-1]) + [self.runner.pad_id] * (width - len(p) + 1) for p in distinct]
             positions = torch.arange(width, device=device).expand(len(distinct), width)
-            with self.linear_rows(PREFILL_CHUNK_ROWS):
+            with self.invariant_kernels(PREFILL_CHUNK_ROWS):
                 model(
                     input_ids=torch.tensor(ids, dtype=torch.long, device=device),
                     position_ids=positions,
@@ -193,16 +194,21 @@ class SlotLayout:
         cache.reorder_cache(torch.tensor([index[p] for p in prompts], dtype=torch.long, device=device))
         last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=device)
         positions = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device)
-        with self.linear_rows(DECODE_CHUNK_ROWS):
+        with self.invariant_kernels(DECODE_CHUNK_ROWS):
             return self.runner.step(last, positions, None, cache, 0, True)
 
-    def linear_rows(self, rows: int) -> contextlib.AbstractContextManager[Any]:
-        """Within it, every linear layer of the model runs in chunks of ``rows`` rows when
-        :attr:`fixed_linear_rows` is set (a no-op context otherwise); the decode steps and the self-test's
-        steps run in one."""
-        if not self.fixed_linear_rows:
-            return contextlib.nullcontext()
-        return _fixed_row_linears(self.runner.model, rows)
+    @contextlib.contextmanager
+    def invariant_kernels(self, rows: int) -> Iterator[None]:
+        """Within it, a row is computed the same way whatever the batch's size: the CPU decode-step attention
+        at every row count (``_cpu_attention.at_any_row_count``), and every linear layer of the model in
+        chunks of ``rows`` rows when :attr:`fixed_linear_rows` is set. The prefill, the decode steps and the
+        self-test's steps run in one."""
+        with at_any_row_count():
+            if not self.fixed_linear_rows:
+                yield
+                return
+            with _fixed_row_linears(self.runner.model, rows):
+                yield
 
 
 @contextlib.contextmanager

@@ -1,0 +1,139 @@
+"""Decode-step attention on the CPU: two batched matrix products instead of SDPA's CPU kernel.
+
+A decode step feeds one token per row, so each row's attention is a (heads × 1) query against its cached
+keys: a few thousand multiply-adds per head, nothing a fused kernel can win on. PyTorch's CPU SDPA kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, which transformers' ``sdpa`` reaches with a padding mask)
+spends its time on setup and blocking instead: on SmolLM2-135M in bfloat16 (2 cores, AMD EPYC with
+AVX512-BF16, 16 rows, ~360 cached tokens) it took 0.53 ms of a 39 ms step per layer, 40 % of the step.
+Here each key/value head's query group is one small matrix, ``scores = keys · queriesᵀ`` and
+``out = softmax(scores) · values`` run as two ``bmm`` calls (softmax in float32), and the step ran 1.15–1.18×
+faster at 16 and 64 rows, the same at one (``benchmarks/bench_decode_step.py --attention``). Both products
+read the cache's keys row by row: the narrowed window of a static cache (``_narrow_cache``) is a view whose
+rows are contiguous, and ``keys · queriesᵀ`` costs less on it than ``queries · keysᵀ`` (the matrix library
+still copies the window: a cost that grows with rows × context).
+
+Only decode steps on the CPU take this path; a prefill (several query tokens), a GPU, dropout, an additive
+position bias, logit soft-capping or attention sinks all go to transformers' own ``sdpa`` function
+unchanged. It is installed only on a model whose attention is transformers' ``sdpa`` (the default), on the
+CPU, by :func:`use_cpu_decode_attention`; a model loaded with another ``attn_implementation`` (``eager``,
+a flash kernel) keeps it. The mask is transformers' SDPA mask (boolean, True = attend); a row with no key to
+attend (never a real decode row) gets a uniform average instead of NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["CPU_DECODE_ATTENTION", "FEWEST_ROWS", "at_any_row_count", "use_cpu_decode_attention"]
+
+#: The attention implementation's registered name (``model.config._attn_implementation``).
+CPU_DECODE_ATTENTION = "interlens_cpu_decode"
+
+#: Steps of fewer rows keep SDPA: at one row it was 0.94-1.00x of SDPA's step, at four 0.94-1.05x, at 16
+#: 1.06-1.18x and at 64 1.02-1.13x (SmolLM2-135M, bf16, 64-1,000 cached tokens; AMD EPYC, 2 cores). Where
+#: many rows hold long contexts the copy of the narrowed window grows with them (the module docstring).
+FEWEST_ROWS = 8
+
+_ANY_ROW_COUNT: contextvars.ContextVar[bool] = contextvars.ContextVar("any_row_count", default=False)
+
+
+@contextlib.contextmanager
+def at_any_row_count() -> Iterator[None]:
+    """Within it, decode steps take this module's path at every row count, not only from
+    :data:`FEWEST_ROWS` rows: a deterministic row must be computed the same way alone and co-stepped
+    (``_slot_rows``, whose self-test compares them bit for bit)."""
+    token = _ANY_ROW_COUNT.set(True)
+    try:
+        yield
+    finally:
+        _ANY_ROW_COUNT.reset(token)
+
+
+def use_cpu_decode_attention(model: Any) -> bool:
+    """Give ``model`` the decode-step attention of this module where it runs transformers' ``sdpa`` on the
+    CPU; returns whether it now does."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == CPU_DECODE_ATTENTION:
+        return True
+    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    _register()
+    model.set_attn_implementation(CPU_DECODE_ATTENTION)
+    return True
+
+
+@functools.cache
+def _register() -> None:
+    """Register the function and its mask (transformers builds no mask for an unknown name) once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CPU_DECODE_ATTENTION, _attention)
+    AttentionMaskInterface.register(CPU_DECODE_ATTENTION, sdpa_mask)
+
+
+def _attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function contract: ``query`` (batch, heads, q_len, dim), ``key``/``value``
+    (batch, kv_heads, length, dim); returns (batch, q_len, heads, dim) and no weights."""
+    import torch
+
+    if (
+        query.shape[2] != 1
+        or (query.shape[0] < FEWEST_ROWS and not _ANY_ROW_COUNT.get())
+        or query.device.type != "cpu"
+        or dropout
+        or position_bias is not None
+        or kwargs.get("softcap") is not None
+        or getattr(module, "sinks", None) is not None
+    ):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            position_bias=position_bias,
+            **kwargs,
+        )
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    queries = query.reshape(batch * kv_heads, group, dim)
+    keys = key.reshape(batch * kv_heads, length, dim)
+    # keys · queriesᵀ, not queries · keysᵀ: a narrowed cache's keys are a view, and only this order reads it
+    # without a copy (the module docstring)
+    scores = torch.bmm(keys, queries.transpose(1, 2)).transpose(1, 2).float()
+    scores = scores.reshape(batch, kv_heads, group, length)  # a fresh product: ours to change in place
+    scores.mul_(scaling if scaling is not None else dim**-0.5)
+    if attention_mask is not None:
+        mask = attention_mask[..., -1:, :]  # (batch or 1, 1, 1, length): one query position
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        else:
+            scores.add_(mask.float())
+    weights = torch.softmax(scores, dim=-1).to(value.dtype).view(batch * kv_heads, group, length)
+    out = torch.bmm(weights, value.reshape(batch * kv_heads, length, dim))
+    return out.view(batch, 1, heads, dim), None
