@@ -314,3 +314,37 @@ def test_a_forced_layout_of_a_small_kept_prefix_gives_the_same_tokens() -> None:
     reference = _ok(full.generate_batch(_requests(heads, temperature=0.9, keys=keys)))
     assert [r.kv_reused_tokens for r in second] == [6] * 8
     assert [r.token_ids for r in second] == [r.token_ids for r in reference]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_suffixes_of_very_different_lengths_prefill_in_length_groups_and_give_a_full_prefills_tokens(
+    temperature: float,
+) -> None:
+    """12 streams kept 60 tokens; their next prompts add 2 to 90 tokens, in no order. The suffixes prefill
+    in length groups (each its own forward, at its own width, into the batch cache's rows), the rows come
+    back in the requests' order, and every token is a full prefill's."""
+    reusing, full = _engine("qwen2"), _engine("qwen2", kv_reuse_capacity=0)
+    words = reusing.tokenizer(" ".join(f"w{i}" for i in range(900)), add_special_tokens=False).input_ids
+    heads = [tuple(words[13 * i : 13 * i + 60]) for i in range(12)]
+    added = [90, 2, 45, 7, 88, 3, 30, 60, 5, 75, 12, 50]
+    keys = [f"s{i}" for i in range(12)]
+    _ok(reusing.generate_batch(_requests(heads, temperature=temperature, keys=keys)))
+    prompts = [(*h, *words[500 + i : 500 + i + n]) for i, (h, n) in enumerate(zip(heads, added, strict=True))]
+    for p, h in zip(
+        prompts, heads, strict=True
+    ):  # the kept KV holds the head; generated tokens are not reused
+        assert p[:60] == h
+    widths: list[int] = []
+    handle = reusing.model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        second = _ok(reusing.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
+    finally:
+        handle.remove()
+    reference = _ok(full.generate_batch(_requests(prompts, temperature=temperature, keys=keys)))
+    assert [r.kv_reused_tokens for r in second] == [60] * 12
+    assert [r.token_ids for r in second] == [r.token_ids for r in reference]
+    prefills = [w for w in widths if w > 1]
+    assert len(prefills) > 1 and max(prefills) == 90 and min(prefills) < 30  # groups, each at its width
+    assert sum(prefills) < 12 * 90

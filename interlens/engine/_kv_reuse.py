@@ -43,7 +43,7 @@ from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
 from ._kept_kv import Kept, KeptKV
 from ._narrow_cache import narrowed_layer_type
-from ._prefill import PlainBatch, plain_static
+from ._prefill import PlainBatch, plain_static, prefill_groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -121,16 +121,40 @@ class ReusedPrefixBatch:
         (every kept prefix into the batch cache), masked holes in every decode step and a cache as wide as
         the longest kept prefix plus the widest suffix."""
         prompts = [r.prompt_ids for r in requests]
-        kept = [i for i, n in enumerate(reused) if n]
-        width = max(len(prompts[i]) - reused[i] for i in kept)
+        kept = [len(prompts[i]) - n for i, n in enumerate(reused) if n]  # the kept rows' suffixes
         fresh = [len(p) for p, n in zip(prompts, reused, strict=True) if not n]
-        if fresh and self.split_fresh_rows and max(fresh) > width and self.plain.batch_cache == "static":
-            laid = len(kept) * width + len(fresh) * max(fresh)
+        static = self.plain.batch_cache == "static"
+        if fresh and self.split_fresh_rows and max(fresh) > max(kept) and static:
+            laid = _suffix_tokens(kept, grouped=True) + len(fresh) * max(fresh)
         else:
-            laid = len(prompts) * max([width, *fresh])
+            laid = _suffix_tokens([*kept, *fresh], grouped=static)
         return laid <= REUSE_AT_MOST * self.plain.prefill_tokens(prompts)
 
     def _decode_laid_out(
+        self,
+        requests: list[GenerationRequest],
+        entries: list[Kept | None],
+        reused: list[int],
+        cancelled: threading.Event | None,
+        collector: _Collector,
+    ) -> list[Row]:
+        """:meth:`_decode_sorted` with the rows in the batch cache by suffix length, shortest first (so each
+        length group of the suffixes' prefill is a range of the cache's rows); the rows come back in the
+        requests' order."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) - reused[i])
+        rows = self._decode_sorted(
+            [requests[i] for i in order],
+            [entries[i] for i in order],
+            [reused[i] for i in order],
+            cancelled,
+            collector,
+        )
+        back: list[Row] = [rows[0]] * len(rows)
+        for at, i in enumerate(order):
+            back[i] = rows[at]
+        return back
+
+    def _decode_sorted(
         self,
         requests: list[GenerationRequest],
         entries: list[Kept | None],
@@ -167,7 +191,7 @@ class ReusedPrefixBatch:
         cache, static = self.plain.new_cache(end + max_new)
         if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
             self.plain.batch_cache = "dynamic"
-            return self._decode_laid_out(requests, entries, reused, cancelled, collector)
+            return self._decode_sorted(requests, entries, reused, cancelled, collector)
         together = kept if split else list(range(batch))
         slots: dict[int, list[int]] = {}  # where each row's prompt KV lies in the batch cache
         mask = [[0] * (end - len(p)) + [1] * len(p) for p in prompts]  # fresh rows, split: left-padded
@@ -215,11 +239,16 @@ class ReusedPrefixBatch:
         width: int,
     ) -> torch.Tensor:
         """Write ``rows``' kept prefixes into ``cache`` (slots ``[U - n, U)``), then prefill their suffixes
-        (slots ``[U + S - len, U + S)``); returns the last position's logits, one row per row."""
+        (slots ``[U + S - len, U + S)``); returns the last position's logits, one row per row.
+
+        ``rows`` come in the cache's row order, shortest suffix first. Where the suffixes' lengths differ
+        enough (``prefill_groups``: a debate's answers end at different lengths, and one left-padded block
+        of them was a quarter padding), a static cache's suffixes are prefilled in length groups, each at its
+        own width: a group is a range of the cache's rows, so it writes into the batch cache through views
+        (:func:`_row_range`), with no copy."""
         import torch
 
         runner = self.runner
-        device = runner.device
         donor = next(i for i in rows if reused[i])
         for index, layer in enumerate(cache.layers):
             ref_k, ref_v = entries[donor].kv[index]  # type: ignore[union-attr]
@@ -232,9 +261,42 @@ class ReusedPrefixBatch:
                     values[at, :, held - reused[i] :] = v[:, : reused[i]]
             layer.update(keys, values)  # static: written at slots [0, U); dynamic: the first U slots
             del keys, values
+        lengths = [len(suffixes[i]) for i in rows]
+        groups = prefill_groups(lengths) if plain_static(cache) else []
+        if len(groups) <= 1:
+            return self._prefill_suffixes(rows, cache, suffixes, mask, held, width)
+        parts = []
+        for group in groups:
+            start, stop = min(group), max(group) + 1
+            assert group == list(range(start, stop)), "rows must come shortest suffix first"
+            part = max(lengths[k] for k in group)
+            view = _row_range(cache, start, stop, written=held + width - part, config=runner.model.config)
+            parts.append(
+                self._prefill_suffixes(rows[start:stop], view, suffixes, mask, held + width - part, part)
+            )
+            del view
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(held + width)
+        return torch.cat([p.to(parts[0].device) for p in parts])
+
+    def _prefill_suffixes(
+        self,
+        rows: list[int],
+        cache: Any,
+        suffixes: Sequence[Sequence[int]],
+        mask: list[list[int]],
+        offset: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Prefill ``rows``' suffixes, left-padded to ``width``, at slots ``[offset, offset + width)`` of
+        ``cache`` (one row each, in its order), attending over the rows' masks; the last position's logits."""
+        import torch
+
+        runner = self.runner
+        device = runner.device
         ids = [[runner.pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
-        mask_t = torch.tensor([mask[i] for i in rows], dtype=torch.long, device=device)
-        positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, held:]
+        mask_t = torch.tensor([mask[i][: offset + width] for i in rows], dtype=torch.long, device=device)
+        positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, offset:]
         out = runner.model(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             attention_mask=mask_t,
@@ -350,6 +412,32 @@ def _lay_into(cache: Any, parts: list[tuple[list[int], Any, int]], batch: int, e
             layer.keys[rows, :, offset : offset + width] = src.keys
             layer.values[rows, :, offset : offset + width] = src.values
         layer.cumulative_length.fill_(end)
+
+
+def _row_range(cache: Any, start: int, stop: int, *, written: int, config: Any) -> Any:
+    """A static cache over rows ``[start, stop)`` of ``cache``'s storage, its first ``written`` slots
+    counted as filled: its layers are views, so a forward through it writes straight into ``cache``. For
+    caches of plain static layers only (``plain_static``)."""
+    import torch
+    from transformers import StaticCache
+
+    view: Any = StaticCache(config=config, max_cache_len=cache.layers[0].max_cache_len)
+    for mine, theirs in zip(view.layers, cache.layers, strict=True):
+        mine.max_cache_len = theirs.max_cache_len
+        mine.keys = theirs.keys[start:stop]
+        mine.values = theirs.values[start:stop]
+        mine.device = theirs.keys.device
+        mine.cumulative_length = torch.tensor(written, dtype=torch.long, device=mine.device)
+        mine.is_initialized = True
+    return view
+
+
+def _suffix_tokens(lengths: list[int], *, grouped: bool) -> int:
+    """The token rows a prefill of suffixes of these lengths feeds: in length groups, or one block."""
+    if not lengths:
+        return 0
+    groups = prefill_groups(lengths) if grouped else [list(range(len(lengths)))]
+    return sum(len(g) * max(lengths[k] for k in g) for g in groups)
 
 
 def _usable(entry: Kept | None, prompt: Sequence[int]) -> int:
