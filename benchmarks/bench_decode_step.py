@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/bench_decode_step.py [--model real] [--rows 1 16 64] [--new 32] [--repeats 3]
                                              [--dtype auto] [--device cpu] [--threads N] [--attention]
+                                             [--context N]
 
 ``LocalEngine.generate_batch`` on the real model (``--model bench``: the toy random-weight Qwen2), seeded
 sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``, at each
@@ -18,9 +19,11 @@ rows. The bare model's step (``_common.bare_step_ms``: one token per row into a 
 the engine uses, at the uniform case's mean context, logits included) is the limit: engine / bare, goal
 <= 1.05. Medians of ``--repeats`` runs after a warm-up.
 
-``--attention`` instead times the engine's step (the staggered case where rows > 1: padded rows, a mask)
-on transformers' own SDPA attention and on the decode-step attention a CPU engine installs
-(``interlens/engine/_cpu_attention.py``), interleaved, and prints stock / interlens per batch size.
+``--context N`` repeats the chat question until the prompt holds at least N tokens (default: the one
+question, ~30 tokens). ``--attention`` instead times the engine's model step (rows' prompts cut by 0-6
+tokens: padded rows, a mask) on transformers' own SDPA attention and on the decode-step attention a CPU
+engine installs (``interlens/engine/_cpu_attention.py``), interleaved, and prints SDPA / interlens per
+batch size.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--attention", action="store_true", help="SDPA vs interlens' CPU decode attention")
+    parser.add_argument("--context", type=int, default=0, help="prompt tokens, at least")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
@@ -68,13 +72,18 @@ def main() -> None:
         f"model: {label}, vocab {model.config.vocab_size}, {dtype}, device={args.device}, "
         f"threads={torch.get_num_threads()}, up to {args.new} new tokens, seeded T=0.9; CPU: {cpu_summary()}"
     )
-    prompt = tuple(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Debate: tabs versus spaces, in one paragraph."}],
-            add_generation_prompt=True,
-            return_dict=False,
+    question, prompt = "Debate: tabs versus spaces, in one paragraph.", ()
+    for copies in range(1, 10_000):
+        prompt = tuple(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": " ".join([question] * copies)}],
+                add_generation_prompt=True,
+                return_dict=False,
+            )
         )
-    )
+        if len(prompt) >= args.context:
+            break
+    print(f"prompt: {len(prompt)} tokens")
     if args.attention:
         compare_attention(engine, timer, prompt, args)
         return

@@ -132,3 +132,19 @@ def test_only_a_model_on_sdpa_gets_it() -> None:
     stock = _model("qwen2")
     assert use_cpu_decode_attention(stock) and use_cpu_decode_attention(stock)  # twice: still installed
     assert stock.config._attn_implementation == CPU_DECODE_ATTENTION
+
+
+def test_an_attention_named_in_load_kwargs_is_kept_even_sdpa() -> None:
+    from interlens.engine import load_engine
+    from interlens.engine._model_cache import forget_engine
+
+    path = tiny_model("qwen2")
+    default = load_engine(path)
+    named = load_engine(path, load_kwargs={"attn_implementation": "sdpa"})
+    try:
+        assert default is not named
+        assert default.model.config._attn_implementation == CPU_DECODE_ATTENTION
+        assert named.model.config._attn_implementation == "sdpa"
+    finally:
+        forget_engine(default)
+        forget_engine(named)

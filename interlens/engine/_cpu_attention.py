@@ -6,8 +6,10 @@ keys: a few thousand multiply-adds per head, nothing a fused kernel can win on. 
 spends its time on setup and blocking instead: on SmolLM2-135M in bfloat16 (2 cores, AMD EPYC with
 AVX512-BF16, 16 rows, ~360 cached tokens) it took 0.53 ms of a 39 ms step per layer, 40 % of the step.
 Here each key/value head's query group is one small matrix, ``scores = keys · queriesᵀ`` and
-``out = softmax(scores) · values`` run as two ``bmm`` calls (softmax in float32), and the step ran 1.15–1.18×
-faster at 16 and 64 rows, the same at one (``benchmarks/bench_decode_step.py --attention``). Both products
+``out = softmax(scores) · values`` run as two ``bmm`` calls (softmax in float32, as transformers' ``eager``
+does). The model's step ran 1.12× (1.09–1.13) faster at 16 rows and 1.29× (1.25–1.44) at 64 over 351-token
+prompts, 1.01× and 1.07× over 30-token ones, but 0.94× at one row (``benchmarks/bench_decode_step.py
+--attention [--context 350]``; results in ``benchmarks/RESULTS.md``), hence :data:`FEWEST_ROWS`. Both products
 read the cache's keys row by row: the narrowed window of a static cache (``_narrow_cache``) is a view whose
 rows are contiguous, and ``keys · queriesᵀ`` costs less on it than ``queries · keysᵀ`` (the matrix library
 still copies the window: a cost that grows with rows × context).
@@ -15,9 +17,10 @@ still copies the window: a cost that grows with rows × context).
 Only decode steps on the CPU take this path; a prefill (several query tokens), a GPU, dropout, an additive
 position bias, logit soft-capping or attention sinks all go to transformers' own ``sdpa`` function
 unchanged. It is installed only on a model whose attention is transformers' ``sdpa`` (the default), on the
-CPU, by :func:`use_cpu_decode_attention`; a model loaded with another ``attn_implementation`` (``eager``,
-a flash kernel) keeps it. The mask is transformers' SDPA mask (boolean, True = attend); a row with no key to
-attend (never a real decode row) gets a uniform average instead of NaN.
+CPU, by :func:`use_cpu_decode_attention`; a model loaded with an ``attn_implementation`` the user named in
+``load_kwargs`` (even ``"sdpa"``) keeps that one (``_model_cache``). The mask is transformers' SDPA mask
+(boolean, True = attend); a row with no key to attend (never a real decode row) gets a uniform average
+instead of NaN.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ __all__ = ["CPU_DECODE_ATTENTION", "FEWEST_ROWS", "at_any_row_count", "use_cpu_d
 #: The attention implementation's registered name (``model.config._attn_implementation``).
 CPU_DECODE_ATTENTION = "interlens_cpu_decode"
 
-#: Steps of fewer rows keep SDPA: at one row it was 0.94-1.00x of SDPA's step, at four 0.94-1.05x, at 16
-#: 1.06-1.18x and at 64 1.02-1.13x (SmolLM2-135M, bf16, 64-1,000 cached tokens; AMD EPYC, 2 cores). Where
-#: many rows hold long contexts the copy of the narrowed window grows with them (the module docstring).
+#: Steps of fewer rows keep SDPA: at one row this path ran at 0.94x of SDPA's step (SmolLM2-135M, bf16, AMD
+#: EPYC, 2 cores), where two extra small products and a softmax cost more than SDPA's setup. Not within
+#: :func:`at_any_row_count`.
 FEWEST_ROWS = 8
 
 _ANY_ROW_COUNT: contextvars.ContextVar[bool] = contextvars.ContextVar("any_row_count", default=False)

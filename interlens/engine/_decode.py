@@ -74,15 +74,16 @@ class ModelRunner:
     steps of a batch with no padded row attend over exactly the written slots with no mask
     (``_narrow_cache``): on CUDA, where SDPA's flash kernel takes no mask; not on the CPU, where the same
     steps ran at 0.82x of the masked, rounded window (SmolLM2-135M, bf16, 16 rows, AMD EPYC with AVX512-BF16:
-    ``bench_cache_window.py --same``).
+    ``bench_cache_window.py --same``). ``decode_attention``: on the CPU, a model on transformers' ``sdpa``
+    gets interlens' decode-step attention (``_cpu_attention``); False leaves the model's attention alone.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, device: str) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, device: str, decode_attention: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.mask_free_steps = device.startswith("cuda")
-        if device == "cpu":
+        if device == "cpu" and decode_attention:
             use_cpu_decode_attention(model)  # decode steps without SDPA's CPU kernel (``_cpu_attention``)
         self.eos_ids: frozenset[int] = eos_ids(model, tokenizer)
         self.pad_id: int = pad_id(model, tokenizer, self.eos_ids)

@@ -85,17 +85,22 @@ class LocalEngine:
         kv_reuse_capacity: int = 1024,
         kv_reuse_budget: int | None = None,
         shared_prefill: bool = True,
+        decode_attention: bool = True,
     ) -> None:
         """``kv_reuse_capacity``: most streams whose KV cache is kept between turns (0: no reuse);
         ``kv_reuse_budget``: most bytes those kept caches may hold on this device (None: a quarter of the
-        free memory, measured on first use; 0: no reuse). Over either, the least recently used go."""
+        free memory, measured on first use; 0: no reuse). Over either, the least recently used go.
+        ``decode_attention``: on the CPU, decode steps through interlens' own attention where the model runs
+        transformers' ``sdpa`` (``_cpu_attention``); False keeps the model's attention as it was loaded."""
         _check_limit("kv_reuse_capacity", kv_reuse_capacity, "a number of streams such as 1024")
         if kv_reuse_budget is not None:
             _check_limit("kv_reuse_budget", kv_reuse_budget, "bytes such as 2 << 30, or None for the default")
         import transformers
 
         require_transformers(transformers.__version__)
-        self._runner = runner = self._runner_type(model, tokenizer, device=device)
+        self._runner = runner = self._runner_type(
+            model, tokenizer, device=device, decode_attention=decode_attention
+        )
         #: Every CUDA device holding the weights ("cuda:0,cuda:1" for a model split over a group): what
         #: the budgets count and the out-of-memory retry empties.
         self._memory_devices = (model_cuda_devices(model) if device.startswith("cuda") else "") or device

@@ -103,7 +103,17 @@ class ReusedPrefixBatch:
             rows, shared = done.rows, done.shared_tokens
             del done
         else:
-            rows = self._decode_laid_out(requests, entries, reused, cancelled, collector)
+            # the batch cache's rows shortest suffix first: each length group of the suffixes' prefill is then
+            # a range of them (``_prefill_kept``); the rows come back in the requests' order
+            order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) - reused[i])
+            laid = self._decode_laid_out(
+                [requests[i] for i in order],
+                [entries[i] for i in order],
+                [reused[i] for i in order],
+                cancelled,
+                collector,
+            )
+            rows = [row for _, row in sorted(zip(order, laid, strict=True), key=lambda pair: pair[0])]
             shared = [0] * len(rows)
         del entries
         seconds = time.perf_counter() - started
@@ -131,30 +141,6 @@ class ReusedPrefixBatch:
         return laid <= REUSE_AT_MOST * self.plain.prefill_tokens(prompts)
 
     def _decode_laid_out(
-        self,
-        requests: list[GenerationRequest],
-        entries: list[Kept | None],
-        reused: list[int],
-        cancelled: threading.Event | None,
-        collector: _Collector,
-    ) -> list[Row]:
-        """:meth:`_decode_sorted` with the rows in the batch cache by suffix length, shortest first (so each
-        length group of the suffixes' prefill is a range of the cache's rows); the rows come back in the
-        requests' order."""
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) - reused[i])
-        rows = self._decode_sorted(
-            [requests[i] for i in order],
-            [entries[i] for i in order],
-            [reused[i] for i in order],
-            cancelled,
-            collector,
-        )
-        back: list[Row] = [rows[0]] * len(rows)
-        for at, i in enumerate(order):
-            back[i] = rows[at]
-        return back
-
-    def _decode_sorted(
         self,
         requests: list[GenerationRequest],
         entries: list[Kept | None],
@@ -191,7 +177,7 @@ class ReusedPrefixBatch:
         cache, static = self.plain.new_cache(end + max_new)
         if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
             self.plain.batch_cache = "dynamic"
-            return self._decode_sorted(requests, entries, reused, cancelled, collector)
+            return self._decode_laid_out(requests, entries, reused, cancelled, collector)
         together = kept if split else list(range(batch))
         slots: dict[int, list[int]] = {}  # where each row's prompt KV lies in the batch cache
         mask = [[0] * (end - len(p)) + [1] * len(p) for p in prompts]  # fresh rows, split: left-padded

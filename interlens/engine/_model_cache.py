@@ -363,7 +363,8 @@ def _from_pretrained(
     # there too, so sampling runs on that device.
     embedding = model.get_input_embeddings()
     first = str(embedding.weight.device) if "," in device and embedding is not None else device
-    engine = LocalEngine(model, tokenizer, device=first)
+    # an attention the user named (even "sdpa") is kept as named: only the default gets interlens' CPU one
+    engine = LocalEngine(model, tokenizer, device=first, decode_attention="attn_implementation" not in kwargs)
     engine.placement = {k: kwargs[k] for k in ("device_map", "max_memory", "dtype") if k in kwargs}
     return engine
 
