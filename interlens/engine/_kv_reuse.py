@@ -43,7 +43,7 @@ from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
 from ._kept_kv import Kept, KeptKV
 from ._narrow_cache import narrowed_layer_type
-from ._prefill import PlainBatch, plain_static, prefill_groups
+from ._prefill import PlainBatch, padded_tokens, plain_static, prefill_groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -135,9 +135,9 @@ class ReusedPrefixBatch:
         fresh = [len(p) for p, n in zip(prompts, reused, strict=True) if not n]
         static = self.plain.batch_cache == "static"
         if fresh and self.split_fresh_rows and max(fresh) > max(kept) and static:
-            laid = _suffix_tokens(kept, grouped=True) + len(fresh) * max(fresh)
+            laid = padded_tokens(kept, grouped=True) + len(fresh) * max(fresh)
         else:
-            laid = _suffix_tokens([*kept, *fresh], grouped=static)
+            laid = padded_tokens([*kept, *fresh], grouped=static)
         return laid <= REUSE_AT_MOST * self.plain.prefill_tokens(prompts)
 
     def _decode_laid_out(
@@ -278,20 +278,9 @@ class ReusedPrefixBatch:
         ``cache`` (one row each, in its order), attending over the rows' masks; the last position's logits."""
         import torch
 
-        runner = self.runner
-        device = runner.device
-        ids = [[runner.pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
-        mask_t = torch.tensor([mask[i][: offset + width] for i in rows], dtype=torch.long, device=device)
-        positions = (mask_t.cumsum(-1) - 1).clamp(min=0)[:, offset:]
-        out = runner.model(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            attention_mask=mask_t,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]
+        ids = [[self.runner.pad_id] * (width - len(suffixes[i])) + list(suffixes[i]) for i in rows]
+        spans = torch.tensor([mask[i][: offset + width] for i in rows], dtype=torch.long)
+        return self.runner.forward_part(ids, spans, cache, offset)
 
     def _generate_single_dynamic(
         self, request: GenerationRequest, cancelled: threading.Event | None
@@ -416,14 +405,6 @@ def _row_range(cache: Any, start: int, stop: int, *, written: int, config: Any) 
         mine.cumulative_length = torch.tensor(written, dtype=torch.long, device=mine.device)
         mine.is_initialized = True
     return view
-
-
-def _suffix_tokens(lengths: list[int], *, grouped: bool) -> int:
-    """The token rows a prefill of suffixes of these lengths feeds: in length groups, or one block."""
-    if not lengths:
-        return 0
-    groups = prefill_groups(lengths) if grouped else [list(range(len(lengths)))]
-    return sum(len(g) * max(lengths[k] for k in g) for g in groups)
 
 
 def _usable(entry: Kept | None, prompt: Sequence[int]) -> int:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["Decoded", "PlainBatch", "plain_static", "prefill_groups", "prefix_groups"]
+__all__ = ["Decoded", "PlainBatch", "padded_tokens", "plain_static", "prefill_groups", "prefix_groups"]
 
 #: A common prefix is prefilled once only when it is at least this many tokens and at least two rows share
 #: it: below that, a second forward call (the prefix alone, then the suffixes) costs more than it saves.
@@ -190,10 +190,7 @@ class PlainBatch:
         grouped = {r for _, members in prefixes for r in members}
         rest = [lengths[r] for r in range(len(prompts)) if r not in grouped]
         tokens = sum(p + len(rows) * (max(lengths[r] for r in rows) - p) for p, rows in prefixes)
-        if rest:
-            groups = prefill_groups(rest) if static else [list(range(len(rest)))]
-            tokens += sum(len(group) * max(rest[i] for i in group) for group in groups)
-        return tokens
+        return tokens + padded_tokens(rest, grouped=static)
 
     def new_cache(self, max_len: int) -> tuple[Any, bool]:
         """A cache for one batch, and whether it is static (preallocated to ``max_len``)."""
@@ -286,6 +283,15 @@ def prefill_groups(lengths: list[int]) -> list[list[int]]:
     groups = [order[a:b] for a, b in itertools.pairwise(bounds) if b > a]
     cost = sum(len(g) * max(lengths[r] for r in g) for g in groups)
     return groups if cost < 0.85 * padded else [list(range(rows))]
+
+
+def padded_tokens(lengths: list[int], *, grouped: bool) -> int:
+    """The token rows a left-padded prefill of rows of these lengths feeds: in length groups
+    (:func:`prefill_groups`) or as one block."""
+    if not lengths:
+        return 0
+    groups = prefill_groups(lengths) if grouped else [list(range(len(lengths)))]
+    return sum(len(group) * max(lengths[i] for i in group) for group in groups)
 
 
 def plain_static(cache: Any) -> bool:
