@@ -255,11 +255,10 @@ class ReusedPrefixBatch:
         for group in groups:
             start, stop = min(group), max(group) + 1
             assert group == list(range(start, stop)), "rows must come shortest suffix first"
-            part = max(lengths[k] for k in group)
-            view = _row_range(cache, start, stop, written=held + width - part, config=runner.model.config)
-            parts.append(
-                self._prefill_suffixes(rows[start:stop], view, suffixes, mask, held + width - part, part)
-            )
+            part = max(lengths[k] for k in group)  # the group's width; its block ends where the suffixes do
+            offset = held + width - part
+            view = _row_range(cache, start, stop, written=offset, config=runner.model.config)
+            parts.append(self._prefill_suffixes(rows[start:stop], view, suffixes, mask, offset, part))
             del view
         for layer in cache.layers:
             layer.cumulative_length.fill_(held + width)
