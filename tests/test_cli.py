@@ -179,6 +179,34 @@ def test_status_of_several_lineups(tmp_path: Path) -> None:
     )
 
 
+def test_names_with_control_characters_are_escaped_in_status_and_show(tmp_path: Path) -> None:
+    """A lineup, job id or speaker named with a newline or an ANSI escape cannot forge a line of output or
+    recolour the terminal: status and show print it escaped, as they print message text."""
+    import interlens
+
+    evil = "x\x1b[2J\nFORGED done 99"
+    speaker = "b\x1b[31mred"
+    lineup = (
+        Conversation(participants=[ScriptedParticipant(speaker, ["hi"])])
+        .turns(1)
+        .data([{}, {"fail": 1}])
+        .analyzer(lambda c: 1 / 0 if c.row.get("fail") else {})
+        .name(evil)
+    )
+    report = interlens.run([lineup], out_dir=tmp_path, progress=False)
+    job_ids = sorted(report.results)
+    status = interlens_cli("status", str(tmp_path))
+    shown = interlens_cli("show", str(tmp_path), job_ids[0])
+    for result in (status, shown):
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout
+        assert not any(line.startswith("FORGED") for line in result.stdout.splitlines())
+    assert "x\\x1b[2J\\x0aFORGED" in status.stdout  # the failure table names the job, escaped
+    assert "b\\x1b[31mred" in shown.stdout and "x\\x1b[2J\\x0aFORGED done 99" in shown.stdout
+    unknown = interlens_cli("show", str(tmp_path), "nope")
+    assert unknown.returncode == 2 and "\x1b" not in unknown.stderr
+
+
 def test_status_is_coloured_on_a_terminal_and_plain_when_piped(finished: tuple[Path, Any]) -> None:
     plain = interlens_cli("status", str(finished[0]))
     # rich takes FORCE_COLOR as "this is a terminal" (interlens_cli drops it: its output is piped)

@@ -68,9 +68,11 @@ def _errors(*, mismatch_hint: str | None = None) -> Iterator[None]:
     try:
         yield
     except (InterlensError, store.StoreError) as exc:
+        from ._runs import clean  # names in a message (job ids, lineups) can hold control characters
+
         console = _stderr()
         console.print(f"[bold red]error:[/bold red] {type(exc).__name__}: ", end="")
-        console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+        console.print(clean(str(exc)), markup=False, highlight=False, soft_wrap=True)
         if mismatch_hint is not None and isinstance(exc, store.FingerprintMismatchError):
             console.print(mismatch_hint, markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None

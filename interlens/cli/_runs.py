@@ -35,6 +35,7 @@ __all__ = ["open_reader", "render_messages", "render_show", "render_status", "ru
 
 _FAILURES_SHOWN = 10
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_IN_NAMES = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def open_reader(out_dir: str | os.PathLike[str]) -> LedgerReader:
@@ -56,6 +57,13 @@ def open_reader(out_dir: str | os.PathLike[str]) -> LedgerReader:
 def clean(text: str) -> str:
     """Text safe for a terminal: control characters (other than newline and tab) shown as ``\\xNN``."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def name(text: object) -> str:
+    """A name (job id, lineup, author, model, batch id) safe for one line of a terminal: every control
+    character, newline and tab included, shown as ``\\xNN``, so a name cannot move the cursor, recolour the
+    screen or forge a line of output."""
+    return _CONTROL_IN_NAMES.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
 def first_line(text: str | None) -> str:
@@ -223,9 +231,9 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
         lineups.add_column("lineup")
         for state in ("done", "failed", "running", "pending"):
             lineups.add_column(state, justify="right")
-        for name, c in data["lineups"].items():
+        for lineup, c in data["lineups"].items():
             lineups.add_row(
-                Text(name), *(f"{c.get(s, 0):,}" for s in ("done", "failed", "running", "pending"))
+                Text(name(lineup)), *(f"{c.get(s, 0):,}" for s in ("done", "failed", "running", "pending"))
             )
         console.print(lineups)
     tokens = Text(f"tokens generated: {data['tokens_generated']:,} (finished jobs, all runs)")
@@ -249,7 +257,11 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
         fails.add_column("error")
         fails.add_column("first line", overflow="fold")
         for f in data["failures"]:
-            fails.add_row(Text(f["job_id"]), Text(f["error_type"] or "?", style="red"), Text(f["first_line"]))
+            fails.add_row(
+                Text(name(f["job_id"])),
+                Text(name(f["error_type"] or "?"), style="red"),
+                Text(f["first_line"]),
+            )
         console.print(fails)
         if data["failures_total"] > len(data["failures"]):
             console.print(
@@ -277,7 +289,10 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
         for u in usage:
             counts = (u["requests"], u["input_tokens"], u["cache_read_tokens"], u["cache_write_tokens"])
             table.add_row(
-                u["provider"], Text(u["model"]), u["mode"], *(f"{n:,}" for n in (*counts, u["output_tokens"]))
+                Text(name(u["provider"])),
+                Text(name(u["model"])),
+                u["mode"],
+                *(f"{n:,}" for n in (*counts, u["output_tokens"])),
             )
         console.print(table)
     batches = data["open_batches"]
@@ -287,7 +302,11 @@ def render_status(console: Console, data: dict[str, Any]) -> None:
             table.add_column(column)
         for b in batches:
             table.add_row(
-                b["provider"], Text(b["batch_id"]), b["state"], str(b["rows"]), when(b["created_at"])
+                Text(name(b["provider"])),
+                Text(name(b["batch_id"])),
+                Text(name(b["state"])),
+                str(b["rows"]),
+                when(b["created_at"]),
             )
         console.print(table)
     else:
@@ -306,21 +325,23 @@ def render_show(console: Console, reader: LedgerReader, job_id: str, *, metadata
         )
     styles = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
     head = Text.assemble(
-        ("job ", "bold"), (job.job_id, "bold"), "  ", (job.state, f"bold {styles[job.state]}")
+        ("job ", "bold"), (name(job.job_id), "bold"), "  ", (job.state, f"bold {styles[job.state]}")
     )
     facts = [
-        f"lineup {job.lineup}",
+        f"lineup {name(job.lineup)}",
         f"seed {job.seed}",
         *([f"row {job.row_index}"] if job.row_index is not None else []),
         f"{job.tokens_generated:,} tokens",
         f"{job.attempts} attempt(s)",
-        *([f"device {job.device}"] if job.device else []),
+        *([f"device {name(job.device)}"] if job.device else []),
         *([duration(job.duration_s)] if job.duration_s is not None else []),
     ]
     head.append("  " + " · ".join(facts), style="dim")
     console.print(head)
     if job.error_type is not None:
-        console.print(Text.assemble((f"{job.error_type}: ", "bold red"), clean(job.error_message or "")))
+        console.print(
+            Text.assemble((f"{name(job.error_type)}: ", "bold red"), clean(job.error_message or ""))
+        )
     result = reader.result(job_id)
     if result is not None:
         conversation = result["conversation"]
@@ -347,7 +368,7 @@ def render_show(console: Console, reader: LedgerReader, job_id: str, *, metadata
 def render_messages(console: Console, messages: list[dict[str, Any]], *, metadata: bool = False) -> None:
     """Messages (``Message.to_json()`` dicts) as a readable dialogue: a rule naming the author, the text."""
     for message in messages:
-        author = str(message.get("author", "?"))
+        author = name(message.get("author", "?"))
         console.print(Rule(Text(author, style="bold cyan"), align="left", style="dim"))
         console.print(Text(clean(str(message.get("content", "")))))
         meta = message.get("metadata") or {}
