@@ -57,7 +57,7 @@ class LedgerReader:
     """
 
     def __init__(self, path_or_out_dir: str | os.PathLike[str]) -> None:
-        path = Path(path_or_out_dir)
+        path = Path(path_or_out_dir).expanduser()
         if path.is_dir():
             path = path / LEDGER_FILENAME
         if not path.is_file():

@@ -251,7 +251,7 @@ def _out_dir(where: str, out_dir: Any) -> Path | None:
             f"{where}: out_dir must name a directory, got {text!r}; pass a path such as out_dir='runs/x' "
             "for a resumable run, or leave out_dir=None to keep results in memory"
         )
-    return Path(text)
+    return Path(text).expanduser()  # "~/runs/x" is the home directory's, as in a shell
 
 
 def _mode(where: str, mode: Any, batched: Any) -> ExecutionMode:
