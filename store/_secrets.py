@@ -55,11 +55,12 @@ class SecretGuard:
         return tuple(name for name, _ in self._secrets)
 
     def check(self, payload: str, *, what: str) -> None:
-        """Raise StoreError naming the variable (never the value) if ``payload`` contains a secret."""
+        """Raise StoreError naming the variable (never the value) if ``payload`` contains a secret; ``what``
+        is redacted too (it names the record, and a job id or lineup name can hold the key itself)."""
         for name, value in self._secrets:
             if value in payload:
                 raise StoreError(
-                    f"refusing to store {what}: it contains the value of the environment variable {name}, "
+                    f"refusing to store {self.redact(what)}: it contains the value of the environment variable {name}, "
                     f"which looks like a credential. The ledger never stores secrets; find where the key "
                     f"leaked into this value (a participant's repr, a prompt, request metadata) and remove "
                     f"it."

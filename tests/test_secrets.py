@@ -138,6 +138,24 @@ def test_a_key_in_the_prompt_is_refused_before_the_run_starts(planted: str, tmp_
     assert_nowhere_on_disk(tmp_path)
 
 
+@pytest.mark.parametrize("on_disk", [True, False], ids=["out_dir", "in_memory"])
+def test_a_key_in_a_lineup_name_is_refused_without_printing_it(
+    planted: str, tmp_path: Path, on_disk: bool
+) -> None:
+    """The refusal names the record it refused, and that name (a lineup, a job id) holds the key itself."""
+    conv = Conversation(participants=[ScriptedParticipant("a", ["x"])]).turns(1).name(planted)
+    if on_disk:
+        with pytest.raises(LedgerError, match="OPENAI_API_KEY") as info:
+            conv.rollout(n=1, out_dir=tmp_path, progress=False)
+        assert planted not in str(info.value) and MARK in str(info.value)
+        assert_nowhere_on_disk(tmp_path)
+    else:
+        report = conv.rollout(n=1, progress=False)
+        (result,) = report.results.values()
+        assert result.error is not None and "OPENAI_API_KEY" in result.error.message
+        assert planted not in result.error.message and planted not in result.error.traceback
+
+
 # -- through the API gateway: the provider's answer echoes the key (a proxy, a debugging endpoint...)
 
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05)
