@@ -15,6 +15,7 @@ from ._exceptions import (
     AnalyzerError,
     ConfigurationError,
     ConfigurationTypeError,
+    DataSourceError,
     DeviceError,
     FingerprintMismatchError,
     GenerationError,
@@ -36,7 +37,7 @@ from ._exceptions import (
     translate,
 )
 from ._message import MODERATOR, Message, Transcript
-from ._rows import OnceRows, RowReader, row_reader
+from ._rows import OnceRows, RowReader, row_reader, warn_no_rows
 from ._stop import (
     MaxTurns,
     StopCondition,
@@ -55,13 +56,14 @@ from ._templating import (
     describe_callable,
     describe_template,
     import_callable,
+    is_missing,
     is_templated,
     resolve,
     template_from_json,
     template_to_json,
 )
 from ._token_record import TOKENS_KEY, TokenRecord, common_prefix, expand_turns
-from ._validate import check_bool, check_int, check_number, closest_name, type_name
+from ._validate import check_bool, check_int, check_number, check_text, closest_name, invalid_text, type_name
 from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tokens
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "AnalyzerError",
     "ConfigurationError",
     "ConfigurationTypeError",
+    "DataSourceError",
     "DatasetField",
     "DeviceError",
     "FingerprintMismatchError",
@@ -109,6 +112,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_template",
+    "check_text",
     "closest_name",
     "collecting_samples",
     "common_prefix",
@@ -121,6 +125,8 @@ __all__ = [
     "first_tokens",
     "import_callable",
     "in_job",
+    "invalid_text",
+    "is_missing",
     "is_templated",
     "record_sample",
     "resolve",
@@ -133,4 +139,5 @@ __all__ = [
     "turn_seed",
     "turns_on_this_seed_rule",
     "type_name",
+    "warn_no_rows",
 ]

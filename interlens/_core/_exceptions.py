@@ -11,6 +11,7 @@ The hierarchy::
     │   ├── UnknownAnalyzerError        .analyzer("name") that nobody registered
     │   ├── InterpModeError             capture/steering where it cannot run (batched path, hosted API)
     │   └── DeviceError                 a device string that does not exist here
+    ├── DataSourceError                 reading the rows given to .data() failed mid-stream (row named)
     ├── UnrunConversationError          sample() on a recipe that has not generated a turn
     ├── SchemaVersionError              a saved conversation written by a newer interlens
     ├── GenerationError                 a participant failed to produce a turn
@@ -43,6 +44,7 @@ __all__ = [
     "AnalyzerError",
     "ConfigurationError",
     "ConfigurationTypeError",
+    "DataSourceError",
     "DeviceError",
     "FingerprintMismatchError",
     "GenerationError",
@@ -110,6 +112,11 @@ class InterpModeError(ConfigurationError):
 
 class DeviceError(ConfigurationError, _scheduler_errors.DeviceError):
     """A device string that does not exist on this machine."""
+
+
+class DataSourceError(InterlensError):
+    """Reading the rows given to ``.data()`` failed mid-stream (a dropped connection, a read error); the
+    message names the row reached. The jobs of the rows read before it are kept."""
 
 
 class UnrunConversationError(InterlensError):

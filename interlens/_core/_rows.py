@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from ._exceptions import ConfigurationError, InterlensError
 
-__all__ = ["OnceRows", "RowReader", "row_reader"]
+__all__ = ["OnceRows", "RowReader", "row_reader", "warn_no_rows"]
 
 
 class OnceRows:
@@ -79,6 +79,9 @@ def row_reader(data: Any, n: int | None, lineup: str) -> RowReader:
         return RowReader(lambda: itertools.islice(iter(data), n), False, n)
     if callable(data) and not isinstance(data, Iterable):
         return RowReader(lambda: itertools.islice(iter(_call_rows(data, lineup)), n), True, n)
+    if _is_dataframe(data):  # iterating a DataFrame gives its column names: read its rows as records
+        frame = data
+        data = _Records(lambda: frame.to_dict("records"), len(frame))
     try:
         total: int | None = len(data)
     except TypeError:
@@ -93,7 +96,35 @@ def row_reader(data: Any, n: int | None, lineup: str) -> RowReader:
         )
     if n is not None:
         total = n if total is None else min(n, total)
+    if total == 0:
+        warn_no_rows(lineup)
     return RowReader(lambda: itertools.islice(iter(data), n), True, total)
+
+
+def warn_no_rows(lineup: str) -> None:
+    """Empty data runs no job: said, not refused (a filtered dataset can be empty in a sweep)."""
+    warnings.warn(
+        f"lineup {lineup!r}: the data given to .data() has no rows, so no job runs for it",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _is_dataframe(data: Any) -> bool:
+    return type(data).__module__.startswith("pandas") and callable(getattr(data, "to_dict", None))
+
+
+class _Records:
+    """A DataFrame's rows as ``{column: value}`` records, made on each read (``to_dict("records")``)."""
+
+    def __init__(self, make: Callable[[], list[dict[str, Any]]], length: int) -> None:
+        self._make, self._length = make, length
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._make())
+
+    def __len__(self) -> int:
+        return self._length
 
 
 def _call_rows(make: Callable[[], Any], lineup: str) -> Iterable[Any]:

@@ -16,11 +16,13 @@ Templates resolve once per row when a rollout expands its jobs (row i ⟷ job i)
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ._exceptions import ConfigurationError, MissingColumnError, TemplateError
+from ._validate import check_text
 
 __all__ = [
     "DatasetField",
@@ -80,7 +82,10 @@ def check_template(value: Template, *, field: str, _part: bool = False) -> None:
     if callable(value) and not isinstance(value, DatasetField):
         _check_signature(value, field=field)
         return
-    if value is None or isinstance(value, str | DatasetField) or _is_tstring(value):
+    if isinstance(value, str):
+        check_text(value, what=field)
+        return
+    if value is None or isinstance(value, DatasetField) or _is_tstring(value):
         return
     if isinstance(value, tuple):
         for part in value:
@@ -135,7 +140,7 @@ def resolve(value: Template, row: Mapping[str, Any] | None, *, field: str = "tem
                 f"{field} uses dataset_field({value.column!r}) but the row has no column {value.column!r}; "
                 f"available columns: {sorted(row)}"
             )
-        return str(row[value.column])
+        return _cell_text(row[value.column], column=value.column, field=field)
     if callable(value):
         try:
             result = value(row)
@@ -150,6 +155,38 @@ def resolve(value: Template, row: Mapping[str, Any] | None, *, field: str = "tem
             )
         return result
     raise TemplateError(f"{field}: cannot resolve template value {value!r}")
+
+
+def is_missing(cell: Any) -> bool:
+    """A missing value as data libraries write one: None, NaN (Python's, numpy's), pandas' NA and NaT."""
+    if cell is None or type(cell).__name__ in ("NAType", "NaTType"):
+        return True
+    if isinstance(cell, float) or getattr(cell, "ndim", None) == 0:  # numpy scalars have ndim 0
+        try:
+            return bool(cell != cell)
+        except (TypeError, ValueError):
+            return False
+    return False
+
+
+def _cell_text(cell: Any, *, column: str, field: str) -> str:
+    """A row's cell as prompt text: a missing value refused (its text would be 'None' or 'nan', never what
+    the prompt meant), an empty one warned about once."""
+    if is_missing(cell):
+        raise TemplateError(
+            f"{field} uses dataset_field({column!r}) but this row's {column!r} is {cell!r}, a missing value: "
+            f"its prompt would read {str(cell)!r}. Fill or drop such rows before .data(...) (pandas: "
+            f"df.dropna(subset=[{column!r}]) or df.fillna({{{column!r}: '...'}}))"
+        )
+    text = str(cell)
+    if not text.strip():
+        warnings.warn(
+            f"{field} uses dataset_field({column!r}), which is empty in some rows, so their prompt is empty "
+            "there (this warning is shown once). If that is meant, ignore it; else fill or drop those rows",
+            UserWarning,
+            stacklevel=2,
+        )
+    return text
 
 
 def _resolve_tstring(value: Any, row: Mapping[str, Any] | None, *, field: str) -> str:

@@ -15,7 +15,15 @@ from typing import Any
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
 
-__all__ = ["check_bool", "check_int", "check_number", "closest_name", "type_name"]
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_number",
+    "check_text",
+    "closest_name",
+    "invalid_text",
+    "type_name",
+]
 
 
 def type_name(value: Any) -> str:
@@ -70,3 +78,21 @@ def closest_name(name: str, known: Iterable[str]) -> str | None:
     "did you mean" rule for every message that refuses an unknown name."""
     close = difflib.get_close_matches(name, list(known), n=1)
     return close[0] if close else None
+
+
+def invalid_text(text: str) -> str | None:
+    """Why ``text`` cannot be stored (a lone surrogate, left by a broken decode, is no UTF-8), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"it holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not text (a "
+            "broken decode leaves them); decode the source with errors='replace', or drop the character"
+        )
+    return None
+
+
+def check_text(value: Any, *, what: str) -> None:
+    """Refuse a str that cannot be stored, at the call that set it, naming it (``what``)."""
+    if isinstance(value, str) and (why := invalid_text(value)) is not None:
+        raise ConfigurationError(f"{what}: {why}")

@@ -38,7 +38,6 @@ from .._core import (
     RowReader,
     StopCondition,
     Template,
-    TemplateError,
     Transcript,
     UnknownParticipantError,
     UnrunConversationError,
@@ -57,7 +56,7 @@ from .._core import (
 from ..interp import ActivationCache, CaptureSpec, CaptureTarget, steering_from
 from ..participants import Participant
 from ._lens import score_text, turn_activations
-from ._persist import SCHEMA_VERSION, check_schema, json_safe, load, recipe_json, save
+from ._persist import SCHEMA_VERSION, check_schema, json_safe, load, recipe_json, save, storable_row
 from ._recipe import FIELDS, Recipe, participants_tuple, stop_tuple, validate
 
 if TYPE_CHECKING:
@@ -282,11 +281,7 @@ class Conversation:
         """The copy a rollout runs for ``row`` (``None`` without data): row attached, templates resolved
         (participants' system prompts, shared system prompt and context), ``seed`` set. ``index`` (the row's
         position) only names the row in errors."""
-        if row is not None and not hasattr(row, "keys"):
-            raise TemplateError(
-                f"data row {index} is a {type(row).__name__}, not a mapping of column -> value"
-            )
-        row_dict = dict(row) if row is not None else None
+        row_dict = storable_row(row, index)
         participants = tuple(
             p.replace(system_prompt=resolve(p.system_prompt, row_dict, field=f"{p.name}.system_prompt"))
             if is_templated(p.system_prompt)

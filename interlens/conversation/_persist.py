@@ -9,6 +9,7 @@ JSON only, never pickle.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,12 +19,15 @@ from .._core import (
     ConfigurationError,
     InterlensError,
     SchemaVersionError,
+    TemplateError,
     Transcript,
     callable_path,
     condition_from_json,
     describe_callable,
     describe_template,
     import_callable,
+    invalid_text,
+    is_missing,
     template_from_json,
     template_to_json,
 )
@@ -159,10 +163,41 @@ def _analyzer_from_json(data: Any) -> Any:
     return None  # a closure could not be saved; re-attach with .analyzer(...)
 
 
+def storable_row(row: Any, index: int | None) -> dict[str, Any] | None:
+    """``row`` as the dict a job holds and the ledger stores, or the error that fails its job before any
+    turn runs (nothing is paid for on a row that could not be recorded): a row that is no mapping, or one
+    holding text that is not text (a lone surrogate, left by a broken decode)."""
+    if row is None:
+        return None
+    if not hasattr(row, "keys"):
+        raise TemplateError(f"data row {index} is a {type(row).__name__}, not a mapping of column -> value")
+    row_dict = dict(row)
+    for column, cell in row_dict.items():
+        why = _unstorable(cell)
+        if why is not None:
+            raise ConfigurationError(f"data row {index}, column {column!r}: {why}")
+    return row_dict
+
+
+def _unstorable(cell: Any) -> str | None:
+    if isinstance(cell, str):
+        return invalid_text(cell)
+    if isinstance(cell, Mapping):
+        cell = [*cell.keys(), *cell.values()]
+    if isinstance(cell, list | tuple):
+        return next((why for part in cell if (why := _unstorable(part)) is not None), None)
+    return None
+
+
 def json_safe(value: Any) -> Any:
-    """Rows can hold anything (numpy scalars, images); keep what JSON can say, stringify the rest."""
+    """Rows can hold anything (numpy scalars, images); keep what JSON can say, stringify the rest. A missing
+    value (NaN, pandas' NA) is stored as null, as pandas and Arrow write it: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)  # ±inf: 'inf' / '-inf', no number JSON can hold
     if value is None or isinstance(value, str | int | float | bool):
         return value
+    if is_missing(value):
+        return None
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -18,6 +18,7 @@ from .._core import (
     StopCondition,
     Template,
     check_template,
+    check_text,
 )
 from ..participants import Participant
 
@@ -100,6 +101,7 @@ def validate(recipe: Recipe) -> None:
         not isinstance(recipe.name, str) or not recipe.name or "/" in recipe.name
     ):
         raise ConfigurationError(f".name() needs a non-empty str without '/', got {recipe.name!r}")
+    check_text(recipe.name, what=".name()")
     if recipe.data is not None and (
         isinstance(recipe.data, str | bytes | Mapping)
         or not (isinstance(recipe.data, Iterable) or callable(recipe.data))

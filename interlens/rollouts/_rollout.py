@@ -13,6 +13,7 @@ import of the package), so imports run one way, rollout → report → conversat
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from .._core import (
     TOKENS_KEY,
     ConfigurationError,
     DatasetField,
+    DataSourceError,
     InterlensError,
     InterpModeError,
     Message,
@@ -33,6 +35,7 @@ from .._core import (
     collecting_samples,
     in_job,
     is_templated,
+    warn_no_rows,
 )
 from ..report import SAMPLES_KEY, RunReport
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
@@ -89,6 +92,11 @@ class ConversationJob:
         try:
             with in_job(ctx):
                 await conv.advance(on_turn=record)
+                # What was generated is what is stored: the record is taken before the analyzer runs, so an
+                # analyzer that edits the conversation it reads (a message's text, its metadata) cannot
+                # rewrite what the model said or what it spent.
+                state = copy.deepcopy(conv.to_json())
+                tokens_generated, generated = conv.tokens_generated, len(conv.transcript)
                 analysis, analysis_error = None, None
                 with collecting_samples() as samples:
                     if conv.analyzer_fn is not None:
@@ -100,14 +108,15 @@ class ConversationJob:
             await _end_conversation(conv, ctx.job_id)
             raise
         await _end_conversation(conv, ctx.job_id)  # what the participants kept for it (KV caches) can go
-        state = conv.to_json()
+        # messages the analyzer appended (a moderator's note) are kept, after what was generated
+        state["transcript"].extend(conv.transcript.to_json()[generated:])
         if samples:  # the analyzer's samples are no turns: their metadata (usage) is kept with the result
             state[SAMPLES_KEY] = samples
         if self.recipe is not None:
             state["recipe"] = self.recipe
         return JobResult(
             conversation=state,
-            tokens_generated=conv.tokens_generated,
+            tokens_generated=tokens_generated,
             analysis=analysis,
             analysis_error=analysis_error,
         )
@@ -120,6 +129,28 @@ async def _end_conversation(conv: Conversation, stream_id: str) -> None:
     """Tell each participant that conversation ``stream_id`` is over, so it frees what it kept for it."""
     for participant in conv.participants:
         await participant.end_conversation(stream_id)
+
+
+def _rows_read(rows: Iterator[Any], lineup: str) -> Iterator[tuple[int, Any]]:
+    """The rows of a lineup's data with their index; a data source that fails mid-stream (a dropped
+    connection, a file read error) is named with the row it reached. The jobs of the rows before it are kept
+    (done ones in the ledger), and a rerun into the same out_dir resumes them and reads the data again."""
+    i = 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except InterlensError:
+            raise
+        except Exception as exc:
+            raise DataSourceError(
+                f"lineup {lineup!r}: reading the rows given to .data() failed at row {i} (after {i} row(s) "
+                f"read) with {type(exc).__name__}: {exc}. The jobs of the rows read before it are kept: fix "
+                "the data source and rerun into the same out_dir to resume them and go on"
+            ) from exc
+        yield i, row
+        i += 1
 
 
 class _Jobs:
@@ -157,6 +188,26 @@ def _template_columns(conv: Conversation) -> set[str]:
     ):
         visit(value)
     return columns
+
+
+_SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
+
+
+def _check_job_seed(lineup: str, seed: int, i: int) -> None:
+    """Job ``i`` draws from ``seed + i``; refuse a seed that would pass the ledger's 64-bit integers."""
+    if seed + i >= _SEED_LIMIT:
+        raise ConfigurationError(
+            f"lineup {lineup!r}: job {i} would draw from seed {seed} + {i} = {seed + i}, past 2**63 - 1 (the "
+            f"ledger stores seeds as 64-bit integers; job i draws from seed + i). Pass a seed of at most "
+            f"{_SEED_LIMIT - 1 - i}."
+        )
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data) if data is not None and not isinstance(data, str) else None
+    except TypeError:
+        return None
 
 
 def lineup_spec(
@@ -211,7 +262,12 @@ def lineup_spec(
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
 
+    rows_known = n if n is not None else _length(conv.data_source)
+    if rows_known:
+        _check_job_seed(lineup, seed, rows_known - 1)
+
     def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
+        _check_job_seed(lineup, seed, i)  # data of unknown length: checked as the jobs are pulled
         expanded: Conversation | None = None
         try:
             expanded = base.for_row(row, index=row_index, seed=seed + i)
@@ -235,8 +291,11 @@ def lineup_spec(
         base = conv.data(None)
 
         def jobs() -> Iterator[JobSpec]:
-            for i, row in enumerate(rows.read()):
+            i = -1
+            for i, row in _rows_read(rows.read(), lineup):
                 yield job_spec(base, f"{prefix}row_{i:05d}", i, row, i)
+            if i < 0 and rows.total is None:  # of unknown length, and empty (known lengths: said already)
+                warn_no_rows(lineup)
 
         return LineupSpec(
             name=lineup,
