@@ -381,7 +381,7 @@ class FakeProviderServer:
         with self._state.lock:
             self._state.records.clear()
             self._state.usage.clear()
-            self._state.batches_created = dict.fromkeys(self._wires.names, 0)
+            self._state.batches_created = dict.fromkeys(self._state.providers, 0)
             self._state.max_in_flight = dict(self._state.in_flight)
             self._state.max_total = sum(self._state.in_flight.values())
 
