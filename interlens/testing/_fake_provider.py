@@ -5,6 +5,10 @@ retries, timeouts, batch polling) is exercised for real; only the outside world 
 its own thread, so a test's event loop stays free, and keeps all state (files, batches) itself, so a batch
 created by one client can be polled by another, even from a fresh process after the first was killed.
 
+The server knows no provider by name: each provider's wire is a :class:`FakeWire` record in its route module,
+listed in ``_fake_provider_registry``, and the server reads the records (which wire a request is for, its
+routes, credentials, error envelope, base URL and environment variables).
+
     with FakeProviderServer(latency=0.05) as server:
         client = AsyncOpenAI(base_url=server.openai_base_url, api_key="sk-test")
         server.fail_next(1, status=429, retry_after=0.01)
@@ -20,16 +24,14 @@ import re
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Self, cast
+from typing import Any, Self, overload
 
-from . import _fake_provider_anthropic as _anthropic
 from . import _fake_provider_openai as _openai
 from ._fake_provider_core import (
-    PROVIDERS,
     BatchSnapshot,
     Ctx,
+    FakeWire,
     Fault,
-    Provider,
     ReplyFn,
     RequestRecord,
     Route,
@@ -44,6 +46,7 @@ from ._fake_provider_core import (
     redact,
 )
 from ._fake_provider_http import Connection, HttpRequest, HttpResponse, Server
+from ._fake_provider_registry import registered
 
 __all__ = ["BatchSnapshot", "FakeProviderServer", "RequestRecord", "count_tokens", "default_reply"]
 
@@ -57,31 +60,38 @@ def _check_count(n: int) -> int:
     return n
 
 
-def _check_provider(provider: str | None) -> Provider | None:
-    if provider is not None and provider not in PROVIDERS:
-        raise ValueError(f"provider must be one of {', '.join(PROVIDERS)} or None (any), got {provider!r}")
-    return cast(Provider, provider)
-
-
 def _check_status(status: int, *, low: int = 400) -> int:
     if isinstance(status, bool) or not isinstance(status, int) or not low <= status <= 599:
         raise ValueError(f"status must be an HTTP error status in [{low}, 599], got {status!r}")
     return status
 
 
-def _classify(req: HttpRequest) -> Provider:
-    if req.path.startswith("/api/v1/"):
-        return "openrouter"
-    if req.path.startswith("/v1/messages") or "anthropic-version" in req.headers:
-        return "anthropic"
-    return "openai"
-
-
-def _authenticated(provider: Provider, headers: dict[str, str]) -> bool:
+def _authenticated(wire: FakeWire, headers: dict[str, str]) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return True
-    return provider == "anthropic" and bool(headers.get("x-api-key", "").strip())
+    return any(headers.get(name, "").strip() for name in wire.key_headers)
+
+
+class _WireBaseURL:
+    """A ``<name>_base_url`` property: :meth:`FakeProviderServer.base_url_for` the wire ``<name>``.
+
+    The wire's name is read from the attribute's, so the properties the SDK tests use name no provider in
+    code (a new wire needs none: ``base_url_for(name)`` and ``env()`` cover it).
+    """
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self._wire = attribute.removesuffix("_base_url")
+        self.__doc__ = f"The base URL to give the {self._wire} SDK (its wire's base path on this server)."
+
+    @overload
+    def __get__(self, server: None, owner: type | None = None) -> _WireBaseURL: ...
+
+    @overload
+    def __get__(self, server: FakeProviderServer, owner: type | None = None) -> str: ...
+
+    def __get__(self, server: FakeProviderServer | None, owner: type | None = None) -> _WireBaseURL | str:
+        return self if server is None else server.base_url_for(self._wire)
 
 
 class FakeProviderServer:
@@ -122,7 +132,10 @@ class FakeProviderServer:
             raise TypeError(f"require_auth must be True or False, got {require_auth!r}")
         self._require_auth = require_auth
         self._hold_timeout = check_positive("hold_timeout", hold_timeout, allow_zero=False, upper=_MAX_HOLD)
-        self._state = State(latency=float(latency), polls_per_state=polls_per_state, reply=reply)
+        self._wires = registered()
+        self._state = State(
+            providers=self._wires.names, latency=float(latency), polls_per_state=polls_per_state, reply=reply
+        )
         self._server = Server(self._handle)
         self._phase = "new"
         self._held = False
@@ -164,31 +177,25 @@ class FakeProviderServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def openai_base_url(self) -> str:
-        return f"{self.base_url}/v1"
+    def base_url_for(self, provider: str) -> str:
+        """The base URL to give ``provider``'s SDK: the server's root and its wire's base path (without
+        ``/v1`` for Anthropic, whose SDK's paths are absolute)."""
+        return f"{self.base_url}{self._wires[self._provider(provider)].base_path}"
 
-    @property
-    def anthropic_base_url(self) -> str:
-        """Without ``/v1``: the Anthropic SDK's paths are absolute (``/v1/messages``)."""
-        return self.base_url
-
-    @property
-    def openrouter_base_url(self) -> str:
-        return f"{self.base_url}/api/v1"
+    openai_base_url = _WireBaseURL()
+    anthropic_base_url = _WireBaseURL()
+    openrouter_base_url = _WireBaseURL()
 
     def env(self, api_key: str = "sk-test") -> dict[str, str]:
-        """Environment variables that point every provider's client here (for ``monkeypatch.setenv``)."""
+        """Environment variables that point every provider's client here (for ``monkeypatch.setenv``): each
+        wire's key and base-URL variables, the ones its SDK reads."""
         if not isinstance(api_key, str) or not api_key:
             raise ValueError("api_key must be a non-empty string (the fake accepts any key, but needs one)")
-        return {
-            "OPENAI_API_KEY": api_key,
-            "OPENAI_BASE_URL": self.openai_base_url,
-            "ANTHROPIC_API_KEY": api_key,
-            "ANTHROPIC_BASE_URL": self.anthropic_base_url,
-            "OPENROUTER_API_KEY": api_key,
-            "OPENROUTER_BASE_URL": self.openrouter_base_url,
-        }
+        out: dict[str, str] = {}
+        for wire in self._wires:
+            out[wire.key_variable] = api_key
+            out[wire.url_variable] = self.base_url_for(wire.name)
+        return out
 
     # -- fault injection (thread-safe; each fault is consumed by the requests it hits)
 
@@ -220,7 +227,7 @@ class FakeProviderServer:
             headers["x-should-retry"] = "true" if should_retry else "false"
         text = message or f"injected failure (HTTP {status}) from FakeProviderServer.fail_next"
         fault = Fault(
-            "fail", _check_count(n), _check_provider(provider), path, _check_status(status), headers
+            "fail", _check_count(n), self._check_provider(provider), path, _check_status(status), headers
         )
         fault.message = text
         self._add_fault(fault)
@@ -231,7 +238,7 @@ class FakeProviderServer:
         """Hold the next ``n`` matching requests for ``seconds`` (or until the client hangs up or the server
         stops), then answer normally: longer than a short client timeout, but never forever."""
         secs = check_positive("seconds", seconds, allow_zero=False, upper=_MAX_HOLD)
-        self._add_fault(Fault("timeout", _check_count(n), _check_provider(provider), path, seconds=secs))
+        self._add_fault(Fault("timeout", _check_count(n), self._check_provider(provider), path, seconds=secs))
 
     def malformed_next(
         self,
@@ -243,7 +250,7 @@ class FakeProviderServer:
     ) -> None:
         """Answer the next ``n`` matching requests with HTTP 200 and a truncated, invalid JSON body."""
         fault = Fault(
-            "malformed", _check_count(n), _check_provider(provider), path, content_type=content_type
+            "malformed", _check_count(n), self._check_provider(provider), path, content_type=content_type
         )
         self._add_fault(fault)
 
@@ -268,7 +275,7 @@ class FakeProviderServer:
         """
         if not callable(predicate):
             raise TypeError("predicate must be a callable (custom_id, body) -> bool")
-        rule = RowRule(predicate, _check_status(status), message, _check_provider(provider))
+        rule = RowRule(predicate, _check_status(status), message, self._check_provider(provider))
         with self._state.lock:
             self._state.row_rules.append(rule)
 
@@ -342,15 +349,11 @@ class FakeProviderServer:
     def batches(self) -> dict[str, BatchSnapshot]:
         """Every batch the server holds, by id (snapshots: polling does not change them afterwards)."""
         with self._state.lock:
-            out = {
-                b.id: BatchSnapshot(b.id, "openai", b.status, tuple(c for c, _ in b.rows), b.polls)
-                for b in self._state.openai_batches.values()
+            return {
+                b.id: BatchSnapshot(b.id, provider, b.status, b.custom_ids, b.polls)
+                for provider, store in self._state.batches.items()
+                for b in store.values()
             }
-            for a in self._state.anthropic_batches.values():
-                out[a.id] = BatchSnapshot(
-                    a.id, "anthropic", a.status, tuple(c for c, _ in a.requests), a.polls
-                )
-            return out
 
     @staticmethod
     def token_logprobs(text: str) -> list[tuple[str, float]]:
@@ -378,7 +381,7 @@ class FakeProviderServer:
         with self._state.lock:
             self._state.records.clear()
             self._state.usage.clear()
-            self._state.batches_created = dict.fromkeys(PROVIDERS, 0)
+            self._state.batches_created = dict.fromkeys(self._state.providers, 0)
             self._state.max_in_flight = dict(self._state.in_flight)
             self._state.max_total = sum(self._state.in_flight.values())
 
@@ -405,17 +408,22 @@ class FakeProviderServer:
         wait = functools.partial(self.wait_until, predicate, timeout=timeout)
         await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
 
-    @staticmethod
-    def _provider(provider: str) -> Provider:
-        checked = _check_provider(provider)
+    def _check_provider(self, provider: str | None) -> str | None:
+        if provider is not None and provider not in self._wires:
+            names = ", ".join(self._wires.names)
+            raise ValueError(f"provider must be one of {names} or None (any), got {provider!r}")
+        return provider
+
+    def _provider(self, provider: str) -> str:
+        checked = self._check_provider(provider)
         if checked is None:
-            raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got None")
+            raise ValueError(f"provider must be one of {', '.join(self._wires.names)}, got None")
         return checked
 
     # -- request handling (server thread)
 
     def _handle(self, req: HttpRequest, conn: Connection) -> HttpResponse | None:
-        provider = _classify(req)
+        wire = self._wires.classify(req.path, req.headers)
         payload: Any = None
         bad_json = False
         if req.body and "json" in req.headers.get("content-type", ""):
@@ -423,9 +431,9 @@ class FakeProviderServer:
                 payload = json.loads(req.body)
             except ValueError:
                 bad_json = True
-        authed = _authenticated(provider, req.headers)
+        authed = _authenticated(wire, req.headers)
         record = RequestRecord(
-            provider=provider,
+            provider=wire.name,
             method=req.method,
             path=req.path,
             query=req.query,
@@ -436,7 +444,7 @@ class FakeProviderServer:
             connection=conn.id,
         )
         ctx = Ctx(
-            provider=provider,
+            wire=wire,
             method=req.method,
             path=req.path,
             query=req.query,
@@ -460,16 +468,15 @@ class FakeProviderServer:
 
     def _respond(self, ctx: Ctx, conn: Connection, authed: bool, bad_json: bool) -> HttpResponse | None:
         if not authed and self._require_auth:
-            how = (
-                "Authorization: Bearer <key> or x-api-key" if ctx.provider == "anthropic" else "Bearer <key>"
-            )
+            keys = ctx.wire.key_headers
+            how = " or ".join(("Authorization: Bearer <key>", *keys)) if keys else "Bearer <key>"
             return ctx.error(401, f"missing credentials: send {how}")
         if bad_json:
             return ctx.error(400, "request body is not valid JSON")
         fault = self._state.take_fault(ctx.provider, ctx.path)
         if fault is not None and fault.kind == "fail":
             headers = dict(fault.headers)
-            return error_response(ctx.provider, fault.status, fault.message, ctx.request_id, headers=headers)
+            return error_response(ctx.wire, fault.status, fault.message, ctx.request_id, headers=headers)
         if fault is not None and fault.kind == "malformed":
             return HttpResponse(status=200, body=_MALFORMED_BODY, content_type=fault.content_type)
         if fault is not None and not conn.wait(fault.seconds):
@@ -489,14 +496,8 @@ class FakeProviderServer:
                 return ctx.error(500, msg, retry=False)
 
     def _route(self, ctx: Ctx) -> tuple[Route, re.Match[str]] | HttpResponse:
-        if ctx.provider == "openrouter":
-            routes = _openai.OPENROUTER_ROUTES
-        elif ctx.provider == "anthropic":
-            routes = _anthropic.ROUTES
-        else:
-            routes = _openai.ROUTES
         allowed = []
-        for route in routes:
+        for route in ctx.wire.routes:
             match = route.pattern.fullmatch(ctx.path)
             if match is not None and route.method == ctx.method:
                 return route, match

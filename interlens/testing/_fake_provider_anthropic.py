@@ -1,4 +1,5 @@
-"""Anthropic routes of the fake provider: messages and message batches.
+"""Anthropic routes of the fake provider: messages and message batches; and the wire's record
+(:data:`ANTHROPIC`).
 
 Shapes follow /work/shared/notes/provider_wire_formats.md §2. Two details matter to the SDK: batch
 timestamps are RFC 3339 strings, and ``results_url`` must point back at this server (built from the Host
@@ -13,9 +14,9 @@ from typing import Any
 
 from ._fake_provider_core import (
     Ctx,
+    FakeWire,
     Route,
     State,
-    anthropic_error_type,
     content_text,
     count_tokens,
     json_response,
@@ -29,11 +30,33 @@ from ._fake_provider_requests import ANTHROPIC_VERSIONS, validate_message
 _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _MAX_BATCH_ROWS = 100_000
 _COUNTS = ("processing", "succeeded", "errored", "canceled", "expired")
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    """The ``type`` Anthropic's error envelope gives ``status``."""
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def _error_body(status: int, message: str, request_id: str) -> dict[str, Any]:
+    error = {"type": error_type(status), "message": message}
+    return {"type": "error", "error": error, "request_id": request_id}
 
 
 @dataclass(slots=True)
 class AnthropicBatch:
     id: str
+    provider: str  # the wire it was created on
     requests: list[tuple[str, Any]]
     created_at: float
     status: str = "in_progress"
@@ -43,6 +66,10 @@ class AnthropicBatch:
     cancel_initiated_at: float | None = None
     results: list[dict[str, Any]] | None = None
     version: str | None = "2026-10-21"  # the anthropic-version it was created with: its rows follow it
+
+    @property
+    def custom_ids(self) -> tuple[str, ...]:
+        return tuple(cid for cid, _ in self.requests)
 
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(_COUNTS, 0)
@@ -89,9 +116,9 @@ def _blocks(body: dict[str, Any]) -> list[tuple[Any, int, bool]]:
     return out
 
 
-def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
+def message(state: State, provider: str, body: dict[str, Any], *, tier: str = "standard") -> dict[str, Any]:
     gen = state.generate(body, body.get("max_tokens"))
-    read, written = state.cache_lookup("anthropic", body["model"], _blocks(body), automatic=False)
+    read, written = state.cache_lookup(provider, body["model"], _blocks(body), automatic=False)
     out = {
         "id": new_id("msg_"),
         "type": "message",
@@ -109,7 +136,7 @@ def message(state: State, body: dict[str, Any], *, tier: str = "standard") -> di
         },
     }
     state.usage.append(
-        {"provider": "anthropic", "model": body["model"], "batch": tier == "batch", "usage": out["usage"]}
+        {"provider": provider, "model": body["model"], "batch": tier == "batch", "usage": out["usage"]}
     )
     return out
 
@@ -118,7 +145,7 @@ def _messages(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
     problem = validate_message(ctx.json, version=ctx.headers.get("anthropic-version"))
     if problem is not None:
         return ctx.error(400, problem)
-    return json_response(message(state, ctx.json))
+    return json_response(message(state, ctx.provider, ctx.json))
 
 
 def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
@@ -143,19 +170,21 @@ def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
     version = ctx.headers.get("anthropic-version")
     if version not in ANTHROPIC_VERSIONS:  # the header is checked on the request; the rows when they run
         return ctx.error(400, str(validate_message({}, version=version)))
-    batch = AnthropicBatch(id=new_id("msgbatch_"), requests=rows, created_at=state.now(), version=version)
-    state.anthropic_batches[batch.id] = batch
-    state.batches_created["anthropic"] += 1
+    batch = AnthropicBatch(
+        id=new_id("msgbatch_"), provider=ctx.provider, requests=rows, created_at=state.now(), version=version
+    )
+    state.batches[ctx.provider][batch.id] = batch
+    state.batches_created[ctx.provider] += 1
     return json_response(batch.wire(ctx.base_url))
 
 
-def _row_result(state: State, cid: str, params: Any, version: str | None) -> dict[str, Any]:
-    problem = validate_message(params, version=version)
-    rule = state.row_failure("anthropic", cid, params) if problem is None else None
+def _row_result(state: State, batch: AnthropicBatch, cid: str, params: Any) -> dict[str, Any]:
+    problem = validate_message(params, version=batch.version)
+    rule = state.row_failure(batch.provider, cid, params) if problem is None else None
     if problem is None and rule is None:
-        return {"type": "succeeded", "message": message(state, params, tier="batch")}
+        return {"type": "succeeded", "message": message(state, batch.provider, params, tier="batch")}
     status, text = (400, problem) if rule is None else (rule.status, rule.message)
-    error = {"type": anthropic_error_type(status), "message": text}
+    error = {"type": error_type(status), "message": text}
     return {"type": "errored", "error": {"type": "error", "error": error, "request_id": new_id("req_")}}
 
 
@@ -171,14 +200,13 @@ def advance(state: State, batch: AnthropicBatch) -> None:
         batch.results = [{"custom_id": cid, "result": {"type": "canceled"}} for cid, _ in batch.requests]
     else:
         batch.results = [
-            {"custom_id": cid, "result": _row_result(state, cid, p, batch.version)}
-            for cid, p in batch.requests
+            {"custom_id": cid, "result": _row_result(state, batch, cid, p)} for cid, p in batch.requests
         ]
     batch.status, batch.ended_at = "ended", state.now()
 
 
 def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
-    batch = state.anthropic_batches.get(m["id"])
+    batch = state.batches[ctx.provider].get(m["id"])
     if batch is None:
         return ctx.error(404, f"message batch {m['id']!r} not found")
     action = m["action"]
@@ -187,7 +215,7 @@ def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
             return ctx.error(
                 409, "a batch can be deleted only after it has ended; cancel it first", retry=False
             )
-        del state.anthropic_batches[batch.id]
+        del state.batches[ctx.provider][batch.id]
         return json_response({"id": batch.id, "type": "message_batch_deleted"})
     if action == "/results":
         if batch.results is None:
@@ -204,7 +232,7 @@ def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
 
 
 def _list_batches(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
-    ordered = list(reversed(state.anthropic_batches.values()))
+    ordered = list(reversed(state.batches[ctx.provider].values()))
     ids = [b.id for b in ordered]
     try:
         limit = int(ctx.query.get("limit", "20"))
@@ -224,11 +252,24 @@ def _list_batches(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
     return json_response({"data": data, "has_more": has_more, "first_id": first, "last_id": last})
 
 
-ROUTES: list[Route] = [
+ROUTES: tuple[Route, ...] = (
     Route("POST", re.compile(r"/v1/messages"), _messages, generation=True),
     Route("POST", re.compile(r"/v1/messages/batches"), _create_batch),
     Route("GET", re.compile(r"/v1/messages/batches"), _list_batches),
     Route("GET", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>/results)?"), _batch),
     Route("POST", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>/cancel)"), _batch),
     Route("DELETE", re.compile(r"/v1/messages/batches/(?P<id>[^/]+)(?P<action>)"), _batch),
-]
+)
+
+ANTHROPIC = FakeWire(
+    name="anthropic",
+    key_variable="ANTHROPIC_API_KEY",
+    url_variable="ANTHROPIC_BASE_URL",
+    base_path="",  # the SDK's paths are absolute (/v1/messages): its base URL is the server's root
+    routes=ROUTES,
+    error_body=_error_body,
+    path_prefixes=("/v1/messages",),
+    marker_headers=("anthropic-version",),
+    key_headers=("x-api-key",),
+)
+"""Anthropic: messages and message batches, keys in ``x-api-key``, its typed error envelope."""

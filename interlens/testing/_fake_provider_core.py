@@ -1,9 +1,12 @@
-"""Shared state, records and wire helpers of the fake provider server.
+"""Shared state, records and wire helpers of the fake provider server, and :class:`FakeWire`, the record a
+provider's route module describes its wire with.
 
 Everything mutable lives in :class:`State`, guarded by one re-entrant lock, because it is written by the
 server's connection threads and read (meters, records, batch states) or configured (faults) from the test's
 thread. Handlers run synchronously under the lock; only waits (latency, holds, simulated timeouts) happen
-outside it.
+outside it. Nothing here knows a provider by name: meters and batch stores are keyed by the names of the
+wires a server was built with (``_fake_provider_registry``), and what differs between providers (routes,
+error envelope, credentials, base path) is read from their :class:`FakeWire`.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ from typing import Any, Literal, NamedTuple
 
 from ._fake_provider_http import HttpResponse
 
-Provider = Literal["openai", "anthropic", "openrouter"]
-PROVIDERS: tuple[Provider, ...] = ("openai", "anthropic", "openrouter")
 ReplyFn = Callable[[dict[str, Any]], str]
 RowPredicate = Callable[[str, dict[str, Any]], bool]
 
@@ -39,7 +40,7 @@ class RequestRecord:
     ``connection`` identifies the TCP connection (equal ids: a kept-alive connection was reused).
     """
 
-    provider: Provider
+    provider: str
     method: str
     path: str
     query: dict[str, str]
@@ -56,7 +57,7 @@ class BatchSnapshot:
     """A provider batch as held by the server (a copy: later polls do not change it)."""
 
     id: str
-    provider: Provider
+    provider: str
     status: str
     custom_ids: tuple[str, ...]
     polls: int
@@ -67,7 +68,7 @@ class BatchSnapshot:
 class Fault:
     kind: Literal["fail", "timeout", "malformed"]
     remaining: int
-    provider: Provider | None
+    provider: str | None
     path: str | None
     status: int = 500
     headers: dict[str, str] = field(default_factory=dict)
@@ -75,7 +76,7 @@ class Fault:
     content_type: str = "application/json"
     message: str = ""
 
-    def matches(self, provider: Provider, path: str) -> bool:
+    def matches(self, provider: str, path: str) -> bool:
         import fnmatch
 
         if self.provider is not None and self.provider != provider:
@@ -88,7 +89,7 @@ class RowRule:
     predicate: RowPredicate
     status: int
     message: str
-    provider: Provider | None
+    provider: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,45 +169,8 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
 
 
-_OPENAI_TYPES = {401: "invalid_request_error", 403: "invalid_request_error", 429: "requests"}
-_OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-
-
-def anthropic_error_type(status: int) -> str:
-    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
-def openai_error_type(status: int) -> str:
-    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-
-def error_body(provider: Provider, status: int, message: str, request_id: str) -> dict[str, Any]:
-    """The error envelope each provider really uses (the SDKs read different parts of it)."""
-    if provider == "anthropic":
-        return {
-            "type": "error",
-            "error": {"type": anthropic_error_type(status), "message": message},
-            "request_id": request_id,
-        }
-    if provider == "openrouter":
-        return {"error": {"code": status, "message": message, "metadata": {}}}
-    code = _OPENAI_CODES.get(status)
-    return {"error": {"message": message, "type": openai_error_type(status), "param": None, "code": code}}
-
-
 def error_response(
-    provider: Provider,
+    wire: FakeWire,
     status: int,
     message: str,
     request_id: str,
@@ -214,10 +178,11 @@ def error_response(
     headers: dict[str, str] | None = None,
     retry: bool | None = None,
 ) -> HttpResponse:
+    """``status`` with ``message`` in the error envelope of ``wire`` (the SDKs read different parts of it)."""
     hdrs = dict(headers or {})
     if retry is not None:
         hdrs.setdefault("x-should-retry", "true" if retry else "false")
-    return json_response(error_body(provider, status, message, request_id), status, hdrs)
+    return json_response(wire.error_body(status, message, request_id), status, hdrs)
 
 
 def check_positive(name: str, value: float, *, allow_zero: bool = True, upper: float | None = None) -> float:
@@ -235,17 +200,21 @@ def check_positive(name: str, value: float, *, allow_zero: bool = True, upper: f
 class State:
     """All mutable server state; every method is called with ``lock`` held or takes it itself."""
 
-    def __init__(self, *, latency: float, polls_per_state: int, reply: ReplyFn | None) -> None:
+    def __init__(
+        self, *, providers: tuple[str, ...], latency: float, polls_per_state: int, reply: ReplyFn | None
+    ) -> None:
+        self.providers = providers
+        """The names of the server's wires: the keys of the meters and of the batch stores."""
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.latency = latency
         self.polls_per_state = polls_per_state
         self.reply: ReplyFn = reply or default_reply
         self.records: list[RequestRecord] = []
-        self.in_flight: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
-        self.max_in_flight: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
+        self.in_flight: dict[str, int] = dict.fromkeys(providers, 0)
+        self.max_in_flight: dict[str, int] = dict.fromkeys(providers, 0)
         self.max_total = 0
-        self.batches_created: dict[Provider, int] = dict.fromkeys(PROVIDERS, 0)
+        self.batches_created: dict[str, int] = dict.fromkeys(providers, 0)
         self.faults: list[Fault] = []
         self.row_rules: list[RowRule] = []
         self.errors: list[str] = []
@@ -253,10 +222,11 @@ class State:
         self.usage: list[dict[str, Any]] = []
         #: Prompt prefixes in the provider's cache: (provider, model, sha256 of the prefix's blocks).
         self.prompt_cache: set[tuple[str, str, str]] = set()
-        # Provider resources; the provider modules own their shapes.
+        # Provider resources; the provider modules own their shapes. A batch has ``id``, ``status``,
+        # ``polls`` and ``custom_ids`` (what :class:`BatchSnapshot` shows of it).
         self.files: dict[str, Any] = {}
-        self.openai_batches: dict[str, Any] = {}
-        self.anthropic_batches: dict[str, Any] = {}
+        self.batches: dict[str, dict[str, Any]] = {name: {} for name in providers}
+        """Each wire's batches by id (empty for a wire without a batch API)."""
 
     def begin(self, record: RequestRecord) -> None:
         with self.changed:
@@ -273,7 +243,7 @@ class State:
             self.in_flight[record.provider] -= 1
             self.changed.notify_all()
 
-    def take_fault(self, provider: Provider, path: str) -> Fault | None:
+    def take_fault(self, provider: str, path: str) -> Fault | None:
         with self.lock:
             for fault in self.faults:
                 if fault.remaining > 0 and fault.matches(provider, path):
@@ -282,7 +252,7 @@ class State:
                     return fault
             return None
 
-    def row_failure(self, provider: Provider, custom_id: str, body: dict[str, Any]) -> RowRule | None:
+    def row_failure(self, provider: str, custom_id: str, body: dict[str, Any]) -> RowRule | None:
         for rule in self.row_rules:
             if (rule.provider is None or rule.provider == provider) and rule.predicate(custom_id, body):
                 return rule
@@ -337,7 +307,8 @@ class State:
 class Ctx:
     """One request being handled: what the provider modules need besides the state."""
 
-    provider: Provider
+    wire: FakeWire
+    """The wire the request was classified to: its name is the request's provider."""
     method: str
     path: str
     query: dict[str, str]
@@ -348,8 +319,12 @@ class Ctx:
     base_url: str
     """``http://<Host header>``: URLs the server hands out point back at itself, as the client reached it."""
 
+    @property
+    def provider(self) -> str:
+        return self.wire.name
+
     def error(self, status: int, message: str, *, retry: bool | None = None) -> HttpResponse:
-        return error_response(self.provider, status, message, self.request_id, retry=retry)
+        return error_response(self.wire, status, message, self.request_id, retry=retry)
 
 
 class Route(NamedTuple):
@@ -359,3 +334,35 @@ class Route(NamedTuple):
     pattern: re.Pattern[str]
     handler: Callable[[State, Ctx, re.Match[str]], HttpResponse]
     generation: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FakeWire:
+    """One provider's wire format as the fake server speaks it: everything the server decides per provider.
+
+    Each route module describes its wire(s) with one (``_fake_provider_openai``: OpenAI and OpenRouter;
+    ``_fake_provider_anthropic``), and ``_fake_provider_registry`` lists them, like ``Provider`` records in
+    ``interlens/providers/_registry.py``; the server reads the record instead of comparing names.
+
+    ``name``: the provider's name (``RequestRecord.provider``, fault filters, meters, ``<name>_base_url``).
+    ``key_variable``/``url_variable``: the environment variables its SDK reads (``FakeProviderServer.env``).
+    ``base_path``: what its base URL adds to the server's root (``/v1``; empty where the SDK's paths are
+    absolute, as Anthropic's ``/v1/messages`` are). ``routes``: its endpoints. ``error_body``: its error
+    envelope from ``(status, message, request id)``.
+
+    Which wire a request is for: the one with the longest of ``path_prefixes`` the path starts with, else the
+    first whose ``marker_headers`` (headers only its SDK sends) the request carries, else the ``fallback``
+    wire (exactly one; the OpenAI-compatible one, whose paths other servers share). ``key_headers``: headers
+    that carry a key besides ``Authorization: Bearer`` (Anthropic's ``x-api-key``).
+    """
+
+    name: str
+    key_variable: str
+    url_variable: str
+    base_path: str
+    routes: tuple[Route, ...]
+    error_body: Callable[[int, str, str], dict[str, Any]]
+    path_prefixes: tuple[str, ...] = ()
+    marker_headers: tuple[str, ...] = ()
+    key_headers: tuple[str, ...] = ()
+    fallback: bool = False

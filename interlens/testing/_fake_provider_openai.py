@@ -1,20 +1,25 @@
-"""OpenAI (and OpenRouter) routes of the fake provider: chat completions, files, batches.
+"""OpenAI (and OpenRouter) routes of the fake provider: chat completions, files, batches; and the two wires'
+records (:data:`OPENAI`, :data:`OPENROUTER`).
 
 Shapes follow /work/shared/notes/provider_wire_formats.md §1 and §3, so the official SDK accepts them with
 strict response validation. Batches advance one state per GET of the batch (``polls_per_state`` GETs per
-state), which makes polling loops deterministic without any wall-clock waiting.
+state), which makes polling loops deterministic without any wall-clock waiting. The two wires share the chat
+completions handler; what differs between them is a :class:`_Chat` record (strict parameters, automatic
+prompt caching, OpenRouter's extra fields), not a comparison of names.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
 from typing import Any
 
 from ._fake_provider_core import (
     Ctx,
+    FakeWire,
     Route,
     State,
     content_text,
@@ -22,7 +27,6 @@ from ._fake_provider_core import (
     json_response,
     jsonl,
     new_id,
-    openai_error_type,
 )
 from ._fake_provider_http import HttpResponse
 from ._fake_provider_requests import validate_chat
@@ -41,6 +45,40 @@ _FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "ev
 _MAX_BATCH_ROWS = 50_000
 _NEXT = {"validating": "in_progress", "in_progress": "finalizing", "finalizing": "completed"}
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
+_ERROR_TYPES = {401: "invalid_request_error", 403: "invalid_request_error", 429: "requests"}
+_ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    """What differs between the chat-completions wires this module serves.
+
+    ``strict``: unknown parameters are refused (OpenAI); OpenRouter takes any and ignores what a model does
+    not support. ``prompt_cache``: prompts are cached by themselves and reads reported as ``cached_tokens``.
+    ``routing_fields``: the fields OpenRouter adds to an answer (the SDK keeps them in ``model_extra``).
+    """
+
+    strict: bool
+    prompt_cache: bool
+    routing_fields: bool
+
+
+_OPENAI_CHAT = _Chat(strict=True, prompt_cache=True, routing_fields=False)
+_OPENROUTER_CHAT = _Chat(strict=False, prompt_cache=False, routing_fields=True)
+
+
+def error_type(status: int) -> str:
+    """The ``type`` OpenAI's error envelope gives ``status``."""
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _error_body(status: int, message: str, request_id: str) -> dict[str, Any]:
+    code = _ERROR_CODES.get(status)
+    return {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
+
+
+def _openrouter_error_body(status: int, message: str, request_id: str) -> dict[str, Any]:
+    return {"error": {"code": status, "message": message, "metadata": {}}}
 
 
 @dataclass(slots=True)
@@ -52,6 +90,7 @@ class StoredFile:
 @dataclass(slots=True)
 class OpenAIBatch:
     id: str
+    provider: str  # the wire it was created on
     endpoint: str
     input_file_id: str
     completion_window: str
@@ -68,6 +107,10 @@ class OpenAIBatch:
     completed: int = 0
     failed: int = 0
     usage: dict[str, Any] | None = None
+
+    @property
+    def custom_ids(self) -> tuple[str, ...]:
+        return tuple(cid for cid, _ in self.rows)
 
     def wire(self) -> dict[str, Any]:
         total = len(self.rows) if self.status != "validating" and self.status != "failed" else 0
@@ -103,7 +146,7 @@ class OpenAIBatch:
 
 
 def chat_completion(
-    state: State, provider: str, body: dict[str, Any], *, batch: bool = False
+    state: State, provider: str, body: dict[str, Any], chat: _Chat, *, batch: bool = False
 ) -> dict[str, Any]:
     gen = state.generate(body, body.get("max_completion_tokens", body.get("max_tokens")))
     finish = "length" if gen.truncated else "stop"
@@ -118,9 +161,9 @@ def chat_completion(
         for m in body.get("messages") or []
         if isinstance(m, dict)
     ]
-    cached = (
-        state.cache_lookup(provider, body["model"], blocks, automatic=True)[0] if provider == "openai" else 0
-    )
+    cached = 0
+    if chat.prompt_cache:
+        cached = state.cache_lookup(provider, body["model"], blocks, automatic=True)[0]
     usage: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
@@ -143,7 +186,7 @@ def chat_completion(
         "service_tier": "default",
         "system_fingerprint": "fp_fakeprovider",
     }
-    if provider == "openrouter":  # extra fields OpenRouter adds; the SDK keeps them in model_extra
+    if chat.routing_fields:
         out["provider"] = "FakeProvider"
         choice["native_finish_reason"] = finish
         usage["cost"] = 0.0
@@ -167,11 +210,20 @@ def _logprobs(text: str) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def _chat(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
-    problem = validate_chat(ctx.json, provider=ctx.provider)
-    if problem is not None:
-        return ctx.error(400, problem)
-    return json_response(chat_completion(state, ctx.provider, ctx.json))
+def _chat_route(chat: _Chat) -> Callable[[State, Ctx, re.Match[str]], HttpResponse]:
+    """The chat completions handler of a wire that answers like ``chat``."""
+
+    def handle(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
+        problem = validate_chat(ctx.json, strict=chat.strict)
+        if problem is not None:
+            return ctx.error(400, problem)
+        return json_response(chat_completion(state, ctx.provider, ctx.json, chat))
+
+    return handle
+
+
+_openai_chat = _chat_route(_OPENAI_CHAT)
+_openrouter_chat = _chat_route(_OPENROUTER_CHAT)
 
 
 def _multipart(ctx: Ctx) -> tuple[dict[str, str], tuple[str, bytes] | None] | str:
@@ -327,6 +379,7 @@ def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
     rows, errors = _parse_rows(stored.content, endpoint)
     batch = OpenAIBatch(
         id=new_id("batch_"),
+        provider=ctx.provider,
         endpoint=endpoint,
         input_file_id=stored.meta["id"],
         completion_window=window,
@@ -335,8 +388,8 @@ def _create_batch(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
         rows=rows,
         errors=errors,
     )
-    state.openai_batches[batch.id] = batch
-    state.batches_created["openai"] += 1
+    state.batches[ctx.provider][batch.id] = batch
+    state.batches_created[ctx.provider] += 1
     return json_response(batch.wire())
 
 
@@ -348,14 +401,14 @@ def _finish(state: State, batch: OpenAIBatch) -> None:
     for cid, body in batch.rows:
         line: dict[str, Any] = {"id": new_id("batch_req_"), "custom_id": cid, "error": None}
         rid = new_id("req_")
-        failure = _row_failure(state, cid, body)
+        failure = _row_failure(state, batch.provider, cid, body)
         if failure is not None:
             status, message = failure
-            err = {"message": message, "type": openai_error_type(status), "param": None, "code": None}
+            err = {"message": message, "type": error_type(status), "param": None, "code": None}
             line["response"] = {"status_code": status, "request_id": rid, "body": {"error": err}}
             bad.append(line)
             continue
-        completion = chat_completion(state, "openai", body, batch=True)
+        completion = chat_completion(state, batch.provider, body, _OPENAI_CHAT, batch=True)
         tokens_in += completion["usage"]["prompt_tokens"]
         tokens_out += completion["usage"]["completion_tokens"]
         line["response"] = {"status_code": 200, "request_id": rid, "body": completion}
@@ -370,11 +423,11 @@ def _finish(state: State, batch: OpenAIBatch) -> None:
     }
 
 
-def _row_failure(state: State, cid: str, body: dict[str, Any]) -> tuple[int, str] | None:
-    problem = validate_chat(body)
+def _row_failure(state: State, provider: str, cid: str, body: dict[str, Any]) -> tuple[int, str] | None:
+    problem = validate_chat(body, strict=_OPENAI_CHAT.strict)
     if problem is not None:
         return 400, problem
-    rule = state.row_failure("openai", cid, body)
+    rule = state.row_failure(provider, cid, body)
     return None if rule is None else (rule.status, rule.message)
 
 
@@ -427,7 +480,7 @@ def advance(state: State, batch: OpenAIBatch) -> None:
 
 
 def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
-    batch = state.openai_batches.get(m["id"])
+    batch = state.batches[ctx.provider].get(m["id"])
     if batch is None:
         return ctx.error(404, f"No batch found with id '{m['id']}'")
     if m["cancel"]:
@@ -442,7 +495,7 @@ def _batch(state: State, ctx: Ctx, m: re.Match[str]) -> HttpResponse:
 
 
 def _list_batches(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
-    ordered = list(reversed(state.openai_batches.values()))
+    ordered = list(reversed(state.batches[ctx.provider].values()))
     after = ctx.query.get("after")
     if after:
         ids = [b.id for b in ordered]
@@ -465,8 +518,8 @@ def _list_batches(state: State, ctx: Ctx, _: re.Match[str]) -> HttpResponse:
     return json_response(body)
 
 
-ROUTES: list[Route] = [
-    Route("POST", re.compile(r"/v1/chat/completions"), _chat, generation=True),
+ROUTES: tuple[Route, ...] = (
+    Route("POST", re.compile(r"/v1/chat/completions"), _openai_chat, generation=True),
     Route("POST", re.compile(r"/v1/files"), _upload),
     Route("GET", re.compile(r"/v1/files"), _list_files),
     Route("GET", re.compile(r"/v1/files/(?P<id>[^/]+)(?P<content>/content)?"), _file),
@@ -475,7 +528,26 @@ ROUTES: list[Route] = [
     Route("GET", re.compile(r"/v1/batches"), _list_batches),
     Route("GET", re.compile(r"/v1/batches/(?P<id>[^/]+)(?P<cancel>)"), _batch),
     Route("POST", re.compile(r"/v1/batches/(?P<id>[^/]+)(?P<cancel>/cancel)"), _batch),
-]
-OPENROUTER_ROUTES: list[Route] = [
-    Route("POST", re.compile(r"/api/v1/chat/completions"), _chat, generation=True)
-]
+)
+
+OPENAI = FakeWire(
+    name="openai",
+    key_variable="OPENAI_API_KEY",
+    url_variable="OPENAI_BASE_URL",
+    base_path="/v1",
+    routes=ROUTES,
+    error_body=_error_body,
+    fallback=True,  # any path no other wire claims: OpenAI-compatible clients share its paths
+)
+"""OpenAI: chat completions, files and batches under ``/v1``."""
+
+OPENROUTER = FakeWire(
+    name="openrouter",
+    key_variable="OPENROUTER_API_KEY",
+    url_variable="OPENROUTER_BASE_URL",
+    base_path="/api/v1",
+    routes=(Route("POST", re.compile(r"/api/v1/chat/completions"), _openrouter_chat, generation=True),),
+    error_body=_openrouter_error_body,
+    path_prefixes=("/api/v1/",),
+)
+"""OpenRouter: chat completions under ``/api/v1``, its error envelope (the status as ``code``)."""

@@ -148,11 +148,12 @@ def _openai_message(i: int, msg: Any) -> str | None:
     return None
 
 
-def validate_chat(body: Any, *, provider: str = "openai") -> str | None:
-    """Why a chat-completions body would be refused by ``provider`` ("openai" or "openrouter"), or None."""
+def validate_chat(body: Any, *, strict: bool = True) -> str | None:
+    """Why a chat-completions body would be refused, or None. ``strict``: unknown parameters are refused
+    (OpenAI); without it only the parameters OpenAI defines are checked (OpenRouter takes any other)."""
     if not isinstance(body, dict):
         return "We could not parse the JSON body of your request: expected a JSON object."
-    if provider == "openai":
+    if strict:
         unknown = sorted(set(body) - _OPENAI_PARAMS)
         if unknown:
             return f"Unrecognized request argument supplied: {unknown[0]}"
