@@ -16,8 +16,10 @@ from interlens import (
     ConfigurationError,
     Conversation,
     DataSourceError,
+    GenerationError,
     Message,
     ScriptedParticipant,
+    TokenBudget,
     dataset_field,
 )
 from interlens.store import LedgerReader
@@ -176,3 +178,27 @@ def test_an_analyzer_cannot_rewrite_what_was_generated(tmp_path: Path) -> None:
         timeout=120,
     )
     assert "TAMPERED" not in show.stdout and "second" in show.stdout
+
+
+# ------------------------------------------------------------------------------------------ no progress
+
+
+def test_a_conversation_bounded_only_by_tokens_whose_turns_say_nothing_fails_instead_of_looping(
+    tmp_path: Path,
+) -> None:
+    silent = ScriptedParticipant("a", lambda view: "")  # honest: 0 tokens a turn
+    conv = Conversation(participants=[silent]).turns(None).run_until(TokenBudget(per_conversation=50))
+    report = conv.rollout(n=2, out_dir=tmp_path, progress=False)
+    assert sorted(report.failed) == ["rollout_0000", "rollout_0001"]
+    error = report.results["rollout_0000"].error
+    assert error is not None and error.type == "GenerationError" and "makes no progress" in error.message
+    assert ".turns(n)" in error.message
+    with LedgerReader(tmp_path) as reader:
+        assert len(reader.turn_records("rollout_0000")) == 16
+    with pytest.raises(GenerationError, match="its last 16 turns generated no token"):
+        conv.run()
+
+
+def test_empty_turns_under_a_turn_limit_are_just_turns() -> None:
+    conv = Conversation(participants=[ScriptedParticipant("a", lambda view: "")]).turns(40)
+    assert len(conv.run()) == 40

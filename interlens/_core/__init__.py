@@ -40,6 +40,7 @@ from ._message import MODERATOR, Message, Transcript
 from ._rows import OnceRows, RowReader, row_reader, warn_no_rows
 from ._stop import (
     MaxTurns,
+    ProgressWatch,
     StopCondition,
     StopStrings,
     TokenBudget,
@@ -90,6 +91,7 @@ __all__ = [
     "MissingColumnError",
     "ModelLoadError",
     "OnceRows",
+    "ProgressWatch",
     "RowReader",
     "SchemaVersionError",
     "StopCondition",

@@ -15,12 +15,19 @@ import contextvars
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import ConfigurationError
+from ._exceptions import ConfigurationError, GenerationError
 
 if TYPE_CHECKING:
     from ..conversation import Conversation
 
-__all__ = ["MaxTurns", "StopCondition", "StopStrings", "TokenBudget", "ambient_conditions"]
+__all__ = [
+    "MaxTurns",
+    "ProgressWatch",
+    "StopCondition",
+    "StopStrings",
+    "TokenBudget",
+    "ambient_conditions",
+]
 
 _AMBIENT: contextvars.ContextVar[tuple[StopCondition, ...]] = contextvars.ContextVar(
     "interlens_ambient_stop_conditions", default=()
@@ -141,3 +148,26 @@ def turn_cap(conditions: Sequence[StopCondition], conv: Conversation) -> int | N
     """The smallest ``max_new_tokens`` any condition imposes on the next turn."""
     caps = [c for c in (cond.max_new_tokens(conv) for cond in conditions) if c is not None]
     return min(caps) if caps else None
+
+
+class ProgressWatch:
+    """Stops a conversation that can no longer end: nothing bounds its turns (no ``.turns(n)``, no
+    ``MaxTurns``) and turn after turn generates no token, so a stop condition that waits on tokens (a
+    ``TokenBudget``) or on text (``StopStrings``) will never hold. After ``limit`` such turns in a row the
+    turn loop raises instead of writing empty turns to the ledger forever; one turn with a token resets it.
+    """
+
+    def __init__(self, conditions: Sequence[StopCondition], *, limit: int = 16) -> None:
+        self.active = not any(isinstance(c, MaxTurns) for c in conditions)
+        self.conditions, self.limit, self.empty = conditions, limit, 0
+
+    def after_turn(self, conv: Conversation, tokens_before: int) -> None:
+        if not self.active:
+            return
+        self.empty = self.empty + 1 if conv.tokens_generated <= tokens_before else 0
+        if self.empty >= self.limit:
+            raise GenerationError(
+                f"this conversation makes no progress: its last {self.empty} turns generated no token, and "
+                f"nothing bounds its turns (.turns(None); stop conditions {list(self.conditions)}), so it "
+                "would never end. Give it a turn limit (.turns(n)), or make its participants say something"
+            )

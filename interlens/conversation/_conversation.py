@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
+import anyio.lowlevel
+
 from .._core import (
     CURRENT_JOB,
     MODERATOR,
@@ -35,6 +37,7 @@ from .._core import (
     MaxTurns,
     Message,
     OnceRows,
+    ProgressWatch,
     RowReader,
     StopCondition,
     Template,
@@ -403,14 +406,17 @@ class Conversation:
         through here, so a conversation runs the same way live and in a rollout.
         """
         conditions = self._conditions() if until is None else until
+        watch = ProgressWatch(conditions)  # no turn limit and no token, turn after turn: an error, no loop
         while not any(c.should_stop(self) for c in conditions):
-            participant = self.next_speaker()
+            participant, tokens = self.next_speaker(), self.tokens_generated
             message = await participant.agenerate(
                 self.view(participant), self._options(conditions, participant)
             )
             self.transcript.append(message)
             if on_turn is not None:
                 await on_turn(self.generated_turns - 1, message)
+            watch.after_turn(self, tokens)
+            await anyio.lowlevel.checkpoint()  # a turn that never waited still lets Ctrl-C in
         return self.transcript
 
     async def asample(self, speaker: str, prompt: str | None = None, *, steering: Any = None) -> Message:
