@@ -11,19 +11,28 @@ ledger's:
   (:func:`rerun_unreadable`): its turns before the first broken one are kept and replayed, the rest of its
   turns and its result are dropped (the result's text kept in ``superseded_results``), and a done job is
   pending again. Nothing that reads is lost, and no answer is built on a record nobody can read.
+
+Damage below the records (pages of the file overwritten: a disk fault, garbage written mid-file) is no one
+job's: SQLite answers "database disk image is malformed" wherever a query meets it. Readers raise it as
+:class:`~._errors.LedgerCorruptError` naming the file, what ``PRAGMA integrity_check`` says and what to do
+(:func:`page_damage_error`, applied to every reading method by :func:`reads_translated`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._errors import UnreadableRecordError
+from ._errors import LedgerCorruptError, UnreadableRecordError
+from ._schema import ro_uri
 
 if TYPE_CHECKING:
-    import sqlite3
     from pathlib import Path
 
     import aiosqlite
@@ -31,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = [
     "UnreadableRecord",
     "loads",
+    "page_damage_error",
+    "reads_translated",
     "rerun_unreadable",
     "unreadable_error",
     "unreadable_jobs",
@@ -121,3 +132,68 @@ async def rerun_unreadable(conn: aiosqlite.Connection) -> list[str]:
         where = "its result" if first is None else f"turn {first}"
         lines.append(f"job {job_id!r} ({where} does not parse): runs again, {kept}")
     return lines
+
+
+C = TypeVar("C", bound=type)
+
+
+def is_page_damage(exc: BaseException) -> bool:
+    """SQLite's own "malformed" / "not a database" answers, not a busy or locked file (OperationalError)."""
+    return isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+        exc, sqlite3.OperationalError | sqlite3.IntegrityError | sqlite3.ProgrammingError
+    )
+
+
+def page_damage_error(path: Path, exc: BaseException) -> LedgerCorruptError:
+    """The damaged file named, what SQLite's integrity check finds (on a fresh connection), what to do."""
+    try:
+        conn = sqlite3.connect(ro_uri(path), uri=True)
+        try:
+            found = "reports: " + "; ".join(r[0] for r in conn.execute("PRAGMA integrity_check(5)"))
+        finally:
+            conn.close()
+    except sqlite3.Error as check_exc:
+        found = f"cannot finish either ({check_exc})"
+    return LedgerCorruptError(
+        f"{path} is damaged below its records: SQLite answers '{exc}', and PRAGMA integrity_check "
+        f"{found}. Pages of the file were overwritten (a disk or filesystem fault, something writing into "
+        "it). Keep the file as it is (copy it away before anything else): the sqlite3 command-line tool's "
+        "'.recover' salvages what still reads into a new database; or rerun the recipe with resume=False "
+        "(interlens demo: --fresh), which moves this ledger aside and starts over"
+    )
+
+
+def reads_translated(cls: C) -> C:
+    """Every public method of a reader class raises page damage as :func:`page_damage_error` (generators
+    too, wherever their iteration meets it)."""
+    for name, fn in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.isfunction(fn) or name == "close":
+            continue
+        setattr(cls, name, _translated(fn))
+    return cls
+
+
+def _translated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                yield from fn(self, *args, **kwargs)
+            except sqlite3.DatabaseError as exc:
+                if not is_page_damage(exc):
+                    raise
+                raise page_damage_error(self.path, exc) from exc
+
+        return generator
+
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except sqlite3.DatabaseError as exc:
+            if not is_page_damage(exc):
+                raise
+            raise page_damage_error(self.path, exc) from exc
+
+    return method

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._damage import UnreadableRecord, loads, unreadable_error, unreadable_records
+from ._damage import UnreadableRecord, loads, reads_translated, unreadable_error, unreadable_records
 from ._errors import LedgerNotFoundError, UnreadableRecordError
 from ._records import (
     JOB_STATES,
@@ -49,6 +49,7 @@ def _states(states: Iterable[str]) -> tuple[str, ...]:
     return chosen
 
 
+@reads_translated  # page damage (a malformed file) named with what to do, from every reading method
 class LedgerReader:
     """Read-only view of a ledger: ``LedgerReader(out_dir)`` or ``LedgerReader(path/to/ledger.sqlite)``.
 

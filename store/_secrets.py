@@ -60,10 +60,10 @@ class SecretGuard:
         for name, value in self._secrets:
             if value in payload:
                 raise StoreError(
-                    f"refusing to store {self.redact(what)}: it contains the value of the environment variable {name}, "
-                    f"which looks like a credential. The ledger never stores secrets; find where the key "
-                    f"leaked into this value (a participant's repr, a prompt, request metadata) and remove "
-                    f"it."
+                    f"refusing to store {self.redact(what)}: it contains the value of the environment "
+                    f"variable {name}, which looks like a credential. The ledger never stores secrets; find "
+                    f"where the key leaked into this value (a participant's repr, a prompt, request "
+                    f"metadata) and remove it."
                 )
 
     def redact(self, text: str) -> str:

@@ -134,3 +134,34 @@ def test_a_rerun_runs_the_damaged_jobs_again_from_what_still_reads(
         )  # replayed, not generated again
     with LedgerReader(out) as reader:
         assert reader.unreadable_records() == []
+
+
+def test_page_damage_is_named_with_what_integrity_check_says_and_what_to_do(tmp_path: Path) -> None:
+    """Garbage written over pages of the file (not one record's JSON): every command names the file, what
+    SQLite's integrity check says and what to do, exit 2, no traceback; Python readers raise the store's
+    LedgerCorruptError."""
+    import os
+
+    from interlens.store import LedgerCorruptError
+
+    out = tmp_path / "run"
+    words = ScriptedParticipant("a", lambda view: "word " * 60)
+    Conversation([words]).turns(3).rollout(n=200, out_dir=out, progress=False)
+    path = out / "ledger.sqlite"
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:  # the middle half of the file, page-aligned: the header page stays
+        fh.seek(size // 4 - size // 4 % 4096)
+        fh.write(os.urandom(size // 2))
+    for command in (["status", str(out)], ["export", str(out), "--format", "jsonl"], ["show", str(out), "x"]):
+        result = cli(*command)
+        assert result.returncode == 2, (command, result.stdout[-300:], result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and "is damaged below its records" in result.stderr
+        assert str(path) in result.stderr.replace("\n", "") and "PRAGMA integrity_check" in result.stderr
+        assert "resume=False" in result.stderr
+    report = cli("report", str(out), "-o", str(tmp_path / "r.html"))
+    assert report.returncode == 2 and "is damaged below its records" in report.stderr
+    with LedgerReader(out) as reader:
+        with pytest.raises(LedgerCorruptError, match="is damaged below its records"):
+            reader.summary()
+        with pytest.raises(LedgerCorruptError, match="is damaged below its records"):
+            list(reader.iter_results())  # a generator: where its iteration meets the damage

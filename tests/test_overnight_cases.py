@@ -202,3 +202,26 @@ def test_a_conversation_bounded_only_by_tokens_whose_turns_say_nothing_fails_ins
 def test_empty_turns_under_a_turn_limit_are_just_turns() -> None:
     conv = Conversation(participants=[ScriptedParticipant("a", lambda view: "")]).turns(40)
     assert len(conv.run()) == 40
+
+
+def exits_on_row_1(view: Any) -> str:
+    if "row 1" in view.messages[0].content:
+        sys.exit(2)
+    return "fine"
+
+
+def test_a_participant_raising_system_exit_fails_only_its_job(tmp_path: Path) -> None:
+    conv = (
+        Conversation(
+            participants=[ScriptedParticipant("a", exits_on_row_1)],
+            shared_context=("row ", dataset_field("i")),
+        )
+        .turns(1)
+        .data([{"i": i} for i in range(3)])
+    )
+    report = conv.rollout(out_dir=tmp_path, progress=False)
+    assert report.failed == ["row_00001"] and report.counts["done"] == 2
+    error = report.results["row_00001"].error
+    assert error is not None and error.type == "GenerationError" and "SystemExit(2)" in error.message
+    with LedgerReader(tmp_path) as reader:
+        assert reader.runs()[-1]["status"] == "completed"

@@ -2,6 +2,7 @@
 conditions, data rows, the speaker's view and the running job's context. Imports nothing of interlens.
 """
 
+from ._blocking import TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
 from ._context import (
     CURRENT_JOB,
     collecting_samples,
@@ -40,10 +41,10 @@ from ._message import MODERATOR, Message, Transcript
 from ._rows import OnceRows, RowReader, row_reader, warn_no_rows
 from ._stop import (
     MaxTurns,
-    ProgressWatch,
     StopCondition,
     StopStrings,
     TokenBudget,
+    TurnWatch,
     ambient_conditions,
     condition_from_json,
     turn_cap,
@@ -70,6 +71,7 @@ from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tok
 __all__ = [
     "CURRENT_JOB",
     "MODERATOR",
+    "TIME_LIMITS",
     "TOKENS_KEY",
     "AnalyzerError",
     "ConfigurationError",
@@ -91,16 +93,17 @@ __all__ = [
     "MissingColumnError",
     "ModelLoadError",
     "OnceRows",
-    "ProgressWatch",
     "RowReader",
     "SchemaVersionError",
     "StopCondition",
     "StopStrings",
     "Template",
     "TemplateError",
+    "TimeLimits",
     "TokenBudget",
     "TokenRecord",
     "Transcript",
+    "TurnWatch",
     "UnknownAnalyzerError",
     "UnknownParticipantError",
     "UnrunConversationError",
@@ -109,6 +112,7 @@ __all__ = [
     "WorkerStartError",
     "ambient_conditions",
     "as_interlens_errors",
+    "call_blocking",
     "callable_path",
     "check_bool",
     "check_int",
@@ -133,6 +137,7 @@ __all__ = [
     "record_sample",
     "resolve",
     "row_reader",
+    "run_in_loop",
     "seed_of_turn",
     "template_from_json",
     "template_to_json",
@@ -142,4 +147,5 @@ __all__ = [
     "turns_on_this_seed_rule",
     "type_name",
     "warn_no_rows",
+    "within",
 ]

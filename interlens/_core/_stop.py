@@ -12,20 +12,23 @@ every run and rollout started inside the block (through a contextvar), each conv
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._blocking import TIME_LIMITS, within
 from ._exceptions import ConfigurationError, GenerationError
 
 if TYPE_CHECKING:
     from ..conversation import Conversation
 
+T = TypeVar("T")
+
 __all__ = [
     "MaxTurns",
-    "ProgressWatch",
     "StopCondition",
     "StopStrings",
     "TokenBudget",
+    "TurnWatch",
     "ambient_conditions",
 ]
 
@@ -150,19 +153,34 @@ def turn_cap(conditions: Sequence[StopCondition], conv: Conversation) -> int | N
     return min(caps) if caps else None
 
 
-class ProgressWatch:
-    """Stops a conversation that can no longer end: nothing bounds its turns (no ``.turns(n)``, no
-    ``MaxTurns``) and turn after turn generates no token, so a stop condition that waits on tokens (a
-    ``TokenBudget``) or on text (``StopStrings``) will never hold. After ``limit`` such turns in a row the
-    turn loop raises instead of writing empty turns to the ledger forever; one turn with a token resets it.
+class TurnWatch:
+    """What the turn loop watches besides its stop conditions, so that a job always ends:
+
+    - each turn's time, against the job's ``turn_timeout`` (:data:`TIME_LIMITS`; live runs have none): a turn
+      past it fails the job, named, instead of holding the run;
+    - progress: when nothing bounds the turns (no ``.turns(n)``, no ``MaxTurns``) and turn after turn
+      generates no token, a stop condition that waits on tokens (a ``TokenBudget``) or on text
+      (``StopStrings``) will never hold. After ``limit`` such turns in a row the loop raises instead of
+      writing empty turns to the ledger forever; one turn with a token resets the count.
     """
 
     def __init__(self, conditions: Sequence[StopCondition], *, limit: int = 16) -> None:
-        self.active = not any(isinstance(c, MaxTurns) for c in conditions)
+        self.unbounded = not any(isinstance(c, MaxTurns) for c in conditions)
         self.conditions, self.limit, self.empty = conditions, limit, 0
 
+    async def turn(self, speaker: str, index: int, awaitable: Awaitable[T]) -> T:
+        seconds = TIME_LIMITS.get().turn
+
+        def timed_out() -> Exception:
+            return GenerationError(
+                f"{speaker!r} did not finish turn {index} within turn_timeout={seconds} s, so its job fails "
+                "(the others go on). Raise turn_timeout= (or pass None) if turns this long are expected"
+            )
+
+        return await within(seconds, awaitable, timed_out=timed_out)
+
     def after_turn(self, conv: Conversation, tokens_before: int) -> None:
-        if not self.active:
+        if not self.unbounded:
             return
         self.empty = self.empty + 1 if conv.tokens_generated <= tokens_before else 0
         if self.empty >= self.limit:

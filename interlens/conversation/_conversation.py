@@ -37,11 +37,11 @@ from .._core import (
     MaxTurns,
     Message,
     OnceRows,
-    ProgressWatch,
     RowReader,
     StopCondition,
     Template,
     Transcript,
+    TurnWatch,
     UnknownParticipantError,
     UnrunConversationError,
     View,
@@ -52,6 +52,7 @@ from .._core import (
     record_sample,
     resolve,
     row_reader,
+    run_in_loop,
     turn_cap,
     turn_seed,
     turns_on_this_seed_rule,
@@ -406,12 +407,11 @@ class Conversation:
         through here, so a conversation runs the same way live and in a rollout.
         """
         conditions = self._conditions() if until is None else until
-        watch = ProgressWatch(conditions)  # no turn limit and no token, turn after turn: an error, no loop
+        watch = TurnWatch(conditions)  # each turn's time limit; no progress, turn after turn: an error
         while not any(c.should_stop(self) for c in conditions):
             participant, tokens = self.next_speaker(), self.tokens_generated
-            message = await participant.agenerate(
-                self.view(participant), self._options(conditions, participant)
-            )
+            turn = participant.agenerate(self.view(participant), self._options(conditions, participant))
+            message = await watch.turn(participant.name, self.generated_turns, turn)
             self.transcript.append(message)
             if on_turn is not None:
                 await on_turn(self.generated_turns - 1, message)
@@ -591,10 +591,8 @@ def _run_sync(fn: Callable[..., Any], *args: Any) -> Any:
     An analyzer runs in a worker thread of the job's event loop; its ``conv.sample(...)`` must go back to THAT
     loop (where the batcher and the job's device live) instead of starting a new one.
     """
-    import anyio.from_thread
-
     if CURRENT_JOB.get() is not None:
-        return anyio.from_thread.run(fn, *args)
+        return run_in_loop(fn, *args)
     from interlens.scheduler import run_sync
 
     return run_sync(fn, *args)

@@ -18,6 +18,7 @@ from .._core import (
     Message,
     Template,
     View,
+    call_blocking,
     callable_path,
     check_template,
     count_tokens,
@@ -134,8 +135,8 @@ class ScriptedParticipant(Participant):
                 f"ScriptedParticipant({self.name!r}) has no model to steer; steer a local participant "
                 "(AutoModelParticipant.from_pretrained(...)) instead"
             )
-        if callable(self.replies):
-            text = self.replies(view)
+        if callable(self.replies):  # user code that may block: in a thread, so it cannot stall the loop
+            text = await call_blocking(self.replies, view)
             if not isinstance(text, str):
                 raise GenerationError(
                     f"{self.name}: the replies callable returned {type(text).__name__}, not str"

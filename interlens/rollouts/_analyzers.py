@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .._core import AnalyzerError, ConfigurationError, UnknownAnalyzerError
+from .._core import (
+    TIME_LIMITS,
+    AnalyzerError,
+    ConfigurationError,
+    UnknownAnalyzerError,
+    call_blocking,
+    within,
+)
 
 if TYPE_CHECKING:
     from ..conversation import Conversation
@@ -140,19 +147,28 @@ def check_analyzer(analyzer: Callable[[Conversation], Any] | str | None) -> None
 async def run_analyzer(analyzer: Callable[[Conversation], Any] | str, conv: Conversation) -> Any:
     """Call the analyzer on ``conv`` and return its JSON-checked value.
 
-    A sync analyzer runs in a worker thread, so the ``conv.sample(...)`` it calls can route its turn back to
-    the event loop (and its batcher) instead of blocking it.
+    A sync analyzer runs in a thread of its own (``call_blocking``), so the ``conv.sample(...)`` it calls can
+    route its turn back to the event loop (and its batcher) instead of blocking it, and a Ctrl-C or the job's
+    ``analyzer_timeout`` stops waiting for one that hangs.
     """
-    import anyio
-
     fn = resolve_analyzer(analyzer)
-    try:
+    seconds = TIME_LIMITS.get().analyzer
+
+    def timed_out() -> Exception:
+        return AnalyzerError(
+            f"the analyzer did not return within analyzer_timeout={seconds} s, so its job fails (its "
+            "conversation is kept, and a rerun runs only the analyzer again). Raise analyzer_timeout= (or "
+            "pass None) if it needs longer"
+        )
+
+    async def call() -> Any:
         if inspect.iscoroutinefunction(fn):
-            value = await fn(conv)
-        else:
-            value = await anyio.to_thread.run_sync(fn, conv)
-            if inspect.isawaitable(value):
-                value = await value
+            return await fn(conv)
+        value = await call_blocking(fn, conv)  # its own thread: a blocked analyzer cannot hold the loop
+        return await value if inspect.isawaitable(value) else value
+
+    try:
+        value = await within(seconds, call(), timed_out=timed_out)
     except SystemExit as exc:  # sys.exit (or a CLI parser) inside the analyzer: this job's failure only
         raise AnalyzerError(
             f"the analyzer raised SystemExit({exc.code!r}) (sys.exit, or an argument parser it called): an "

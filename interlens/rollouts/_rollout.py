@@ -25,6 +25,7 @@ from .._core import (
     ConfigurationError,
     DatasetField,
     DataSourceError,
+    GenerationError,
     InterlensError,
     InterpModeError,
     Message,
@@ -91,7 +92,13 @@ class ConversationJob:
 
         try:
             with in_job(ctx):
-                await conv.advance(on_turn=record)
+                try:
+                    await conv.advance(on_turn=record)
+                except SystemExit as exc:  # sys.exit in a participant's code: its job fails, the run goes on
+                    raise GenerationError(
+                        f"a participant raised SystemExit({exc.code!r}) (sys.exit, or an argument parser it "
+                        "called): a participant returns its turn; raise an exception to fail the job"
+                    ) from exc
                 # What was generated is what is stored: the record is taken before the analyzer runs, so an
                 # analyzer that edits the conversation it reads (a message's text, its metadata) cannot
                 # rewrite what the model said or what it spent.

@@ -1,0 +1,99 @@
+"""User code that may block (a sync analyzer, a scripted participant's callable), run where it cannot stall
+the event loop, and time limits on what a job waits for.
+
+Why not ``anyio.to_thread.run_sync``: its worker threads are not daemons and a task waiting on one cannot be
+cancelled (unless abandoned), so one analyzer stuck in a ``wait()`` kept a run alive through two Ctrl-C and
+kept the interpreter from exiting after. Here each call gets a daemon thread of its own; the awaiting task
+waits on an event, so a Ctrl-C or a time limit stops the WAIT at once. The thread itself cannot be killed: it
+is left to finish, or to end with the process.
+
+The thread carries the caller's contextvars (the job's context, ambient ``TokenBudget``s) and the loop's
+token, so the ``conv.sample(...)`` an analyzer calls goes back to THAT loop (:func:`run_in_loop`), where the
+job's batcher and device live.
+
+Time limits (``rollout(turn_timeout=..., analyzer_timeout=...)``) reach the turn loop and the analyzer through
+:data:`TIME_LIMITS`, set by the rollout job around its work; live ``conv.run()`` has none.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+__all__ = ["TIME_LIMITS", "TimeLimits", "call_blocking", "run_in_loop", "within"]
+
+T = TypeVar("T")
+
+_LOOP: contextvars.ContextVar[Any] = contextvars.ContextVar("interlens_blocking_loop", default=None)
+
+
+@dataclass(frozen=True)
+class TimeLimits:
+    """Seconds a job waits for one turn and for its analyzer (None: no limit)."""
+
+    turn: float | None = None
+    analyzer: float | None = None
+
+
+TIME_LIMITS: contextvars.ContextVar[TimeLimits] = contextvars.ContextVar(
+    "interlens_time_limits",
+    default=TimeLimits(),  # noqa: B039  (frozen: never mutated)
+)
+
+
+async def call_blocking(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread of its own; its exception (SystemExit too) is raised here. Cancelling
+    the caller (Ctrl-C, :func:`within`'s limit) stops the wait at once; the thread runs on unobserved."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as exc:  # handed to the awaiting task, whatever it is
+            outcome.append((False, exc))
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except Exception:  # the loop is gone (the run stopped waiting long ago): nobody to tell
+            pass
+
+    context = contextvars.copy_context()
+    context.run(_LOOP.set, token)
+    thread = threading.Thread(
+        target=context.run, args=(target,), name=f"interlens-user-{_name(fn)}", daemon=True
+    )
+    thread.start()
+    await done.wait()
+    ok, value = outcome[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
+def run_in_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """From a thread :func:`call_blocking` started (or one of anyio's): ``await fn(*args)`` on the loop that
+    started it, blocking this thread until it is done."""
+    return anyio.from_thread.run(fn, *args, token=_LOOP.get())
+
+
+async def within(seconds: float | None, awaitable: Awaitable[T], *, timed_out: Callable[[], Exception]) -> T:
+    """``await awaitable``, or raise ``timed_out()`` after ``seconds`` (None: wait as long as it takes)."""
+    if seconds is None:
+        return await awaitable
+    with anyio.move_on_after(seconds) as scope:
+        return await awaitable
+    if scope.cancelled_caught:
+        raise timed_out()
+    raise AssertionError("unreachable: the block returned or was cancelled by its deadline")
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__name__", type(fn).__name__))[:40]
