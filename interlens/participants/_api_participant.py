@@ -109,19 +109,21 @@ def _no_logprobs(provider: str) -> str:
     return f"{provider_named(provider).title} reports no token log-probabilities"
 
 
-def _check_for_provider(who: str, provider: str, settings: APISettings) -> None:
-    """What ``provider`` cannot take of ``settings`` (checked by the record itself: what none can take)."""
+def _check_for_provider(name: str, provider: str, settings: APISettings) -> None:
+    """Refuse what ``provider`` cannot take of ``settings`` (what no provider can take is the record's own
+    :meth:`APISettings.check`)."""
+    who = f"APIParticipant({name!r}, provider={provider!r})"
     if settings.record_tokens and not provider_named(provider).token_logprobs:
         reporting = " or ".join(f"{p!r}" for p in PROVIDERS if provider_named(p).token_logprobs)
         raise ConfigurationError(
-            f"{who[:-1]}, provider={provider!r}): record_tokens=True cannot work: {_no_logprobs(provider)}, "
+            f"{who}: record_tokens=True cannot work: {_no_logprobs(provider)}, "
             f"so every turn would keep none. Hosted turns record their tokens with provider={reporting} (an "
             "OpenAI-compatible server such as vLLM included); local models record theirs "
             "(AutoModelParticipant.from_pretrained(..., record_tokens=True))"
         )
     problem = provider_named(provider).settings_problem(settings)
     if problem is not None:
-        raise ConfigurationError(f"{who[:-1]}, provider={provider!r}): {problem}")
+        raise ConfigurationError(f"{who}: {problem}")
 
 
 class APIParticipant(Participant):
@@ -129,7 +131,9 @@ class APIParticipant(Participant):
 
     ``provider``: "openai" | "anthropic" | "openrouter". ``model_id``: the provider's model name.
     ``max_tokens`` (default 1024) is the output cap per turn, lowered per turn by a TokenBudget.
-    ``temperature``/``top_p``/``stop``: sent when set, else the provider's defaults. ``batch=True`` (openai,
+    ``temperature``/``top_p``/``stop``: sent when set, else the provider's defaults. These, ``timeout``,
+    ``prompt_cache`` and ``record_tokens`` are held as one record, ``settings`` (an :class:`APISettings`,
+    checked and written by itself), which every request carries whole. ``batch=True`` (openai,
     anthropic) routes each round through the provider's batch API (about half the price, minutes to hours
     of latency).
 
@@ -209,7 +213,7 @@ class APIParticipant(Participant):
             record_tokens=record_tokens,
         )
         settings.check(who)
-        _check_for_provider(who, provider, settings)
+        _check_for_provider(name, provider, settings)
         if not isinstance(model_id, str) or not model_id.strip():
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
         if not isinstance(batch, bool):
@@ -486,9 +490,8 @@ class APIParticipant(Participant):
         assert isinstance(clone, APIParticipant)
         if settings:
             clone.settings = dataclasses.replace(self.settings, **settings)
-            who = f"APIParticipant({self.name!r})"
-            clone.settings.check(who)
-            _check_for_provider(who, self.provider, clone.settings)
+            clone.settings.check(f"APIParticipant({self.name!r})")
+            _check_for_provider(self.name, self.provider, clone.settings)
         return clone
 
     def __getstate__(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ It goes whole from the participant that holds it (``APIParticipant.settings``) i
 fields it supports from there. Nothing copies its fields one by one: the participant's recipe JSON, its
 fingerprint (``describe``), its batch grouping and its error messages all read the record, so adding a hosted
 setting is one field here (with its rule in :meth:`APISettings.check`), one keyword on ``APIParticipant``,
-and its line in the ``body()`` of each provider that takes it (ARCHITECTURE.md, "add a sampling option").
+and its line in the ``body()`` of each provider that takes it (ARCHITECTURE.md, "add a hosted setting").
 The anchor is inspect_ai's ``GenerateConfig``: one frozen record of what a generation call asks for.
 
 A field says by its metadata how it is written: ``_HOW`` (how a turn is fetched, not what it says: kept in
@@ -32,7 +32,9 @@ DEFAULT_TIMEOUT = 120.0
 
 _FIRST_RELEASE = {"first_release": True}  # always written to the recipe JSON, at its default too
 _HOW = {"first_release": True, "how": True}  # how a turn is fetched: in the recipe, not in the fingerprint
-_PER_TURN = {"per_turn": True}  # a request's own value: in no recipe, fingerprint or batch group
+_PER_TURN = {"per_turn": True}  # a request's own value: in no recipe or fingerprint
+
+_FLOAT_TYPES = ("float", "float | None")  # fields' annotations (strings: postponed evaluation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,10 +68,10 @@ class APISettings:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple) and isinstance(self.stop, Iterable):
             object.__setattr__(self, "stop", tuple(self.stop))
-        for name in ("temperature", "top_p", "timeout"):
-            value = getattr(self, name)
-            if _is_number(value):
-                object.__setattr__(self, name, float(value))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in _FLOAT_TYPES and _is_number(value):
+                object.__setattr__(self, f.name, float(value))
 
     # ---------------------------------------------------------------- the one check
     def check(self, who: str) -> None:
