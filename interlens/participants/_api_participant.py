@@ -295,7 +295,7 @@ class APIParticipant(Participant):
             model=self.model_id,
             system=view.system,
             messages=fold_view(view, self.provider),
-            settings=dataclasses.replace(self.settings, max_tokens=cap, seed=seed),
+            settings=self.settings.for_request(max_tokens=cap, seed=seed),
             turn=turn,
         )
 

@@ -63,15 +63,29 @@ class APISettings:
 
     def __post_init__(self) -> None:
         # Normalize what is well-typed, so equal settings compare, hash and serialize equal (1 and 1.0, a
-        # list of stops and a tuple); what is not is kept as given for check() to name.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple) and isinstance(self.stop, Iterable):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in _FLOAT_TYPES and _is_number(value):
-                object.__setattr__(self, f.name, float(value))
+        # list of stops and a tuple); what is not is kept as given for check() to name. Every request makes
+        # one (its turn's cap and seed put in), so this stays a few attribute reads.
+        stop = self.stop
+        if type(stop) is not tuple:
+            if isinstance(stop, str):
+                object.__setattr__(self, "stop", (stop,))
+            elif isinstance(stop, Iterable):
+                object.__setattr__(self, "stop", tuple(stop))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not float and _is_number(value):
+                object.__setattr__(self, name, float(value))
+
+    def for_request(self, *, max_tokens: int, seed: int | None) -> APISettings:
+        """This record as one request carries it: the turn's output cap and seed put in. A field-by-field
+        copy, checked and normalized already: ``dataclasses.replace`` runs ``__init__`` and costs every
+        request about three times as much."""
+        out = object.__new__(APISettings)
+        for name in _FIELDS:
+            object.__setattr__(out, name, getattr(self, name))
+        object.__setattr__(out, "max_tokens", max_tokens)
+        object.__setattr__(out, "seed", seed)
+        return out
 
     # ---------------------------------------------------------------- the one check
     def check(self, who: str) -> None:
@@ -129,6 +143,7 @@ class APISettings:
 
 
 _FIELDS = {f.name: f for f in fields(APISettings)}
+_FLOAT_FIELDS = tuple(f.name for f in _FIELDS.values() if f.type in _FLOAT_TYPES)
 
 #: The on/off settings, and what True does (the fix their error message gives).
 _SWITCHES = {
