@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from interlens.participants._api_participant import APIParticipant
-from interlens.providers._base import APIRequest
+from interlens.providers import APIRequest, APISettings
 from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
 
@@ -48,7 +48,7 @@ def ask(question: str) -> APIRequest:
         model="gpt-test",
         system=None,
         messages=(("user", question),),
-        max_tokens=16,
+        settings=APISettings(max_tokens=16, prompt_cache=False),
         turn=0,
     )
 

@@ -26,7 +26,8 @@ from interlens import Conversation, dataset_field
 from interlens._core._message import Transcript
 from interlens._core._view import GenerationOptions
 from interlens.participants._api_participant import APIParticipant
-from interlens.providers._base import APIRequest, request_digest
+from interlens.providers import APIRequest, APISettings
+from interlens.providers._base import request_digest
 from interlens.providers._registry import request_body
 from interlens.scheduler.gateway import BatchPolicy, Gateway, RetryPolicy
 from interlens.store import Ledger, LedgerReader
@@ -206,8 +207,7 @@ def request(i: int, *, system: str | None = None, temperature: float | None = No
         model="gpt-test",
         system=system,
         messages=(("user", f"question {i}"),),
-        max_tokens=16,
-        temperature=temperature,
+        settings=APISettings(max_tokens=16, temperature=temperature, prompt_cache=False),
         turn=0,
     )
 
@@ -216,7 +216,7 @@ _CHILD = textwrap.dedent(
     """
     import sys, anyio
     from interlens.participants._api_participant import APIParticipant
-    from interlens.providers._base import APIRequest
+    from interlens.providers import APIRequest, APISettings
     from interlens.scheduler.gateway import BatchPolicy, Gateway
     from interlens.store import Ledger, LedgerReader
 
@@ -227,7 +227,8 @@ _CHILD = textwrap.dedent(
             async with anyio.create_task_group() as tg:
                 for i in range(5):
                     req = APIRequest(provider="openai", model="gpt-test", system=None,
-                                     messages=(("user", f"question {i}"),), max_tokens=16, turn=0)
+                                     messages=(("user", f"question {i}"),),
+                                     settings=APISettings(max_tokens=16, prompt_cache=False), turn=0)
                     tg.start_soon(lambda r=req, i=i: gateway.call(spec, r, owner=f"job{i}"))
 
     anyio.run(main, sys.argv[1])
@@ -356,6 +357,9 @@ def test_request_digest_covers_every_parameter_and_no_credential() -> None:
     def digest(req: APIRequest, base_url: str = "https://api.openai.com/v1") -> str:
         return request_digest("openai", base_url, "/v1/chat/completions", request_body(req))
 
+    def tuned(**settings: Any) -> APIRequest:
+        return replace(request(0), settings=replace(request(0).settings, **settings))
+
     base = digest(request(0))
     assert digest(request(0)) == base  # stable
     changed = [
@@ -363,15 +367,15 @@ def test_request_digest_covers_every_parameter_and_no_credential() -> None:
         request(0, system="Be brief."),
         request(0, temperature=0.0),
         replace(request(0), model="gpt-other"),
-        replace(request(0), max_tokens=17),
-        replace(request(0), top_p=0.9),
-        replace(request(0), stop=("END",)),
+        tuned(max_tokens=17),
+        tuned(top_p=0.9),
+        tuned(stop=("END",)),
     ]
     assert len({base, *(digest(r) for r in changed)}) == 1 + len(changed)
     assert digest(request(0), "https://proxy.example/v1") != base  # another endpoint cannot poll that batch
     # What authenticates is not part of it: user info and query parameters of the base URL are dropped.
     assert digest(request(0), "https://user:sk-secret@api.openai.com/v1?api-key=sk-secret") == base
-    assert digest(replace(request(0), timeout=5.0)) == base  # a client-side timeout is not sent
+    assert digest(tuned(timeout=5.0)) == base  # a client-side timeout is not sent
 
 
 def _as_version_1(out_dir: Path) -> None:

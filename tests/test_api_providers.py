@@ -22,8 +22,8 @@ import pytest
 import interlens.scheduler.gateway as gateway
 from interlens import Conversation
 from interlens.participants._api_participant import APIParticipant
+from interlens.providers import APIRequest, APISettings
 from interlens.providers import _base as _provider_base
-from interlens.providers._base import APIRequest
 from interlens.providers._registry import PROVIDERS, open_client
 from interlens.testing._fake_provider import FakeProviderServer
 
@@ -36,11 +36,9 @@ def _request(provider: str) -> APIRequest:
         model="m-1",
         system="be brief",
         messages=(("user", "q é"), ("assistant", "a")),
-        max_tokens=77,
-        temperature=0.5,
-        top_p=0.9,
-        stop=("END",),
-        timeout=30.0,
+        settings=APISettings(
+            max_tokens=77, temperature=0.5, top_p=0.9, stop=("END",), timeout=30.0, prompt_cache=False
+        ),
         turn=2,
     )
 

@@ -188,7 +188,7 @@ def test_recording_is_part_of_the_recipe_a_resume_compares(
     with pytest.raises(FingerprintMismatchError, match="resume=False"):
         recording.rollout(n=1, out_dir=tmp_path)
     copy = APIParticipant.from_json(_api("oa", "openai", record_tokens=True).to_json())
-    assert copy.record_tokens is True
+    assert copy.settings.record_tokens is True
 
 
 def test_a_provider_record_round_trips_and_validates() -> None:

@@ -15,11 +15,12 @@ otherwise the running event loop's gateway serves it (live use, and jobs in the 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from interlens.scheduler.gateway import (
     BatchPolicy,
@@ -34,7 +35,6 @@ from .._core import (
     MODERATOR,
     TOKENS_KEY,
     ConfigurationError,
-    ConfigurationTypeError,
     GenerationError,
     GenerationOptions,
     InterpModeError,
@@ -45,7 +45,17 @@ from .._core import (
     count_tokens,
     template_from_json,
 )
-from ..providers import PROVIDERS, APIRequest, APIResult, fold_view, open_client, resolve_base_url
+from ..providers import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TIMEOUT,
+    PROVIDERS,
+    APIRequest,
+    APIResult,
+    APISettings,
+    fold_view,
+    open_client,
+    resolve_base_url,
+)
 from ..providers import provider as provider_named
 from ._participant import Participant, register_participant_kind
 
@@ -60,12 +70,6 @@ DEFAULT_MAX_IN_FLIGHT = 64
 """Requests in flight at once per provider configuration, unless ``max_in_flight=`` says otherwise. Providers'
 rate limits are per account and model; 64 keeps a typical tier busy without tripping it, and the adaptive
 limiter halves the window on sustained 429s anyway."""
-
-DEFAULT_MAX_TOKENS = 1024
-"""Output tokens per turn unless ``max_tokens=`` says otherwise (Anthropic requires a value)."""
-
-DEFAULT_TIMEOUT = 120.0
-"""Seconds one request may take before it is abandoned and retried."""
 
 #: A request's seed is the turn's seed in 31 bits: OpenAI takes any integer, but vLLM and other servers
 #: built on int32 refuse larger ones.
@@ -105,18 +109,21 @@ def _no_logprobs(provider: str) -> str:
     return f"{provider_named(provider).title} reports no token log-probabilities"
 
 
-def _number_or_none(name: str, field: str, value: Any, low: float, high: float, *, open_low: bool) -> Any:
-    if value is None:
-        return None
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not (low < value <= high if open_low else low <= value <= high):
-        bracket = "(" if open_low else "["
-        error = ConfigurationError if ok else ConfigurationTypeError  # "hot" is a TypeError, 3.0 a ValueError
-        raise error(
-            f"APIParticipant({name!r}): {field} must be None or a number in {bracket}{low}, {high}] (None "
-            f"sends no {field}: the provider's default), got {value!r}"
+def _check_for_provider(name: str, provider: str, settings: APISettings) -> None:
+    """Refuse what ``provider`` cannot take of ``settings`` (what no provider can take is the record's own
+    :meth:`APISettings.check`)."""
+    who = f"APIParticipant({name!r}, provider={provider!r})"
+    if settings.record_tokens and not provider_named(provider).token_logprobs:
+        reporting = " or ".join(f"{p!r}" for p in PROVIDERS if provider_named(p).token_logprobs)
+        raise ConfigurationError(
+            f"{who}: record_tokens=True cannot work: {_no_logprobs(provider)}, "
+            f"so every turn would keep none. Hosted turns record their tokens with provider={reporting} (an "
+            "OpenAI-compatible server such as vLLM included); local models record theirs "
+            "(AutoModelParticipant.from_pretrained(..., record_tokens=True))"
         )
-    return float(value)
+    problem = provider_named(provider).settings_problem(settings)
+    if problem is not None:
+        raise ConfigurationError(f"{who}: {problem}")
 
 
 class APIParticipant(Participant):
@@ -124,7 +131,9 @@ class APIParticipant(Participant):
 
     ``provider``: "openai" | "anthropic" | "openrouter". ``model_id``: the provider's model name.
     ``max_tokens`` (default 1024) is the output cap per turn, lowered per turn by a TokenBudget.
-    ``temperature``/``top_p``/``stop``: sent when set, else the provider's defaults. ``batch=True`` (openai,
+    ``temperature``/``top_p``/``stop``: sent when set, else the provider's defaults. These, ``timeout``,
+    ``prompt_cache`` and ``record_tokens`` are held as one record, ``settings`` (an :class:`APISettings`,
+    checked and written by itself), which every request carries whole. ``batch=True`` (openai,
     anthropic) routes each round through the provider's batch API (about half the price, minutes to hours
     of latency).
 
@@ -182,32 +191,29 @@ class APIParticipant(Participant):
         **unsupported: Any,
     ) -> None:
         super().__init__(name=name, system_prompt=system_prompt)
+        who = f"APIParticipant({name!r})"
         for setting in unsupported:
             if setting in _INTERP_SETTINGS:
                 raise _interp_error(name, setting)
         if unsupported:
             raise ConfigurationError(
-                f"APIParticipant({name!r}) has no setting(s) {sorted(unsupported)}; its settings are: "
-                "provider, model_id, system_prompt, temperature, top_p, max_tokens, stop, batch, base_url, "
-                "timeout, max_in_flight, retry, batch_policy, auth, prompt_cache, record_tokens"
+                f"{who} has no setting(s) {sorted(unsupported)}; its settings are: {', '.join(_SETTINGS)}"
             )
         if provider not in PROVIDERS:
             raise ConfigurationError(
                 f"{name}: provider must be one of {', '.join(PROVIDERS)}, got {provider!r}"
             )
-        if not isinstance(record_tokens, bool):
-            raise ConfigurationError(
-                f"{name}: record_tokens must be True or False, got {record_tokens!r}; True keeps each turn's "
-                "tokens and their log-probabilities as the provider reports them (message.tokens)"
-            )
-        if record_tokens and not provider_named(provider).token_logprobs:
-            reporting = " or ".join(f"{p!r}" for p in PROVIDERS if provider_named(p).token_logprobs)
-            raise ConfigurationError(
-                f"APIParticipant({name!r}, provider={provider!r}): record_tokens=True cannot work: "
-                f"{_no_logprobs(provider)}, so every turn would keep none. Hosted turns record their tokens "
-                f"with provider={reporting} (an OpenAI-compatible server such as vLLM included); local "
-                "models record theirs (AutoModelParticipant.from_pretrained(..., record_tokens=True))"
-            )
+        settings = APISettings(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=cast(tuple[str, ...], stop),  # one string or a list: the record makes it a tuple
+            timeout=timeout,
+            prompt_cache=prompt_cache,
+            record_tokens=record_tokens,
+        )
+        settings.check(who)
+        _check_for_provider(name, provider, settings)
         if not isinstance(model_id, str) or not model_id.strip():
             raise ConfigurationError(f"{name}: model_id must be the provider's model name, got {model_id!r}")
         if not isinstance(batch, bool):
@@ -219,19 +225,10 @@ class APIParticipant(Participant):
                 f"with provider={provider!r} (interlens never falls back to serial calls silently). Use "
                 f"batch=False, or {batching}."
             )
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ConfigurationError(f"{name}: max_tokens must be a positive int, got {max_tokens!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ConfigurationError(f"{name}: stop must be a str or a list of non-empty str, got {stop!r}")
         if base_url is not None and not (
             isinstance(base_url, str) and base_url.startswith(("http://", "https://"))
         ):
             raise ConfigurationError(f"{name}: base_url must be an http(s) URL or None, got {base_url!r}")
-        ok_timeout = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
-        if not ok_timeout:
-            raise ConfigurationError(f"{name}: timeout must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
             raise ConfigurationError(f"{name}: max_in_flight must be an int >= 1, got {max_in_flight!r}")
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -251,25 +248,12 @@ class APIParticipant(Participant):
                 f"{name}: auth=False is for OpenAI-compatible servers without a key ({keyless} with "
                 f"their base_url); {provider_named(provider).title} always needs a key"
             )
-        if not isinstance(prompt_cache, bool):
-            raise ConfigurationError(f"{name}: prompt_cache must be True or False, got {prompt_cache!r}")
-        self.prompt_cache = prompt_cache
-        self.record_tokens = record_tokens
+        self.settings = settings
         self.auth = auth
         self.provider = provider
         self.model_id = model_id
-        self.temperature = _number_or_none(name, "temperature", temperature, 0, 2, open_low=False)
-        self.top_p = _number_or_none(name, "top_p", top_p, 0, 1, open_low=True)
-        problem = provider_named(provider).settings_problem(
-            {"temperature": self.temperature, "top_p": self.top_p}
-        )
-        if problem is not None:
-            raise ConfigurationError(f"APIParticipant({name!r}, provider={provider!r}): {problem}")
-        self.max_tokens = max_tokens
-        self.stop = tuple(stop)
         self.batch = batch
         self.base_url = base_url
-        self.timeout = float(timeout)
         self.max_in_flight = max_in_flight
         self.retry_policy = retry or RetryPolicy()
         self.batch_policy = batch_policy or BatchPolicy()
@@ -284,7 +268,7 @@ class APIParticipant(Participant):
     def batch_key(self) -> Hashable | None:
         if not self.batch:
             return None
-        return (self.client_key, self.model_id, self.temperature, self.top_p, self.stop, self.batch_policy)
+        return (self.client_key, self.model_id, self.settings, self.batch_policy)
 
     def open_client(self) -> ProviderClient:
         """The provider's client for the gateway; reads the key from the environment (parent, first use)."""
@@ -299,11 +283,9 @@ class APIParticipant(Participant):
     # ---------------------------------------------------------------- generation
     def request(self, view: View, options: GenerationOptions) -> APIRequest:
         """The provider request for ``view``: the output cap lowered to the turn's budget, the turn index."""
-        cap = (
-            self.max_tokens
-            if options.max_new_tokens is None
-            else min(self.max_tokens, options.max_new_tokens)
-        )
+        cap = self.settings.max_tokens
+        if options.max_new_tokens is not None:
+            cap = min(cap, options.max_new_tokens)
         turn = None if options.ephemeral else sum(1 for m in view.messages if m.author != MODERATOR)
         # the turn's own seed (as a local turn's: the same on a rerun, another per job and turn), in the 31
         # bits every OpenAI-compatible server takes
@@ -313,15 +295,8 @@ class APIParticipant(Participant):
             model=self.model_id,
             system=view.system,
             messages=fold_view(view, self.provider),
-            max_tokens=cap,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop=self.stop,
-            timeout=self.timeout,
+            settings=self.settings.for_request(max_tokens=cap, seed=seed),
             turn=turn,
-            cache=self.prompt_cache,
-            seed=seed,
-            logprobs=self.record_tokens,
         )
 
     async def agenerate(self, view: View, options: GenerationOptions | None = None) -> Message:
@@ -330,7 +305,7 @@ class APIParticipant(Participant):
             if getattr(options, setting, None):
                 raise _interp_error(self.name, setting)
         request = self.request(view, options)
-        if request.max_tokens <= 0:  # a spent budget: an empty turn, no request sent
+        if request.settings.max_tokens <= 0:  # a spent budget: an empty turn, no request sent
             return Message(
                 self.name,
                 "",
@@ -354,7 +329,7 @@ class APIParticipant(Participant):
             raise GenerationError(
                 f"{self.name} ({self.provider} model {self.model_id!r}): {exc}{hint}"
             ) from exc
-        return self.message(result, time.perf_counter() - start, seed=request.seed)
+        return self.message(result, time.perf_counter() - start, seed=request.settings.seed)
 
     def _refused_without_key(self, exc: BaseException) -> str:
         """The fix, when an endpoint refused a request that carried no key (401/403): a local or private
@@ -381,7 +356,7 @@ class APIParticipant(Participant):
         refused = getattr(exc, "status", None) in (400, 404, 422) and (
             "logprob" in text or "requested parameters" in text
         )
-        if not (self.record_tokens and refused):
+        if not (self.settings.record_tokens and refused):
             return ""
         return (
             ". The request asked for each token's log-probability (record_tokens=True), which this model or "
@@ -426,7 +401,7 @@ class APIParticipant(Participant):
             metadata["batch_id"] = result.batch_id
         if seed is not None:
             metadata["seed"] = seed  # what the request carried
-        if self.record_tokens:
+        if self.settings.record_tokens:
             self._record_tokens(result, metadata)
         return Message(self.name, result.text, metadata)
 
@@ -459,26 +434,22 @@ class APIParticipant(Participant):
     def to_json(self) -> dict[str, Any]:
         from .._core import template_to_json
 
+        settings = self.settings.to_json() | {
+            "batch": self.batch,
+            "base_url": self.base_url,
+            "max_in_flight": self.max_in_flight,
+            "retry": dataclasses.asdict(self.retry_policy),
+            "batch_policy": dataclasses.asdict(self.batch_policy),
+            "auth": self.auth,
+        }
         return {
             "kind": self.kind,
             "name": self.name,
             "provider": self.provider,
             "model_id": self.model_id,
             "system_prompt": template_to_json(self.system_prompt, field=f"{self.name}.system_prompt"),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop),
-            "batch": self.batch,
-            "base_url": self.base_url,
-            "timeout": self.timeout,
-            "max_in_flight": self.max_in_flight,
-            "retry": dataclasses.asdict(self.retry_policy),
-            "batch_policy": dataclasses.asdict(self.batch_policy),
-            "auth": self.auth,
-            "prompt_cache": self.prompt_cache,
-            # only when on: recipes written before the setting existed keep their fingerprint
-            **({"record_tokens": True} if self.record_tokens else {}),
+            **{key: settings[key] for key in _RECIPE_ORDER},
+            **settings,  # a setting added since, when set (APISettings.to_json): after them
         }
 
     def token_record_problem(self) -> str | None:
@@ -494,12 +465,7 @@ class APIParticipant(Participant):
             "provider": self.provider,
             "model_id": self.model_id,
             "system_prompt": describe_template(self.system_prompt),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop),
-            # what a turn keeps (a run recorded without cannot be resumed with): only when on, as in to_json
-            **({"record_tokens": True} if self.record_tokens else {}),
+            **self.settings.describe(),
         }
 
     @classmethod
@@ -516,6 +482,18 @@ class APIParticipant(Participant):
             **settings,
         )
 
+    def replace(self, **changes: Any) -> APIParticipant:
+        """A copy with some settings changed: those of :class:`APISettings` go into a new record, checked
+        like the constructor's (``run(record_tokens=True)`` sets one); the others as the base class does."""
+        settings = {key: changes.pop(key) for key in list(changes) if key in APISettings.names()}
+        clone = super().replace(**changes)
+        assert isinstance(clone, APIParticipant)
+        if settings:
+            clone.settings = dataclasses.replace(self.settings, **settings)
+            clone.settings.check(f"APIParticipant({self.name!r})")
+            _check_for_provider(self.name, self.provider, clone.settings)
+        return clone
+
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)  # settings only: the key lives in the parent's environment and SDK client
 
@@ -524,5 +502,29 @@ class APIParticipant(Participant):
         settings = f"name={self.name!r}, provider={self.provider!r}, model_id={self.model_id!r}{batch}"
         return f"APIParticipant({settings})"
 
+
+#: The constructor's settings, in its order (what an unknown setting's error lists).
+_SETTINGS = tuple(
+    name
+    for name, parameter in inspect.signature(APIParticipant.__init__).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "name"
+)
+
+#: The order a participant's recipe JSON has always had its settings in: saved recipes, and the recipes a
+#: ledger stores once per lineup, stay byte-identical. A setting added to APISettings since goes after them.
+_RECIPE_ORDER = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "stop",
+    "batch",
+    "base_url",
+    "timeout",
+    "max_in_flight",
+    "retry",
+    "batch_policy",
+    "auth",
+    "prompt_cache",
+)
 
 register_participant_kind(APIParticipant.kind, APIParticipant.from_json)

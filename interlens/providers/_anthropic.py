@@ -18,6 +18,7 @@ from ._base import (
     OPENING_TURN,
     APIRequest,
     APIResult,
+    APISettings,
     Messages,
     Provider,
     ProviderResponseError,
@@ -58,19 +59,20 @@ _BREAKPOINT = {"type": "ephemeral"}
 
 
 def body(request: APIRequest) -> dict[str, Any]:
-    """The messages JSON body; with ``request.cache``, two prompt-cache breakpoints (see :func:`_cached`)."""
+    """The messages JSON body; with ``prompt_cache``, two prompt-cache breakpoints (see :func:`_cached`)."""
+    settings = request.settings
     messages: list[dict[str, Any]] = [{"role": r, "content": c} for r, c in request.messages]
-    out: dict[str, Any] = {"model": request.model, "max_tokens": request.max_tokens, "messages": messages}
+    out: dict[str, Any] = {"model": request.model, "max_tokens": settings.max_tokens, "messages": messages}
     if request.system:
         out["system"] = request.system
-    if request.cache:
+    if settings.prompt_cache:
         _cached(out)
-    if request.stop:
-        out["stop_sequences"] = list(request.stop)
-    if request.temperature is not None:
-        out["temperature"] = request.temperature
-    if request.top_p is not None:
-        out["top_p"] = request.top_p
+    if settings.stop:
+        out["stop_sequences"] = list(settings.stop)
+    if settings.temperature is not None:
+        out["temperature"] = settings.temperature
+    if settings.top_p is not None:
+        out["top_p"] = settings.top_p
     return out
 
 
@@ -119,7 +121,11 @@ class AnthropicClient:
 
     async def send(self, request: APIRequest) -> APIResult:
         data, headers = await post_json(
-            self._shards, "/v1/messages", body(request), timeout=request.timeout, provider="anthropic"
+            self._shards,
+            "/v1/messages",
+            body(request),
+            timeout=request.settings.timeout,
+            provider="anthropic",
         )
         return self._parse(data, headers.get("request-id"), None)
 
@@ -193,14 +199,14 @@ class AnthropicClient:
         await self._shards.aclose()
 
 
-def settings_problem(settings: dict[str, Any]) -> str | None:
+def settings_problem(settings: APISettings) -> str | None:
     """The API version the installed SDK sends decides which sampling fields exist: the 2.x SDKs send
     ``2026-10-21``, which removed ``temperature``/``top_p``/``top_k`` (any value, even the default, is a 400);
     the 1.x SDKs send ``2023-06-01``, which takes them (``temperature`` in [0, 1]). Read from the installed
     package's metadata: the SDK itself is not imported to build a participant."""
     from importlib.metadata import PackageNotFoundError, version
 
-    given = [k for k in ("temperature", "top_p") if settings.get(k) is not None]
+    given = [k for k in ("temperature", "top_p") if getattr(settings, k) is not None]
     if not given:
         return None
     try:
@@ -214,8 +220,8 @@ def settings_problem(settings: dict[str, Any]) -> str | None:
             "request carrying one is refused (400). Drop the setting, or install anthropic<2 (API version "
             "2023-06-01, temperature in [0, 1])"
         )
-    if settings.get("temperature") is not None and settings["temperature"] > 1:
-        return f"temperature={settings['temperature']} is above Anthropic's range 0..1"
+    if settings.temperature is not None and settings.temperature > 1:
+        return f"temperature={settings.temperature} is above Anthropic's range 0..1"
     return None
 
 

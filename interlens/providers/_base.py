@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 from interlens.scheduler.gateway import BatchRowError, Failure, ProviderClient, retry_after_seconds
 
+from ._settings import APISettings
+
 __all__ = [
     "CONTINUE_TURN",
     "OPENING_TURN",
@@ -60,26 +62,21 @@ RETRY_STATUSES = frozenset({408, 409, 429})
 RATE_LIMIT_STATUSES = frozenset({429, 529})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class APIRequest:
     """One turn for a hosted model: everything but the key and the endpoint (those live in the parent).
 
-    ``messages`` are already folded to what ``provider`` accepts; the provider's module builds the body.
+    ``messages`` are already folded to what ``provider`` accepts; ``settings`` is the participant's record
+    whole, with the turn's output cap and seed put in; the provider's module builds the body from both.
+    ``turn``: the conversation's turn index (None: an ephemeral sample), the batch map's key.
     """
 
     provider: str
     model: str
     system: str | None
     messages: Messages
-    max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-    timeout: float = 120.0
-    turn: int | None = None  # the conversation's turn index (None: an ephemeral sample); the batch map key
-    cache: bool = False  # mark prompt-cache breakpoints where the provider takes them (Anthropic)
-    seed: int | None = None  # the turn's sampling seed, sent where the provider takes one (accepts_seed)
-    logprobs: bool = False  # ask for each generated token's log-probability (record_tokens; chat completions)
+    settings: APISettings
+    turn: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +98,7 @@ class APIResult:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     #: Each generated token's text and log-probability as the provider reported them, where asked
-    #: (``APIRequest.logprobs``) and given; None where the answer carried none.
+    #: (``APISettings.record_tokens``) and given; None where the answer carried none.
     token_logprobs: tuple[tuple[str, float], ...] | None = None
 
 
@@ -135,7 +132,7 @@ class Provider:
     ``key_variable``/``url_variable`` (the names the official SDKs read), else ``default_url``.
     ``batch_price``: the batch API's price as a fraction of the live one, as the provider documents it
     (1.0: no documented discount), applied by cost estimates to batch turns. ``settings_problem``: what is
-    wrong with a participant's sampling settings for this provider as the installed SDK talks to it (None:
+    wrong with a participant's :class:`APISettings` for this provider as the installed SDK talks to it (None:
     nothing), so a setting every request would be refused for fails at construction, not on every turn.
 
     Capabilities, read by the participant, the registry and the CLI instead of comparing provider names:
@@ -157,7 +154,7 @@ class Provider:
     body: Callable[[APIRequest], dict[str, Any]]
     client: Callable[..., ProviderClient]
     batch_price: float = 1.0
-    settings_problem: Callable[[dict[str, Any]], str | None] = lambda settings: None
+    settings_problem: Callable[[APISettings], str | None] = lambda settings: None
     keyless_local: bool = False
     accepts_seed: bool = False
     token_logprobs: bool = False

@@ -52,21 +52,22 @@ def fold(messages: Messages) -> Messages:
 
 def body(request: APIRequest) -> dict[str, Any]:
     """The chat completions JSON body (the system block as the first message)."""
+    settings = request.settings
     messages = [{"role": role, "content": content} for role, content in request.messages]
     if request.system:
         messages.insert(0, {"role": "system", "content": request.system})
     out: dict[str, Any] = {"model": request.model, "messages": messages}
     # OpenAI deprecated max_tokens for chat (reasoning models refuse it); OpenRouter still uses it.
-    out["max_tokens" if request.provider == "openrouter" else "max_completion_tokens"] = request.max_tokens
-    if request.stop:
-        out["stop"] = list(request.stop)
-    if request.temperature is not None:
-        out["temperature"] = request.temperature
-    if request.top_p is not None:
-        out["top_p"] = request.top_p
-    if request.seed is not None:
-        out["seed"] = request.seed
-    if request.logprobs:
+    out["max_tokens" if request.provider == "openrouter" else "max_completion_tokens"] = settings.max_tokens
+    if settings.stop:
+        out["stop"] = list(settings.stop)
+    if settings.temperature is not None:
+        out["temperature"] = settings.temperature
+    if settings.top_p is not None:
+        out["top_p"] = settings.top_p
+    if settings.seed is not None:
+        out["seed"] = settings.seed
+    if settings.record_tokens:
         out["logprobs"] = True
         # no alternatives asked; but llama.cpp's Python server (llama-cpp-python) answers logprobs only when
         # top_logprobs is set, and 0 is valid everywhere (OpenAI: 0-20)
@@ -148,7 +149,7 @@ class OpenAIClient:
             self._shards,
             "/chat/completions",
             live_body(request, local=self._local),
-            timeout=request.timeout,
+            timeout=request.settings.timeout,
             provider=self.provider,
             headers=self._headers,
         )

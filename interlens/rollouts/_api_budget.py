@@ -55,7 +55,7 @@ def estimate_tokens(request: Any) -> tuple[int, int]:
     """An upper bound on (input, output) tokens of one request: a token is at least one byte of its text."""
     texts = [request.system or ""] + [content for _, content in request.messages]
     prompt = sum(len(t.encode()) for t in texts) + _TOKENS_PER_MESSAGE * len(texts)
-    return prompt, int(request.max_tokens)
+    return prompt, int(request.settings.max_tokens)
 
 
 class APIBudget:
