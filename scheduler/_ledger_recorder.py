@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from interlens.store import JobRecord, Ledger, LedgerReader, RecordedJobs, StoreError
+from interlens.store import JobRecord, Ledger, LedgerFullError, LedgerReader, RecordedJobs, StoreError
 
 from ._errors import DuplicateJobError
 from ._outcome import AttemptOutcome, ErrorInfo, JobOutcome, JobState, RunOutcome
@@ -120,6 +120,8 @@ class LedgerRecorder:
     async def start(self, job_id: str, *, device: str) -> int:
         try:
             return await self._ledger.start_job(job_id, device=device)
+        except LedgerFullError:  # a full disk is a full disk, whatever it stopped
+            raise
         except StoreError as exc:  # done ids were skipped at the start: it finished earlier in this run
             raise _duplicate(job_id) from exc
 

@@ -14,6 +14,7 @@ from ._damage import UnreadableRecord
 from ._errors import (
     FingerprintMismatchError,
     LedgerCorruptError,
+    LedgerFullError,
     LedgerLockedError,
     LedgerNotFoundError,
     LedgerSchemaError,
@@ -48,6 +49,7 @@ __all__ = [
     "JobRecord",
     "Ledger",
     "LedgerCorruptError",
+    "LedgerFullError",
     "LedgerLockedError",
     "LedgerNotFoundError",
     "LedgerReader",

@@ -6,6 +6,7 @@ The hierarchy::
     ├── LedgerLockedError           another live process holds the out_dir's writer lock
     ├── FingerprintMismatchError    a rerun's recipe fingerprint differs for existing job ids
     ├── LedgerSchemaError           written by a newer schema version, or an older one that cannot be upgraded
+    ├── LedgerFullError             the disk (or quota) holding the ledger is full: no write can commit
     ├── LedgerCorruptError          the file is not a readable SQLite ledger (it is left untouched)
     │   └── UnreadableRecordError   one job's record does not parse, in a ledger that otherwise reads
     └── LedgerNotFoundError         no ledger where a reader looked (also a FileNotFoundError)
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "FingerprintMismatchError",
     "LedgerCorruptError",
+    "LedgerFullError",
     "LedgerLockedError",
     "LedgerNotFoundError",
     "LedgerSchemaError",
@@ -42,6 +44,11 @@ class FingerprintMismatchError(StoreError):
 class LedgerSchemaError(StoreError):
     """The ledger was written by a newer schema version than this code understands, or by an older one whose
     upgrade failed (the file is then left as it was)."""
+
+
+class LedgerFullError(StoreError):
+    """The disk (or the user's quota) holding the ledger is full: the write was rolled back, what was
+    committed before it is kept, and a rerun after freeing space resumes."""
 
 
 class LedgerCorruptError(StoreError):

@@ -25,6 +25,7 @@ error (disk full, I/O, a foreign lock) fails the whole batch at once, each calle
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._errors import StoreError
+from ._errors import LedgerFullError, StoreError
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -160,7 +161,7 @@ class GroupCommitter:
         except Exception as exc:
             await self._rollback()
             for op in batch:
-                error = StoreError(f"ledger write failed ({op.what}): {type(exc).__name__}: {exc}")
+                error = _failed_write(op, exc)
                 error.__cause__ = exc
                 op.done, op.error = True, error
             return
@@ -210,3 +211,21 @@ def _explain(op: Op, exc: BaseException) -> BaseException:
     error = op.explain(exc) if op.explain is not None else StoreError(f"ledger refused {op.what}: {exc}")
     error.__cause__ = exc
     return error
+
+
+_SQLITE_FULL = 13  # SQLite's result code for "database or disk is full"
+
+
+def _failed_write(op: Op, exc: BaseException) -> StoreError:
+    """A write that failed for a reason no op caused; a full disk said as such (it had read as whatever the
+    caller made of a failed write, e.g. a job id "occurring twice")."""
+    full = getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or (
+        isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    )
+    if full:
+        return LedgerFullError(
+            f"the disk holding the ledger is full ({type(exc).__name__}: {exc}): {op.what} was not written. "
+            "No job starts from here; every turn and result committed before it is kept. Free space on that "
+            "disk (or move the out_dir to one with room) and rerun into the same out_dir: it resumes there"
+        )
+    return StoreError(f"ledger write failed ({op.what}): {type(exc).__name__}: {exc}")

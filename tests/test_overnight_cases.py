@@ -17,6 +17,7 @@ from interlens import (
     Conversation,
     DataSourceError,
     GenerationError,
+    LedgerError,
     Message,
     ScriptedParticipant,
     TokenBudget,
@@ -225,3 +226,36 @@ def test_a_participant_raising_system_exit_fails_only_its_job(tmp_path: Path) ->
     assert error is not None and error.type == "GenerationError" and "SystemExit(2)" in error.message
     with LedgerReader(tmp_path) as reader:
         assert reader.runs()[-1]["status"] == "completed"
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root only: CI runs as root; elsewhere the test skips)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip()}): the full-disk test needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_said_and_a_rerun_after_freeing_space_resumes(small_disk: Path) -> None:
+    conv = Conversation(participants=[ScriptedParticipant("a", lambda view: "word " * 400)]).turns(2)
+    out = small_disk / "run"
+    with pytest.raises(LedgerError, match="the disk holding the ledger is full") as info:
+        conv.rollout(n=400, out_dir=out, progress=False)
+    assert "occurs twice" not in str(info.value) and "rerun into the same out_dir" in str(info.value)
+    with LedgerReader(out) as reader:
+        done = reader.counts()["done"]
+    assert 0 < done < 400  # what was committed before the disk filled is kept
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # space freed
+    report = conv.rollout(n=400, out_dir=out, progress=False)
+    assert len(report.skipped) == done and report.counts["done"] == 400 - done
