@@ -1,8 +1,9 @@
 """``interlens.run`` and ``arun``: many lineups (Conversations) in one pool under one ``out_dir``.
 
-Apart from ``_rollout`` because it checks that it was given Conversations, so it imports ``_conversation``,
-which ``_rollout`` (imported by ``Conversation.rollout``) must not. Each lineup expands through
-``_rollout.lineup_spec`` and all run together through ``_rollout.execute``.
+Apart from ``_rollout`` because it checks that it was given Conversations, so it imports ``conversation``,
+which ``_rollout`` (imported by ``Conversation.rollout``) must not; the package's lazy ``__init__`` loads this
+module only when ``run`` or ``arun`` is asked for. Each lineup expands through ``_rollout.lineup_spec`` and
+all run together through ``_rollout.execute``.
 """
 
 from __future__ import annotations
