@@ -9,8 +9,9 @@ when a run starts.
 
 from __future__ import annotations
 
-import importlib
 import typing
+
+from ._lazy import lazy_face as _lazy_face
 
 if typing.TYPE_CHECKING:
     from ._bridge import run_sync
@@ -144,13 +145,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> typing.Any:
-    """Load an exported name from its module on first use and keep it here (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_face(__name__, _EXPORTS)

@@ -29,10 +29,11 @@ _BARE = (
     "sys.modules['interlens'] = importlib.util.module_from_spec(spec)\n"
 )
 _LOWER = ("interlens.scheduler", "interlens.store")
-# The scheduler's and the store's contract: the errors, the job/engine protocols and the gateway's contract
-# (the protocols and values a provider adapter speaks in, the policies).
+# The scheduler's and the store's contract: their lazy faces (``_lazy``: the scheduler's helper for them),
+# the errors, the job/engine protocols and the gateway's contract (what an adapter speaks in, the policies).
 CONTRACT = {
     "interlens.scheduler",
+    "interlens.scheduler._lazy",
     "interlens.scheduler._errors",
     "interlens.scheduler._protocols",
     "interlens.scheduler.gateway",
@@ -41,7 +42,13 @@ CONTRACT = {
     "interlens.store",
     "interlens.store._errors",
 }
-ERRORS = {"interlens.scheduler", "interlens.scheduler._errors", "interlens.store", "interlens.store._errors"}
+ERRORS = {
+    "interlens.scheduler",
+    "interlens.scheduler._lazy",
+    "interlens.scheduler._errors",
+    "interlens.store",
+    "interlens.store._errors",
+}
 HEAVY = ("torch", "transformers", "datasets", "openai", "anthropic", "ray")
 
 

@@ -21,8 +21,9 @@ The face is lazy (PEP 562): a name loads its module on first use and is kept her
 
 from __future__ import annotations
 
-import importlib
 import typing
+
+from .._lazy import lazy_face as _lazy_face
 
 if typing.TYPE_CHECKING:
     from ._collect import Blocker
@@ -86,13 +87,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> typing.Any:
-    """Load an exported name from its module on first use and keep it here (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_face(__name__, _EXPORTS)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["BatchPolicy", "Failure", "RetryPolicy", "check_number", "retry_after_seconds"]
+__all__ = ["BatchPolicy", "Failure", "RetryPolicy", "retry_after_seconds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class Failure:
     retry_after: float | None = None
 
 
-def check_number(name: str, value: object, *, minimum: float, strict: bool = False) -> float:
+def _check_number(name: str, value: object, *, minimum: float, strict: bool = False) -> float:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (value < minimum if not strict else value <= minimum):  # type: ignore[operator]
         bound = f"> {minimum}" if strict else f">= {minimum}"
@@ -65,11 +65,11 @@ class RetryPolicy:
             raise ValueError(
                 f"RetryPolicy.max_attempts must be an int >= 1 (1 = no retry), got {self.max_attempts!r}"
             )
-        check_number("RetryPolicy.initial_s", self.initial_s, minimum=0)
-        check_number("RetryPolicy.max_s", self.max_s, minimum=0)
-        check_number("RetryPolicy.multiplier", self.multiplier, minimum=1)
-        check_number("RetryPolicy.max_retry_after_s", self.max_retry_after_s, minimum=0)
-        if not 0 <= check_number("RetryPolicy.jitter", self.jitter, minimum=0) <= 1:
+        _check_number("RetryPolicy.initial_s", self.initial_s, minimum=0)
+        _check_number("RetryPolicy.max_s", self.max_s, minimum=0)
+        _check_number("RetryPolicy.multiplier", self.multiplier, minimum=1)
+        _check_number("RetryPolicy.max_retry_after_s", self.max_retry_after_s, minimum=0)
+        if not 0 <= _check_number("RetryPolicy.jitter", self.jitter, minimum=0) <= 1:
             raise ValueError(f"RetryPolicy.jitter must be a fraction in [0, 1], got {self.jitter!r}")
 
     def should_retry(self, attempt: int, failure: Failure) -> bool:
@@ -139,8 +139,8 @@ class BatchPolicy:
             not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 1
         ):
             raise ValueError(f"BatchPolicy.max_rows must be None or an int >= 1, got {self.max_rows!r}")
-        check_number("BatchPolicy.max_wait_s", self.max_wait_s, minimum=0)
-        check_number("BatchPolicy.idle_s", self.idle_s, minimum=0)
-        check_number("BatchPolicy.poll_initial_s", self.poll_initial_s, minimum=0)
-        check_number("BatchPolicy.poll_max_s", self.poll_max_s, minimum=0)
-        check_number("BatchPolicy.poll_multiplier", self.poll_multiplier, minimum=1)
+        _check_number("BatchPolicy.max_wait_s", self.max_wait_s, minimum=0)
+        _check_number("BatchPolicy.idle_s", self.idle_s, minimum=0)
+        _check_number("BatchPolicy.poll_initial_s", self.poll_initial_s, minimum=0)
+        _check_number("BatchPolicy.poll_max_s", self.poll_max_s, minimum=0)
+        _check_number("BatchPolicy.poll_multiplier", self.poll_multiplier, minimum=1)
