@@ -6,11 +6,14 @@ batcher and the gateway's machinery load only when a run starts.
 The checks are allowlists: a new scheduler module is outside the floor until it is named here, so a worker
 module added later and reached by accident fails here, not in a profile. Each floor is imported under a bare
 ``interlens`` package (its real path, its ``__init__`` not run): the top package imports every floor, so
-``import interlens._core`` through it would measure the house, not the floor.
+``import interlens._core`` through it would measure the house, not the floor. Also here: ``import interlens``
+loads no run machinery, the ``Conversation.rollout`` facade's import does not import ``conversation`` back,
+and a name of a lazy face is its module's own object.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import subprocess
@@ -90,14 +93,27 @@ def test_floors_below_the_run_load_only_the_contract(floor):
     assert not [m for m in HEAVY if m in loaded]
 
 
+# What only a run needs: the run loop, the ledger writer, the process and Ray workers.
+RUN_ONLY = [
+    *(
+        f"interlens.scheduler.{name}"
+        for name in ("_run", "_subprocess", "_worker_process", "_wire", "_ray_worker", "_ledger_recorder")
+    ),
+    "interlens.store._ledger",
+]
+
+
+@pytest.mark.parametrize("module", sorted(CONTRACT) + RUN_ONLY)
+def test_the_lists_name_modules_that_exist(module):
+    """A module renamed or moved must be renamed here too, or the checks above and below would pass on a
+    name that no longer exists."""
+    assert importlib.util.find_spec(module) is not None, f"{module} is gone: update this file"
+
+
 def test_import_interlens_loads_no_run_machinery():
     """The whole package: the run loop, the ledger writer and the process and Ray workers load with a run."""
     loaded = _loaded("import interlens", bare=False)
-    run_only = [
-        f"interlens.scheduler.{name}"
-        for name in ("_run", "_subprocess", "_worker_process", "_wire", "_ray_worker", "_ledger_recorder")
-    ] + ["interlens.store._ledger"]
-    assert not [m for m in run_only if m in loaded]
+    assert not [m for m in RUN_ONLY if m in loaded]
 
 
 def test_the_rollout_facade_does_not_import_conversation_back():
