@@ -8,34 +8,72 @@ JSON is stored, never pickle, so opening a run directory cannot execute code; no
 scheduler reuses for that). Each message is stored once (the turns) and a result's recipe once per lineup
 (``_results``); an older ledger is migrated when a writer opens it (``_schema``).
 This package imports nothing from interlens or its scheduler.
+
+The face is lazy (PEP 562): each name below loads the private module that defines it on first use, and is
+kept in this module's globals, so ``interlens._core`` can subclass the errors (``_errors`` imports nothing)
+without loading the ledger's machinery.
 """
 
-from ._damage import UnreadableRecord
-from ._errors import (
-    FingerprintMismatchError,
-    LedgerCorruptError,
-    LedgerFullError,
-    LedgerLockedError,
-    LedgerNotFoundError,
-    LedgerSchemaError,
-    StoreError,
-    UnreadableRecordError,
-)
-from ._json import dumps as encode_json
-from ._ledger import Ledger
-from ._lock import LOCK_FILENAME
-from ._reader import LedgerReader
-from ._records import (
-    JOB_STATES,
-    RUN_STATUSES,
-    TERMINAL_BATCH_STATES,
-    BatchRecord,
-    JobRecord,
-    RecordedJobs,
-    TurnRecord,
-)
-from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
-from ._secrets import SecretGuard, redacting_logger
+from __future__ import annotations
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from ._damage import UnreadableRecord
+    from ._errors import (
+        FingerprintMismatchError,
+        LedgerCorruptError,
+        LedgerFullError,
+        LedgerLockedError,
+        LedgerNotFoundError,
+        LedgerSchemaError,
+        StoreError,
+        UnreadableRecordError,
+    )
+    from ._json import dumps as encode_json
+    from ._ledger import Ledger
+    from ._lock import LOCK_FILENAME
+    from ._reader import LedgerReader
+    from ._records import (
+        JOB_STATES,
+        RUN_STATUSES,
+        TERMINAL_BATCH_STATES,
+        BatchRecord,
+        JobRecord,
+        RecordedJobs,
+        TurnRecord,
+    )
+    from ._schema import LEDGER_FILENAME, SCHEMA_VERSION
+    from ._secrets import SecretGuard, redacting_logger
+
+#: Each exported name -> the private module that defines it ("module:name" where it is named otherwise there).
+_EXPORTS: dict[str, str] = {
+    "UnreadableRecord": "._damage",
+    "FingerprintMismatchError": "._errors",
+    "LedgerCorruptError": "._errors",
+    "LedgerFullError": "._errors",
+    "LedgerLockedError": "._errors",
+    "LedgerNotFoundError": "._errors",
+    "LedgerSchemaError": "._errors",
+    "StoreError": "._errors",
+    "UnreadableRecordError": "._errors",
+    "encode_json": "._json:dumps",
+    "Ledger": "._ledger",
+    "LOCK_FILENAME": "._lock",
+    "LedgerReader": "._reader",
+    "JOB_STATES": "._records",
+    "RUN_STATUSES": "._records",
+    "TERMINAL_BATCH_STATES": "._records",
+    "BatchRecord": "._records",
+    "JobRecord": "._records",
+    "RecordedJobs": "._records",
+    "TurnRecord": "._records",
+    "LEDGER_FILENAME": "._schema",
+    "SCHEMA_VERSION": "._schema",
+    "SecretGuard": "._secrets",
+    "redacting_logger": "._secrets",
+}
 
 __all__ = [
     "JOB_STATES",
@@ -63,3 +101,16 @@ __all__ = [
     "encode_json",
     "redacting_logger",
 ]
+
+
+def __getattr__(name: str) -> typing.Any:
+    """Load an exported name from its module on first use and keep it here (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, attribute = _EXPORTS[name].partition(":")
+    value = globals()[name] = getattr(importlib.import_module(module, __name__), attribute or name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

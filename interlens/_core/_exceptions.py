@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import interlens.scheduler as _scheduler_errors  # the packages' public faces export their errors
+# The packages' public faces export their errors. The faces are lazy, and the classes used below come from
+# import-free error modules (scheduler/_errors.py, store/_errors.py): this floor loads nothing else of them.
+import interlens.scheduler as _scheduler_errors
 import interlens.store as _store_errors
 
 __all__ = [

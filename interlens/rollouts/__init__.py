@@ -6,7 +6,7 @@ from ._analyzers import register_analyzer, register_worker_init
 from ._api_budget import APIBudget
 from ._options import RunOptions
 from ._rollout import arollout, rollout
-from ._run import arun, run
+from ._run_lineups import arun, run
 
 __all__ = [
     "APIBudget",

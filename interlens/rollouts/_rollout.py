@@ -8,7 +8,7 @@ runs them (:class:`ConversationJob`); :func:`execute` runs a run's lineups and w
 
 It imports ``Conversation`` for type checking only: ``Conversation.rollout`` imports this module (the one lazy
 import of the package), so imports run one way, rollout → report → conversation → context.
-``interlens.run``, which must check it was given Conversations, lives in ``_run``.
+``interlens.run``, which must check it was given Conversations, lives in ``_run_lineups``.
 """
 
 from __future__ import annotations

@@ -8,26 +8,62 @@ SDK adapter, :class:`BatchClient` being its batch half) that speaks in :class:`S
 one :class:`Gateway`, tuned per spec by :class:`RetryPolicy` and :class:`BatchPolicy`. A call that fails for
 good raises :class:`ProviderCallError`; a failed batch row is a :class:`BatchRowError` for its own caller.
 
-Modules: ``_core`` (the contract's protocols, lanes, single and batched calls), ``_limits`` (adaptive limit,
-retry policy, retry-after), ``_batch`` (policy, rows, batches, the store protocol), ``_collect`` (rounds,
+Modules: ``_contract`` (the protocols, the values an adapter returns, the two errors), ``_policies`` (the
+failure an adapter reads, retry and batch policies, retry-after: plain values), ``_core`` (the gateway: lanes,
+single and batched calls), ``_limits`` (the adaptive limit), ``_batch`` (rows, batches), ``_collect`` (rounds,
 submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a run's API
 budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
 :class:`SpendLimitReached` to the caller, whose job stays pending).
+
+The face is lazy (PEP 562): a name loads its module on first use and is kept here, so a provider adapter
+(``interlens.providers``) loads ``_contract`` and ``_policies`` alone, not the gateway's machinery.
 """
 
-from ._batch import (
-    BatchClient,
-    BatchLimits,
-    BatchPolicy,
-    BatchRowError,
-    BatchStatus,
-    BatchStore,
-    SubmittedBatch,
-)
-from ._collect import Blocker
-from ._core import APISpec, Gateway, ProviderCallError, ProviderClient
-from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
-from ._spend import SpendGuard, SpendLimitReached
+from __future__ import annotations
+
+import typing
+
+from .._lazy import lazy_face as _lazy_face
+
+if typing.TYPE_CHECKING:
+    from ._collect import Blocker
+    from ._contract import (
+        APISpec,
+        BatchClient,
+        BatchLimits,
+        BatchRowError,
+        BatchStatus,
+        BatchStore,
+        ProviderCallError,
+        ProviderClient,
+        SubmittedBatch,
+    )
+    from ._core import Gateway
+    from ._limits import AdaptiveLimiter
+    from ._policies import BatchPolicy, Failure, RetryPolicy, retry_after_seconds
+    from ._spend import SpendGuard, SpendLimitReached
+
+#: Each exported name -> the private module that defines it.
+_EXPORTS: dict[str, str] = {
+    "Blocker": "._collect",
+    "APISpec": "._contract",
+    "BatchClient": "._contract",
+    "BatchLimits": "._contract",
+    "BatchRowError": "._contract",
+    "BatchStatus": "._contract",
+    "BatchStore": "._contract",
+    "ProviderCallError": "._contract",
+    "ProviderClient": "._contract",
+    "SubmittedBatch": "._contract",
+    "Gateway": "._core",
+    "AdaptiveLimiter": "._limits",
+    "BatchPolicy": "._policies",
+    "Failure": "._policies",
+    "RetryPolicy": "._policies",
+    "retry_after_seconds": "._policies",
+    "SpendGuard": "._spend",
+    "SpendLimitReached": "._spend",
+}
 
 __all__ = [
     "APISpec",
@@ -49,3 +85,6 @@ __all__ = [
     "SubmittedBatch",
     "retry_after_seconds",
 ]
+
+
+__getattr__, __dir__ = _lazy_face(__name__, _EXPORTS)

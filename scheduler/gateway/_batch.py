@@ -1,137 +1,27 @@
-"""Provider batch APIs, the shared parts: policies, limits, what adapters return, and rows in flight.
+"""Provider batch APIs, the shared parts: rows in flight, their batches, and retrying a batch control call.
 
 A provider batch is paid for when it is submitted, so everything here is built around never losing track of
 one: a submitted batch is recorded in a :class:`BatchStore` (the run's ledger) before it is polled, and a row
 that fails becomes a :class:`BatchRowError` for its own caller only. The round logic (collecting, flushing,
-polling, re-attaching) lives in ``_collect``.
+polling, re-attaching) lives in ``_collect``; the policy, the limits and what adapters return are the
+contract's (``_contract``, ``_policies``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import anyio
 
 from interlens.store import redacting_logger
 
-from ._limits import Failure, RetryPolicy, _check_number
+from ._contract import BatchClient, BatchRowError
+from ._policies import Failure, RetryPolicy
 
-__all__ = [
-    "BatchLimits",
-    "BatchPolicy",
-    "BatchRowError",
-    "BatchStatus",
-    "BatchStore",
-    "SubmittedBatch",
-]
+__all__ = ["Batch", "Row", "classify", "describe_error", "retrying"]
 
 log = redacting_logger("interlens.gateway")  # a key echoed in an error is redacted
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """When a round of batched requests is flushed, and how its batch is polled.
-
-    ``idle_s``: the default quiescence probe (no new request for that long) when the scheduler supplies none.
-    ``max_wait_s``: the latest a request waits for company. ``max_rows``: flush at this many requests (None:
-    the provider's own limit). Polls start ``poll_initial_s`` after submission and back off by
-    ``poll_multiplier`` up to ``poll_max_s``: provider batches take minutes to hours, and polls cost requests.
-    """
-
-    max_rows: int | None = None
-    max_wait_s: float = 60.0
-    idle_s: float = 2.0
-    poll_initial_s: float = 5.0
-    poll_max_s: float = 60.0
-    poll_multiplier: float = 1.5
-
-    def __post_init__(self) -> None:
-        if self.max_rows is not None and (
-            not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 1
-        ):
-            raise ValueError(f"BatchPolicy.max_rows must be None or an int >= 1, got {self.max_rows!r}")
-        _check_number("BatchPolicy.max_wait_s", self.max_wait_s, minimum=0)
-        _check_number("BatchPolicy.idle_s", self.idle_s, minimum=0)
-        _check_number("BatchPolicy.poll_initial_s", self.poll_initial_s, minimum=0)
-        _check_number("BatchPolicy.poll_max_s", self.poll_max_s, minimum=0)
-        _check_number("BatchPolicy.poll_multiplier", self.poll_multiplier, minimum=1)
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """A provider's ceiling for one batch: requests, and bytes of the serialized requests."""
-
-    max_requests: int
-    max_bytes: int
-
-
-@dataclass(frozen=True)
-class SubmittedBatch:
-    """What an adapter returns for a batch the provider accepted. ``meta`` is JSON, never a credential."""
-
-    batch_id: str
-    state: str
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BatchStatus:
-    """One poll: the provider's state name, and whether results can be fetched now."""
-
-    state: str
-    done: bool
-
-
-class BatchRowError(Exception):
-    """One row of a provider batch failed, or the whole batch did: raised to that row's caller only.
-
-    ``retryable`` rows (expired, rate limited, a server error) go into a later batch, per the retry policy.
-    """
-
-    def __init__(self, message: str, retryable: bool = False, rate_limited: bool = False) -> None:
-        super().__init__(message, retryable, rate_limited)  # all in args: pickles across a worker pipe
-
-    @property
-    def failure(self) -> Failure:
-        return Failure(retryable=bool(self.args[1]), rate_limited=bool(self.args[2]))
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class BatchStore(Protocol):
-    """Where batches are recorded: ``interlens.store.Ledger`` (its batch methods) satisfies this."""
-
-    async def record_batch(self, batch: Any) -> None: ...
-
-    async def update_batch(
-        self, provider: str, batch_id: str, *, state: str, meta: Mapping[str, Any] | None = None
-    ) -> None: ...
-
-    async def open_batches(self) -> list[Any]: ...
-
-
-class BatchClient(Protocol):
-    """The batch half of a provider adapter (see ``ProviderClient`` in ``_core``)."""
-
-    provider: str
-    batch_limits: BatchLimits
-
-    def classify(self, exc: BaseException) -> Failure: ...
-
-    def row_size(self, request: Any) -> int: ...
-
-    def request_hash(self, request: Any) -> str: ...
-
-    async def submit_batch(self, rows: Sequence[tuple[str, Any]]) -> SubmittedBatch: ...
-
-    async def poll_batch(self, batch_id: str, meta: Mapping[str, Any]) -> BatchStatus: ...
-
-    async def batch_results(
-        self, batch_id: str, meta: Mapping[str, Any]
-    ) -> Mapping[str, Any | BaseException]: ...
 
 
 def classify(client: BatchClient, exc: BaseException) -> Failure:

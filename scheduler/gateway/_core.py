@@ -4,7 +4,8 @@ One :class:`Gateway` per run (or per event loop, for live use) holds one client 
 each behind an :class:`AdaptiveLimiter` (max in flight), retries failed calls with backoff, and gathers
 ``batch`` requests into provider batches through a :class:`BatchCollector` per group. It is generic: a
 participant hands it an :class:`APISpec` (picklable, no secret) that opens a :class:`ProviderClient` (the
-SDK adapter, holding the key read from the environment) the first time it is needed, in the gateway's loop.
+SDK adapter, holding the key read from the environment) the first time it is needed, in the gateway's loop
+(those protocols are the contract's, ``_contract``).
 
 Seams for the scheduler (the wiring):
 
@@ -21,139 +22,26 @@ Seams for the scheduler (the wiring):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Self
 
 import anyio
 
 from interlens.store import redacting_logger
 
 from .._errors import SchedulerError
-from ._batch import (
-    BatchLimits,
-    BatchPolicy,
-    BatchRowError,
-    BatchStatus,
-    BatchStore,
-    SubmittedBatch,
-    classify,
-    describe_error,
-)
+from ._batch import classify, describe_error
 from ._collect import BatchBook, BatchCollector, Blocker
-from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._contract import APISpec, BatchStore, ProviderCallError, ProviderClient
+from ._limits import AdaptiveLimiter
+from ._policies import Failure, RetryPolicy
 from ._spend import SpendGuard, SpendLimitReached
 
-__all__ = [
-    "APISpec",
-    "AdaptiveLimiter",
-    "BatchLimits",
-    "BatchPolicy",
-    "BatchRowError",
-    "BatchStatus",
-    "BatchStore",
-    "Blocker",
-    "Failure",
-    "Gateway",
-    "ProviderCallError",
-    "ProviderClient",
-    "RetryPolicy",
-    "SubmittedBatch",
-    "retry_after_seconds",
-]
+__all__ = ["Gateway"]
 
 log = redacting_logger("interlens.gateway")  # a key echoed in an error is redacted
-
-
-class ProviderCallError(SchedulerError):
-    """A provider call failed for good: not retryable, or out of attempts. Fails its conversation only."""
-
-    def __init__(
-        self, message: str, attempts: int = 1, retryable: bool = False, status: int | None = None
-    ) -> None:
-        super().__init__(message, attempts, retryable, status)  # all in args: pickles across a worker pipe
-
-    @property
-    def attempts(self) -> int:
-        return int(self.args[1])
-
-    @property
-    def status(self) -> int | None:
-        """The HTTP status of the last attempt's answer (None: no answer, a connection error)."""
-        return self.args[3] if len(self.args) > 3 else None
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-@runtime_checkable
-class ProviderClient(Protocol):
-    """An SDK adapter, opened once per client key in the gateway's event loop; it may hold the API key."""
-
-    provider: str
-    batch_limits: BatchLimits
-
-    async def send(self, request: Any) -> Any:
-        """One request, one attempt (the SDK's own retries are off); raise on failure."""
-        ...
-
-    def classify(self, exc: BaseException) -> Failure:
-        """How the gateway should treat ``exc`` (retry? rate limited? retry-after?)."""
-        ...
-
-    def row_size(self, request: Any) -> int:
-        """Bytes ``request`` adds to a batch (for splitting at the provider's limit)."""
-        ...
-
-    def request_hash(self, request: Any) -> str:
-        """A stable hash of ``request`` exactly as a batch row sends it (endpoint and full body, never a
-        credential): a rerun re-attaches a job to a recorded row only when the hashes are equal."""
-        ...
-
-    async def submit_batch(self, rows: Sequence[tuple[str, Any]]) -> SubmittedBatch: ...
-
-    async def poll_batch(self, batch_id: str, meta: Mapping[str, Any]) -> BatchStatus: ...
-
-    async def batch_results(
-        self, batch_id: str, meta: Mapping[str, Any]
-    ) -> Mapping[str, Any | BaseException]:
-        """Every row's result by custom id, or an Exception in its place (a :class:`BatchRowError` says
-        whether to retry); a ``"*"`` entry answers every row without its own (a batch that failed whole)."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-@runtime_checkable
-class APISpec(Protocol):
-    """What a participant hands the gateway: picklable settings, never a secret."""
-
-    @property
-    def client_key(self) -> Hashable:
-        """Specs with equal keys share one client and one in-flight limit (e.g. provider, endpoint, limit)."""
-        ...
-
-    @property
-    def max_in_flight(self) -> int: ...
-
-    @property
-    def retry_policy(self) -> RetryPolicy: ...
-
-    @property
-    def batch_key(self) -> Hashable | None:
-        """None: concurrent single requests. Else the group whose requests share provider batches."""
-        ...
-
-    @property
-    def batch_policy(self) -> BatchPolicy: ...
-
-    @property
-    def model_id(self) -> str: ...
-
-    def open_client(self) -> ProviderClient:
-        """Build the SDK adapter (reads the key from the environment; a clear error when it is unset)."""
-        ...
 
 
 @dataclass

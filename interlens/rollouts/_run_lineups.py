@@ -1,8 +1,10 @@
 """``interlens.run`` and ``arun``: many lineups (Conversations) in one pool under one ``out_dir``.
 
-Apart from ``_rollout`` because it checks that it was given Conversations, so it imports ``_conversation``,
-which ``_rollout`` (imported by ``Conversation.rollout``) must not. Each lineup expands through
-``_rollout.lineup_spec`` and all run together through ``_rollout.execute``.
+Apart from ``_rollout`` because it checks that it was given Conversations, so it imports ``conversation``,
+which ``_rollout`` (imported by ``Conversation.rollout``) must not. It imports it when called, never at module
+level: the facade's import of ``rollouts._rollout`` runs this package's ``__init__``, which imports this
+module, and ``conversation`` there would close the cycle (``tests/test_import_floor.py`` runs that import).
+Each lineup expands through ``_rollout.lineup_spec`` and all run together through ``_rollout.execute``.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Unpack
 
 from .._core import ConfigurationError, ConfigurationTypeError, OnceRows
-from ..conversation import Conversation
 from ._options import Options, RunOptions, parse_options
 from ._rollout import execute, lineup_spec
 
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode, LineupSpec
 
+    from ..conversation import Conversation
     from ..report import RunReport
 
 __all__ = ["arun", "run"]
@@ -26,6 +28,8 @@ __all__ = ["arun", "run"]
 def _lineups(
     conversations: Iterable[Conversation], seed: int, mode: ExecutionMode, record_tokens: bool
 ) -> list[tuple[Conversation, LineupSpec]]:
+    from ..conversation import Conversation  # when called: see the module's docstring
+
     convs = list(conversations) if not isinstance(conversations, Conversation) else [conversations]
     if not convs:
         raise ConfigurationError("run() needs at least one Conversation")
@@ -63,6 +67,8 @@ def _lineups(
 
 
 async def _arun(conversations: Iterable[Conversation], options: Options) -> RunReport:
+    from ..conversation import Conversation  # when called: see the module's docstring
+
     if not isinstance(conversations, Conversation) and (
         isinstance(conversations, str | bytes | Mapping) or not isinstance(conversations, Iterable)
     ):
