@@ -33,7 +33,7 @@ def kv_reuse_check(path: str, device: str) -> list[bool]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -48,7 +48,11 @@ def kv_reuse_check(path: str, device: str) -> list[bool]:
 
     def turn(prompts: list[tuple[int, ...]]) -> tuple[list[Any], bool]:
         requests = [
-            GenerationRequest(prompt_ids=p, max_new_tokens=12, temperature=0.9, seed=7 + i, reuse_key=f"s{i}")
+            GenerationRequest(
+                prompt_ids=p,
+                sampling=SamplingSettings(max_new_tokens=12, temperature=0.9, seed=7 + i),
+                reuse_key=f"s{i}",
+            )
             for i, p in enumerate(prompts)
         ]
         mine, theirs = reusing.generate_batch(requests), full.generate_batch(requests)
@@ -72,7 +76,7 @@ def deterministic_check(path: str, device: str, rows: int = 64) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
     from interlens.scheduler import ExecutionMode
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -91,9 +95,7 @@ def deterministic_check(path: str, device: str, rows: int = 64) -> dict[str, Any
                         [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
                     )
                 ),
-                max_new_tokens=8 + 4 * (i % 6),
-                temperature=0.9,
-                seed=3 + i,
+                sampling=SamplingSettings(max_new_tokens=8 + 4 * (i % 6), temperature=0.9, seed=3 + i),
             )
             for i, t in enumerate(f"{topics[i % len(topics)]} ({i})" for i in range(rows))
         ]
@@ -204,7 +206,7 @@ def decode_bench(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
     from interlens.scheduler import ExecutionMode
 
     def timed(fn: Any) -> float:
@@ -239,7 +241,10 @@ def decode_bench(
                 1, config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch)
             )
             requests = [
-                GenerationRequest(prompt_ids=tuple(r), max_new_tokens=new, temperature=0.9, seed=i)
+                GenerationRequest(
+                    prompt_ids=tuple(r),
+                    sampling=SamplingSettings(max_new_tokens=new, temperature=0.9, seed=i),
+                )
                 for i, r in enumerate(ids.tolist())
             ]
             ours = timed(lambda e=engine, r=requests: e.generate_batch(r))
@@ -308,7 +313,7 @@ def generate_check(path: str, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -324,7 +329,10 @@ def generate_check(path: str, device: str) -> dict[str, Any]:
         ends = [i for i, t in enumerate(tokens) if t in eos]
         return tokens[: ends[0] + 1] if ends else tokens
 
-    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=16, temperature=0) for p in prompts]
+    requests = [
+        GenerationRequest(prompt_ids=p, sampling=SamplingSettings(max_new_tokens=16, temperature=0))
+        for p in prompts
+    ]
     batch = engine.generate_batch(requests)
     alone = engine.generate_batch(requests[2:3])[0]
     expected = [reference(p) for p in prompts]
@@ -374,7 +382,7 @@ def syncs_check(path: str, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
     from interlens.scheduler import ExecutionMode
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -388,9 +396,7 @@ def syncs_check(path: str, device: str) -> dict[str, Any]:
             requests = [
                 GenerationRequest(
                     prompt_ids=_chat(tokenizer, "tabs " * (1 + 3 * i)),
-                    max_new_tokens=new,
-                    temperature=0.9,
-                    seed=i,
+                    sampling=SamplingSettings(max_new_tokens=new, temperature=0.9, seed=i),
                 )
                 for i in range(6)
             ]

@@ -33,10 +33,10 @@ def main() -> None:
     engine, prompts = question_batch(parser, args, same=args.same)
 
     from interlens.engine import _narrow_cache
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     requests = [
-        GenerationRequest(p, max_new_tokens=args.max_new, temperature=0.9, seed=i)
+        GenerationRequest(p, sampling=SamplingSettings(max_new_tokens=args.max_new, temperature=0.9, seed=i))
         for i, p in enumerate(prompts)
     ]
     block = _narrow_cache.WINDOW_BLOCK

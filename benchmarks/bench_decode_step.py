@@ -60,7 +60,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     path, label = model_path(parser, args.model)
     dtype = fast_dtype(args.dtype) if args.device == "cpu" else "bfloat16"
@@ -97,7 +97,8 @@ def main() -> None:
             requests = [
                 # distinct prompts (a row index in front) so the batch is not one shared prefill
                 GenerationRequest(
-                    prompt_ids=(prompt[0], 100 + i, *prompt[1:]), max_new_tokens=cap, temperature=0.9, seed=i
+                    prompt_ids=(prompt[0], 100 + i, *prompt[1:]),
+                    sampling=SamplingSettings(max_new_tokens=cap, temperature=0.9, seed=i),
                 )
                 for i, cap in enumerate(caps)
             ]
@@ -131,7 +132,7 @@ def compare_attention(engine: Any, timer: Any, prompt: tuple[int, ...], args: ar
     from _common import stock_attention
 
     from interlens.engine._cpu_attention import CPU_DECODE_ATTENTION
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     model = engine.model
     if model.config._attn_implementation != CPU_DECODE_ATTENTION:
@@ -139,7 +140,8 @@ def compare_attention(engine: Any, timer: Any, prompt: tuple[int, ...], args: ar
     for rows in args.rows:
         requests = [
             GenerationRequest(
-                prompt_ids=prompt[: len(prompt) - i % 7], max_new_tokens=args.new, temperature=0.9, seed=i
+                prompt_ids=prompt[: len(prompt) - i % 7],
+                sampling=SamplingSettings(max_new_tokens=args.new, temperature=0.9, seed=i),
             )
             for i in range(rows)
         ]

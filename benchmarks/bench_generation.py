@@ -173,7 +173,7 @@ def _part_a(
 ) -> None:
     import torch
 
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     eos = set(engine._runner.eos_ids)
     prompts = []
@@ -184,7 +184,10 @@ def _part_a(
     lengths = sorted(len(p) for p in prompts)
     print(f"\n(a) {n_rows} chat prompts ({lengths[0]}-{lengths[-1]} tokens), {new} new tokens, T=0.9")
 
-    requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=new, temperature=0.9) for p in prompts]
+    requests = [
+        GenerationRequest(prompt_ids=tuple(p), sampling=SamplingSettings(max_new_tokens=new, temperature=0.9))
+        for p in prompts
+    ]
 
     def engine_batch() -> int:
         return sum(r.n_tokens for r in _run(engine, requests))
@@ -229,7 +232,7 @@ def _part_a(
 def _part_b(
     engine: Any, tokenizer: Any, rng: random.Random, n_samples: int, prompt_words: int, new: int, repeats: int
 ) -> None:
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     words = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
     long_prompt = tokenizer.apply_chat_template(
@@ -238,7 +241,11 @@ def _part_b(
         return_dict=False,
     )
     print(f"\n(b) n={n_samples} samples of one {len(long_prompt)}-token prompt, {new} new tokens, T=0.9")
-    same = [GenerationRequest(prompt_ids=tuple(long_prompt), max_new_tokens=new, temperature=0.9)] * n_samples
+    same = [
+        GenerationRequest(
+            prompt_ids=tuple(long_prompt), sampling=SamplingSettings(max_new_tokens=new, temperature=0.9)
+        )
+    ] * n_samples
 
     def shared() -> int:
         results = _run(engine, same)

@@ -92,7 +92,11 @@ def main() -> None:
 
     def run(record: bool) -> tuple[float, list[tuple[int, ...]]]:
         requests = [
-            GenerationRequest(p, max_new_tokens=args.max_new, temperature=0.9, seed=i, record_logprobs=record)
+            GenerationRequest(
+                p,
+                sampling=SamplingSettings(max_new_tokens=args.max_new, temperature=0.9, seed=i),
+                record_logprobs=record,
+            )
             for i, p in enumerate(prompts)
         ]
         start = time.perf_counter()
@@ -109,7 +113,8 @@ def main() -> None:
             rate, ids = in_thread(lambda r=record: run(r))
             rates[record].append(rate)
             tokens[record].add(tuple(ids))
-    from interlens.engine._sampling import Sampler, SamplingSettings
+    from interlens.engine._sampler import Sampler
+    from interlens.engine._sampling import SamplingSettings
 
     logits = torch.randn(args.rows, model.config.vocab_size).to(model.dtype)
     settings = [SamplingSettings(max_new_tokens=1, temperature=0.9, seed=i) for i in range(args.rows)]

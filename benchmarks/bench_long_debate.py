@@ -188,11 +188,15 @@ def interleaved(modes: list[str], repeats: int, once: Callable[[str], R]) -> dic
 
 def keyed_turn(engine: Any, keys: list[str], new_tokens: int) -> Callable[[list[tuple[int, ...]]], list[Any]]:
     """One engine turn of these prompts, row i on the reuse stream ``keys[i]`` with seed i, T = 0.9."""
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     def turn(prompts: list[tuple[int, ...]]) -> list[Any]:
         requests = [
-            GenerationRequest(prompt_ids=p, max_new_tokens=new_tokens, temperature=0.9, seed=i, reuse_key=k)
+            GenerationRequest(
+                prompt_ids=p,
+                sampling=SamplingSettings(max_new_tokens=new_tokens, temperature=0.9, seed=i),
+                reuse_key=k,
+            )
             for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
         ]
         return engine.generate_batch(requests)

@@ -29,7 +29,7 @@ from bench_generation import _MALLOC, _WORDS, _line, _measure, _run
 
 
 def _part_a(engine: Any, rows: int, new: int, repeats: int) -> None:
-    from interlens.engine._generation import GenerationRequest
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
 
     rng = random.Random(0)
     prompts = []
@@ -41,9 +41,14 @@ def _part_a(engine: Any, rows: int, new: int, repeats: int) -> None:
                 engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
             )
         )
-    unseeded = [GenerationRequest(prompt_ids=p, max_new_tokens=new, temperature=0.9) for p in prompts]
+    unseeded = [
+        GenerationRequest(prompt_ids=p, sampling=SamplingSettings(max_new_tokens=new, temperature=0.9))
+        for p in prompts
+    ]
     seeded = [
-        GenerationRequest(prompt_ids=p, max_new_tokens=new, temperature=0.9, seed=i)
+        GenerationRequest(
+            prompt_ids=p, sampling=SamplingSettings(max_new_tokens=new, temperature=0.9, seed=i)
+        )
         for i, p in enumerate(prompts)
     ]
     print(f"\n(a) generate_batch: {rows} prompts, {new} new tokens, T=0.9")
@@ -63,8 +68,8 @@ def _part_a(engine: Any, rows: int, new: int, repeats: int) -> None:
 def _part_b(rows: int, repeats: int, steps: int) -> None:
     import torch
 
-    from interlens.engine._generation import GenerationRequest
-    from interlens.engine._sampling import Sampler
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
+    from interlens.engine._sampler import Sampler
 
     print(f"\n(b) sampler alone, {rows} rows, ms per decode step (median of {repeats} runs x {steps} steps)")
     for vocab in (4096, 151_936):
@@ -75,10 +80,9 @@ def _part_b(rows: int, repeats: int, steps: int) -> None:
                 requests = [
                     GenerationRequest(
                         prompt_ids=(1,),
-                        max_new_tokens=1,
-                        temperature=0.9,
-                        top_p=top_p,
-                        seed=i if seeded else None,
+                        sampling=SamplingSettings(
+                            max_new_tokens=1, temperature=0.9, top_p=top_p, seed=i if seeded else None
+                        ),
                     )
                     for i in range(rows)
                 ]

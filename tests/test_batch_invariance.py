@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation, RunReport
 from interlens.engine import _slot_rows as slot_rows
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.engine._model_cache import clear_engine_cache
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
@@ -46,7 +46,11 @@ def _requests(engine: LocalEngine, *, temperature: float = 0.9) -> list[Generati
         ids = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
         )
-        out.append(GenerationRequest(ids, max_new_tokens=6 + 5 * i, temperature=temperature, seed=40 + i))
+        out.append(
+            GenerationRequest(
+                ids, sampling=SamplingSettings(max_new_tokens=6 + 5 * i, temperature=temperature, seed=40 + i)
+            )
+        )
     return out
 
 
@@ -97,7 +101,9 @@ def test_the_slot_layout_computes_what_the_plain_path_computes(family: str) -> N
     generations run past gemma2's 64-token window. A wrong mask or position would not."""
     engine = _engine(family, torch.float64)
     requests = [
-        GenerationRequest(q.prompt_ids, max_new_tokens=30 + 20 * i, temperature=0.0)
+        GenerationRequest(
+            q.prompt_ids, sampling=SamplingSettings(max_new_tokens=30 + 20 * i, temperature=0.0)
+        )
         for i, q in enumerate(_requests(engine)[:4])
     ]
     slotted = _ok(engine.generate_batch(requests, mode=DET))
@@ -105,7 +111,7 @@ def test_the_slot_layout_computes_what_the_plain_path_computes(family: str) -> N
     assert [(r.batch_size, r.batch_invariant) for r in slotted] == [(4, True)] * 4
     assert max(len(q.prompt_ids) for q in requests) + 90 > 2 * 64
     assert [r.token_ids for r in slotted] == [r.token_ids for r in plain]
-    assert [r.n_tokens for r in slotted] == [q.max_new_tokens for q in requests]
+    assert [r.n_tokens for r in slotted] == [q.sampling.max_new_tokens for q in requests]
 
 
 @pytest.mark.parametrize("rule", ["ROW_BLOCK", "PREFILL_BLOCK", "SLOT_BLOCK"])
@@ -172,7 +178,9 @@ def _many(engine: LocalEngine, n: int) -> list[GenerationRequest]:
         ids = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
         )
-        out.append(GenerationRequest(ids, max_new_tokens=6, temperature=0.9, seed=70 + i))
+        out.append(
+            GenerationRequest(ids, sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=70 + i))
+        )
     return out
 
 
@@ -250,7 +258,8 @@ def test_a_multimodal_checkpoints_decoder_takes_the_layout_with_its_own_sliding_
     engine = LocalEngine(model, AutoTokenizer.from_pretrained(multimodal_gemma3), device="cpu")
     assert getattr(engine.model.config, "layer_types", None) is None  # only text_config has them
     requests = [
-        GenerationRequest(q.prompt_ids, max_new_tokens=60, temperature=0.0) for q in _requests(engine)[1:4]
+        GenerationRequest(q.prompt_ids, sampling=SamplingSettings(max_new_tokens=60, temperature=0.0))
+        for q in _requests(engine)[1:4]
     ]
     slotted = _ok(engine.generate_batch(requests, mode=DET))
     plain = [_ok(engine.generate_batch([q]))[0] for q in requests]

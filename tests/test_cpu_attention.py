@@ -22,7 +22,7 @@ from interlens.engine._cpu_attention import (
     at_any_row_count,
     use_cpu_decode_attention,
 )
-from interlens.engine._generation import GenerationRequest, LocalEngine
+from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 from interlens.engine._narrow_cache import narrowed_static_cache
 from interlens.testing import tiny_model
 
@@ -114,7 +114,10 @@ def test_the_engine_gives_the_same_greedy_tokens_on_either_attention() -> None:
     engine = LocalEngine(model, AutoTokenizer.from_pretrained(path), device="cpu", kv_reuse_capacity=0)
     assert model.config._attn_implementation == CPU_DECODE_ATTENTION  # a CPU engine installs it
     requests = [
-        GenerationRequest(prompt_ids=tuple(range(5 + i, 5 + i + n)), max_new_tokens=12, temperature=0.0)
+        GenerationRequest(
+            prompt_ids=tuple(range(5 + i, 5 + i + n)),
+            sampling=SamplingSettings(max_new_tokens=12, temperature=0.0),
+        )
         for i, n in enumerate((30, 17, 4, 23, 9, 30, 2, 15, 11))
     ]
     assert len(requests) >= FEWEST_ROWS

@@ -17,6 +17,7 @@ from interlens.engine._generation import (
     GenerationRequest,
     GenerationResult,
     LocalEngine,
+    SamplingSettings,
     _prefill_groups,
     token_budget_estimate,
 )
@@ -75,7 +76,10 @@ def test_grouped_prefill_drops_each_group_cache_before_the_next(qwen2_model: tup
     engine = WatchedEngine(model, tokenizer, device="cpu", shared_prefill=False)
     texts = [" ".join(["spaces"] * n) for n in (1, 40, 3, 25, 8, 60, 2, 15, 33, 5, 50, 4)]
     requests = [
-        GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=6, temperature=0) for t in texts
+        GenerationRequest(
+            prompt_ids=_prompt(tokenizer, t), sampling=SamplingSettings(max_new_tokens=6, temperature=0)
+        )
+        for t in texts
     ]
     groups = _prefill_groups([len(r.prompt_ids) for r in requests])
     assert len(groups) >= 3
@@ -103,7 +107,10 @@ def test_shared_prefix_parts_drop_each_cache_before_the_next(qwen2_model: tuple[
         ids("unrelated"),
         ids("another unrelated prompt"),
     ]
-    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=6, temperature=0) for p in prompts]
+    requests = [
+        GenerationRequest(prompt_ids=p, sampling=SamplingSettings(max_new_tokens=6, temperature=0))
+        for p in prompts
+    ]
     batched = engine.generate_batch(requests)
     assert all(isinstance(r, GenerationResult) for r in batched)
     assert [r.shared_prefix_tokens for r in batched] == [40, 40, 50, 50, 50, 0, 0]  # type: ignore[union-attr]
@@ -135,7 +142,8 @@ def test_a_row_with_nan_logits_fails_alone_and_the_others_are_unchanged(qwen2_mo
     requests = [
         # the bad row samples with a nucleus: its NaN draw must not index past the vocabulary
         GenerationRequest(
-            prompt_ids=_prompt(tokenizer, t), max_new_tokens=8, temperature=0.8, top_p=0.9, seed=i
+            prompt_ids=_prompt(tokenizer, t),
+            sampling=SamplingSettings(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=i),
         )
         for i, t in enumerate(texts)
     ]
@@ -145,7 +153,13 @@ def test_a_row_with_nan_logits_fails_alone_and_the_others_are_unchanged(qwen2_mo
     try:
         results = engine.generate_batch(requests)
         reused = engine.generate_batch(
-            [GenerationRequest(prompt_ids=requests[2].prompt_ids, max_new_tokens=4, reuse_key="s")]
+            [
+                GenerationRequest(
+                    prompt_ids=requests[2].prompt_ids,
+                    sampling=SamplingSettings(max_new_tokens=4),
+                    reuse_key="s",
+                )
+            ]
         )
     finally:
         handle.remove()
@@ -253,7 +267,10 @@ def test_finished_rows_are_dropped_in_bunches_and_change_no_token(qwen2_model: t
     engine._runner.eos_ids = frozenset()  # every row runs to its own cap: one row leaves at each step
     texts = [f"Row {i}: tabs or spaces?" for i in range(15)] + ["Say POISONPILL."]
     requests = [
-        GenerationRequest(prompt_ids=_prompt(tokenizer, t), max_new_tokens=2 + i, temperature=0.9, seed=i)
+        GenerationRequest(
+            prompt_ids=_prompt(tokenizer, t),
+            sampling=SamplingSettings(max_new_tokens=2 + i, temperature=0.9, seed=i),
+        )
         for i, t in enumerate(texts)
     ]
     marker = tokenizer("POISONPILL", add_special_tokens=False)["input_ids"]
@@ -375,7 +392,10 @@ def _decode_step_attention(
         engine._runner.eos_ids = frozenset()  # every row runs to its cap: the cache fills up
         assert engine._runner.mask_free_steps is False  # the CPU's default
         engine._runner.mask_free_steps = mask_free
-        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=150, temperature=0) for p in prompts]
+        requests = [
+            GenerationRequest(prompt_ids=p, sampling=SamplingSettings(max_new_tokens=150, temperature=0))
+            for p in prompts
+        ]
         results = engine.generate_batch(requests)
         steps_seen = len(seen)
         alone = [engine.generate_batch([r])[0] for r in requests]

@@ -17,7 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens.engine._batch_invariance import batch_invariant
 from interlens.engine._decode import ModelRunner
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, ScoreRequest
+from interlens.engine._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    SamplingSettings,
+    ScoreRequest,
+)
 from interlens.engine._interp_rows import HookedRow
 from interlens.engine._kept_kv import Kept, KeptKV
 from interlens.engine._kv_reuse import ReusedPrefixBatch
@@ -100,7 +106,9 @@ def _prompt(tokenizer: Any, text: str) -> tuple[int, ...]:
 def _requests(tokenizer: Any, **settings: Any) -> list[GenerationRequest]:
     return [
         GenerationRequest(
-            prompt_ids=_prompt(tokenizer, t), max_new_tokens=5 + 3 * i, temperature=0.9, seed=i, **settings
+            prompt_ids=_prompt(tokenizer, t),
+            sampling=SamplingSettings(max_new_tokens=5 + 3 * i, temperature=0.9, seed=i),
+            **settings,
         )
         for i, t in enumerate((*_TOPICS, _TOPICS[0]))  # the last row's prompt is the first's
     ]
@@ -156,7 +164,11 @@ def test_the_reused_prefix_batch_over_a_bare_runner_and_store_gives_the_engines_
     engine = LocalEngine(model, tokenizer, device="cpu", kv_reuse_capacity=0)  # a full prefill every turn
     keys = ["s0", "s1", None, "s3"]  # a row with no stream co-steps with them
     first = [
-        GenerationRequest(_prompt(tokenizer, t), 6 + i, 0.9, seed=i, reuse_key=key)
+        GenerationRequest(
+            _prompt(tokenizer, t),
+            sampling=SamplingSettings(max_new_tokens=6 + i, temperature=0.9, seed=i),
+            reuse_key=key,
+        )
         for i, (t, key) in enumerate(zip(_TOPICS, keys, strict=True))
     ]
     with torch.inference_mode():
@@ -166,7 +178,11 @@ def test_the_reused_prefix_batch_over_a_bare_runner_and_store_gives_the_engines_
     assert store.kept_bytes() == sum(store[k].nbytes for k in store) > 0
     more = tokenizer(" and then what?", add_special_tokens=False).input_ids
     second = [
-        GenerationRequest((*r.prompt_ids, *t[:-1], *more), 6, 0.9, seed=10 + i, reuse_key=r.reuse_key)
+        GenerationRequest(
+            (*r.prompt_ids, *t[:-1], *more),
+            sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=10 + i),
+            reuse_key=r.reuse_key,
+        )
         for i, (r, t) in enumerate(zip(first, _tokens(turn1), strict=True))
     ]
     with torch.inference_mode():
@@ -186,12 +202,23 @@ def test_the_hooked_row_over_a_bare_runner_gives_the_engines_tokens_capture_and_
     plain = PlainBatch(runner)
     hooked = HookedRow(runner, plain=plain)
     engine = LocalEngine(model, tokenizer, device="cpu")
-    request = GenerationRequest(_prompt(tokenizer, _TOPICS[1]), 6, 0.9, seed=3, capture=CaptureSpec())
+    request = GenerationRequest(
+        _prompt(tokenizer, _TOPICS[1]),
+        sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=3),
+        capture=CaptureSpec(),
+    )
     assert hooked.check(request.capture, request.steering) is None
     assert hooked.check(CaptureSpec(layers=(99,)), ()) is not None  # past this model's layers
     with torch.inference_mode():
         (alone,) = hooked.generate([request], None)
-        (uncaptured,) = plain.generate([GenerationRequest(request.prompt_ids, 6, 0.9, seed=3)], None)
+        (uncaptured,) = plain.generate(
+            [
+                GenerationRequest(
+                    request.prompt_ids, sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=3)
+                )
+            ],
+            None,
+        )
     (want,) = engine.generate_batch([request])
     assert isinstance(alone, GenerationResult) and isinstance(want, GenerationResult)
     assert alone.token_ids == want.token_ids == _tokens([uncaptured])[0]

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens.engine._generation import GenerationRequest, LocalEngine
+from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
 
@@ -57,9 +57,11 @@ def per_step(model: tuple[Any, Any], mode: ExecutionMode, **engine: Any) -> dict
         requests = [
             GenerationRequest(
                 prompt_ids=tuple(tokenizer(f"row {i}: {'tabs ' * i}").input_ids),
-                max_new_tokens=new,
-                temperature=0 if i == 0 else 0.9,
-                seed=None if i == 1 and mode is ExecutionMode.BATCHED else i,
+                sampling=SamplingSettings(
+                    max_new_tokens=new,
+                    temperature=0 if i == 0 else 0.9,
+                    seed=None if i == 1 and mode is ExecutionMode.BATCHED else i,
+                ),
             )
             for i in range(6)
         ]

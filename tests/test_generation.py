@@ -17,7 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens._core._exceptions import ConfigurationError, DeviceError, ModelLoadError
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, _prefill_groups
+from interlens.engine._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    SamplingSettings,
+    _prefill_groups,
+)
 from interlens.engine._model_cache import clear_engine_cache, load_engine
 from interlens.engine._prefill import MIN_SHARED_PREFIX
 from interlens.scheduler import BatchCancelled, ExecutionMode
@@ -66,9 +72,9 @@ def _check_counts(result: GenerationResult, request: GenerationRequest) -> None:
     assert result.n_tokens == len(result.token_ids) >= 1
     assert result.prompt_tokens == len(request.prompt_ids)
     if result.finish_reason == "length":
-        assert result.n_tokens == request.max_new_tokens
+        assert result.n_tokens == request.sampling.max_new_tokens
     else:
-        assert result.n_tokens <= request.max_new_tokens
+        assert result.n_tokens <= request.sampling.max_new_tokens
 
 
 # ---------------------------------------------------------------------------------------------- greedy
@@ -76,7 +82,9 @@ def _check_counts(result: GenerationResult, request: GenerationRequest) -> None:
 
 def test_single_row_matches_hf_generate(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[1])
-    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=24, temperature=0)
+    request = GenerationRequest(
+        prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=24, temperature=0)
+    )
     result = _alone(engine, request)
 
     out = engine.model.generate(
@@ -99,14 +107,24 @@ def test_single_row_matches_hf_generate(engine: LocalEngine) -> None:
 def test_batched_rows_equal_rows_run_alone(engine: LocalEngine) -> None:
     """Mixed prompt lengths (left padding), per-row max_new_tokens, greedy and seeded rows mixed."""
     requests = [
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[0]), max_new_tokens=5, temperature=0),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=20, temperature=0.9, seed=7),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[2]), max_new_tokens=12, temperature=0),
         GenerationRequest(
-            prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=16, temperature=1.3, seed=11
+            prompt_ids=_prompt(engine, _TOPICS[0]), sampling=SamplingSettings(max_new_tokens=5, temperature=0)
         ),
         GenerationRequest(
-            prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=9, temperature=0.8, top_p=0.7, seed=3
+            prompt_ids=_prompt(engine, _TOPICS[1]),
+            sampling=SamplingSettings(max_new_tokens=20, temperature=0.9, seed=7),
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[2]),
+            sampling=SamplingSettings(max_new_tokens=12, temperature=0),
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[3]),
+            sampling=SamplingSettings(max_new_tokens=16, temperature=1.3, seed=11),
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[1]),
+            sampling=SamplingSettings(max_new_tokens=9, temperature=0.8, top_p=0.7, seed=3),
         ),
     ]
     assert len({len(r.prompt_ids) for r in requests}) >= 3
@@ -124,7 +142,10 @@ def test_many_rows_of_very_different_lengths_equal_rows_run_alone(engine: LocalE
     """Enough rows of spread-out lengths that the prefill is split into length groups (where supported)."""
     texts = [" ".join(["spaces"] * n) for n in (1, 40, 3, 25, 8, 60, 2, 15, 33, 5)]
     requests = [
-        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=10, temperature=0.9 * (i % 2), seed=i)
+        GenerationRequest(
+            prompt_ids=_prompt(engine, t),
+            sampling=SamplingSettings(max_new_tokens=10, temperature=0.9 * (i % 2), seed=i),
+        )
         for i, t in enumerate(texts)
     ]
     assert len(_prefill_groups([len(r.prompt_ids) for r in requests])) > 1
@@ -136,7 +157,10 @@ def test_long_prompts_past_the_sliding_window_match_hf_generate(engine: LocalEng
     """Prompts longer than the tiny Gemma models' 64-token sliding window, left-padded in one batch."""
     prompts = [_prompt(engine, " ".join(["tabs or spaces?"] * n)) for n in (12, 30, 5)]
     assert max(len(p) for p in prompts) > 64 + 40
-    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=30, temperature=0) for p in prompts]
+    requests = [
+        GenerationRequest(prompt_ids=p, sampling=SamplingSettings(max_new_tokens=30, temperature=0))
+        for p in prompts
+    ]
     results = _ok(engine.generate_batch(requests))
     eos = set(engine._runner.eos_ids)
     for prompt, result in zip(prompts, results, strict=True):
@@ -159,7 +183,10 @@ def test_deterministic_rows_co_step_and_equal_each_row_alone(engine: LocalEngine
     co-stepping itself in the dtype that passes here)."""
     det = ExecutionMode.DETERMINISTIC
     requests = [
-        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=6, temperature=0.9, seed=i)
+        GenerationRequest(
+            prompt_ids=_prompt(engine, t),
+            sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=i),
+        )
         for i, t in enumerate(_TOPICS)
     ]
     results = _ok(engine.generate_batch(requests, mode=det))
@@ -176,12 +203,22 @@ def test_deterministic_rows_co_step_and_equal_each_row_alone(engine: LocalEngine
 
 def test_temperature_and_top_p_are_honoured_per_row(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[2])
-    greedy = _alone(engine, GenerationRequest(prompt_ids=prompt, max_new_tokens=16, temperature=0))
+    greedy = _alone(
+        engine,
+        GenerationRequest(prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=16, temperature=0)),
+    )
     rows = [
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=16, temperature=1e-4, seed=1),  # ~greedy
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=16, temperature=1.0, top_p=1e-6, seed=2),  # top-1
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=16, temperature=5.0, seed=3),  # ~uniform
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=16, temperature=0),
+        GenerationRequest(
+            prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=16, temperature=1e-4, seed=1)
+        ),  # ~greedy
+        GenerationRequest(
+            prompt_ids=prompt,
+            sampling=SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=1e-6, seed=2),
+        ),  # top-1
+        GenerationRequest(
+            prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=16, temperature=5.0, seed=3)
+        ),  # ~uniform
+        GenerationRequest(prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=16, temperature=0)),
     ]
     cold, nucleus, hot, plain = _ok(engine.generate_batch(rows))
     assert cold.token_ids == greedy.token_ids
@@ -194,12 +231,17 @@ def test_temperature_and_top_p_are_honoured_per_row(engine: LocalEngine) -> None
 def test_seeds_make_sampling_reproducible_and_unseeded_rows_use_the_global_rng(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[1])
     seeded = [
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=12, temperature=1.0, seed=s) for s in (5, 5, 6)
+        GenerationRequest(
+            prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=12, temperature=1.0, seed=s)
+        )
+        for s in (5, 5, 6)
     ]
     a, b, c = _ok(engine.generate_batch(seeded))
     assert a.token_ids == b.token_ids != c.token_ids
 
-    unseeded = [GenerationRequest(prompt_ids=prompt, max_new_tokens=12, temperature=1.0)] * 2
+    unseeded = [
+        GenerationRequest(prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=12, temperature=1.0))
+    ] * 2
     torch.manual_seed(0)
     first = [r.token_ids for r in _ok(engine.generate_batch(unseeded))]
     torch.manual_seed(0)
@@ -213,7 +255,9 @@ def test_seeds_make_sampling_reproducible_and_unseeded_rows_use_the_global_rng(e
 
 def test_stop_string_ends_the_row_and_is_cut_from_the_text(engine: LocalEngine) -> None:
     prompt = _prompt(engine, _TOPICS[1])
-    row = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, temperature=1.0, seed=3)
+    row = GenerationRequest(
+        prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=40, temperature=1.0, seed=3)
+    )
     full = _alone(engine, row)
     text = full.text
     # A stop string taken from the middle of what the (seeded) row writes, cut at its first occurrence.
@@ -224,9 +268,13 @@ def test_stop_string_ends_the_row_and_is_cut_from_the_text(engine: LocalEngine) 
 
     requests = [
         GenerationRequest(
-            prompt_ids=prompt, max_new_tokens=40, temperature=1.0, seed=3, stop=("\x00never", stop)
+            prompt_ids=prompt,
+            sampling=SamplingSettings(max_new_tokens=40, temperature=1.0, stop=("\x00never", stop), seed=3),
         ),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=10, temperature=0),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[3]),
+            sampling=SamplingSettings(max_new_tokens=10, temperature=0),
+        ),
     ]
     stopped, other = _ok(engine.generate_batch(requests))
     assert stopped.finish_reason == "stop"
@@ -243,7 +291,10 @@ def test_eos_ends_a_row_and_is_kept_in_token_ids(engine: LocalEngine) -> None:
     # Random weights emit an end-of-turn token now and then; 48 seeded rows x 48 tokens find some.
     prompt = _prompt(engine, _TOPICS[0])
     requests = [
-        GenerationRequest(prompt_ids=prompt, max_new_tokens=48, temperature=1.0, seed=s) for s in range(48)
+        GenerationRequest(
+            prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=48, temperature=1.0, seed=s)
+        )
+        for s in range(48)
     ]
     results = _ok(engine.generate_batch(requests))
     ended = [(q, r) for q, r in zip(requests, results, strict=True) if r.finish_reason == "eos"]
@@ -264,11 +315,20 @@ def test_eos_ends_a_row_and_is_kept_in_token_ids(engine: LocalEngine) -> None:
 def test_shared_prefill_gives_the_plain_path_tokens(engine: LocalEngine) -> None:
     same = _prompt(engine, _TOPICS[2])
     requests = [
-        GenerationRequest(prompt_ids=same, max_new_tokens=10, temperature=0),
-        GenerationRequest(prompt_ids=same, max_new_tokens=14, temperature=0.9, seed=1),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[0]), max_new_tokens=8, temperature=0),
-        GenerationRequest(prompt_ids=same, max_new_tokens=6, temperature=0.9, seed=2),
-        GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[3]), max_new_tokens=8, temperature=0.7, seed=4),
+        GenerationRequest(prompt_ids=same, sampling=SamplingSettings(max_new_tokens=10, temperature=0)),
+        GenerationRequest(
+            prompt_ids=same, sampling=SamplingSettings(max_new_tokens=14, temperature=0.9, seed=1)
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[0]), sampling=SamplingSettings(max_new_tokens=8, temperature=0)
+        ),
+        GenerationRequest(
+            prompt_ids=same, sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=2)
+        ),
+        GenerationRequest(
+            prompt_ids=_prompt(engine, _TOPICS[3]),
+            sampling=SamplingSettings(max_new_tokens=8, temperature=0.7, seed=4),
+        ),
     ]
     shared = _ok(engine.generate_batch(requests))
     # the identical prompts share all but their last token; the two others share their common prefix (a
@@ -292,7 +352,9 @@ def test_shared_prefill_gives_the_plain_path_tokens(engine: LocalEngine) -> None
 
 def test_dynamic_batch_cache_gives_the_same_tokens(engine: LocalEngine) -> None:
     requests = [
-        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=n, temperature=0)
+        GenerationRequest(
+            prompt_ids=_prompt(engine, t), sampling=SamplingSettings(max_new_tokens=n, temperature=0)
+        )
         for t, n in zip(_TOPICS, (12, 3, 9, 12), strict=True)
     ]
     static = _ok(engine.generate_batch(requests))
@@ -313,7 +375,10 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     messages = [{"role": "user", "content": _TOPICS[3]}]
     first_prompt = _prompt(engine, _TOPICS[3])
     first = _alone(
-        engine, GenerationRequest(prompt_ids=first_prompt, max_new_tokens=8, temperature=0, reuse_key=key)
+        engine,
+        GenerationRequest(
+            prompt_ids=first_prompt, sampling=SamplingSettings(max_new_tokens=8, temperature=0), reuse_key=key
+        ),
     )
     assert first.kv_reused_tokens == 0
 
@@ -325,22 +390,38 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     kept = list(first_prompt) + first.token_ids[:-1]
     common = _common_prefix(kept, second_prompt)
     second = _alone(
-        engine, GenerationRequest(prompt_ids=second_prompt, max_new_tokens=10, temperature=0, reuse_key=key)
+        engine,
+        GenerationRequest(
+            prompt_ids=second_prompt,
+            sampling=SamplingSettings(max_new_tokens=10, temperature=0),
+            reuse_key=key,
+        ),
     )
-    fresh = _alone(engine, GenerationRequest(prompt_ids=second_prompt, max_new_tokens=10, temperature=0))
+    fresh = _alone(
+        engine,
+        GenerationRequest(
+            prompt_ids=second_prompt, sampling=SamplingSettings(max_new_tokens=10, temperature=0)
+        ),
+    )
     assert second.kv_reused_tokens == min(common, len(second_prompt) - 1) >= len(first_prompt) - 1 > 0
     assert second.token_ids == fresh.token_ids
 
     # A prompt that strictly extends everything kept: all of it is reused.
     third_prompt = (*second_prompt, *second.token_ids, *tokenizer("more", add_special_tokens=False).input_ids)
     third = _alone(
-        engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0, reuse_key=key)
+        engine,
+        GenerationRequest(
+            prompt_ids=third_prompt, sampling=SamplingSettings(max_new_tokens=6, temperature=0), reuse_key=key
+        ),
     )
     assert third.kv_reused_tokens == len(second_prompt) + second.n_tokens - 1
     assert (
         third.token_ids
         == _alone(
-            engine, GenerationRequest(prompt_ids=third_prompt, max_new_tokens=6, temperature=0)
+            engine,
+            GenerationRequest(
+                prompt_ids=third_prompt, sampling=SamplingSettings(max_new_tokens=6, temperature=0)
+            ),
         ).token_ids
     )
 
@@ -348,7 +429,10 @@ def test_kv_reuse_prefills_only_the_new_suffix(engine: LocalEngine) -> None:
     other = tuple(tokenizer("Completely different.", add_special_tokens=False).input_ids)
     assert other[0] != third_prompt[0]
     unrelated = _alone(
-        engine, GenerationRequest(prompt_ids=other, max_new_tokens=4, temperature=0, reuse_key=key)
+        engine,
+        GenerationRequest(
+            prompt_ids=other, sampling=SamplingSettings(max_new_tokens=4, temperature=0), reuse_key=key
+        ),
     )
     assert unrelated.kv_reused_tokens == 0
     assert key in engine._kept
@@ -363,28 +447,50 @@ def test_kv_reuse_is_bounded_and_survives_a_sliding_window() -> None:
     long_prompt = _prompt(engine, " ".join(["tabs or spaces"] * 20))
     assert len(long_prompt) > 64
     first = _alone(
-        engine, GenerationRequest(prompt_ids=long_prompt, max_new_tokens=5, temperature=0, reuse_key="s")
+        engine,
+        GenerationRequest(
+            prompt_ids=long_prompt, sampling=SamplingSettings(max_new_tokens=5, temperature=0), reuse_key="s"
+        ),
     )
     # Rolling back past the window is impossible: the engine must start fresh rather than fail or drift.
     shorter = long_prompt[:-3]
     rolled = _alone(
-        engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0, reuse_key="s")
+        engine,
+        GenerationRequest(
+            prompt_ids=shorter, sampling=SamplingSettings(max_new_tokens=5, temperature=0), reuse_key="s"
+        ),
     )
-    fresh = _alone(engine, GenerationRequest(prompt_ids=shorter, max_new_tokens=5, temperature=0))
+    fresh = _alone(
+        engine,
+        GenerationRequest(prompt_ids=shorter, sampling=SamplingSettings(max_new_tokens=5, temperature=0)),
+    )
     assert rolled.kv_reused_tokens == 0 and rolled.token_ids == fresh.token_ids
     extended = (*shorter, *rolled.token_ids, 5)
     grown = _alone(
-        engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0, reuse_key="s")
+        engine,
+        GenerationRequest(
+            prompt_ids=extended, sampling=SamplingSettings(max_new_tokens=5, temperature=0), reuse_key="s"
+        ),
     )
     assert grown.kv_reused_tokens == len(shorter) + rolled.n_tokens - 1
     assert (
         grown.token_ids
-        == _alone(engine, GenerationRequest(prompt_ids=extended, max_new_tokens=5, temperature=0)).token_ids
+        == _alone(
+            engine,
+            GenerationRequest(
+                prompt_ids=extended, sampling=SamplingSettings(max_new_tokens=5, temperature=0)
+            ),
+        ).token_ids
     )
     assert first.n_tokens >= 1
     for key in ("a", "b", "c"):
         _alone(
-            engine, GenerationRequest(prompt_ids=long_prompt, max_new_tokens=2, temperature=0, reuse_key=key)
+            engine,
+            GenerationRequest(
+                prompt_ids=long_prompt,
+                sampling=SamplingSettings(max_new_tokens=2, temperature=0),
+                reuse_key=key,
+            ),
         )
     assert list(engine._kept) == ["b", "c"]  # least recently used streams are evicted
 
@@ -401,7 +507,9 @@ def test_cancellation_stops_within_one_decode_step(engine: LocalEngine) -> None:
         if len(calls) == 4:  # the prefill and three decode steps have run
             cancelled.set()
 
-    request = GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[1]), max_new_tokens=50, temperature=0)
+    request = GenerationRequest(
+        prompt_ids=_prompt(engine, _TOPICS[1]), sampling=SamplingSettings(max_new_tokens=50, temperature=0)
+    )
     handle = engine.model.register_forward_hook(count)
     try:
         with pytest.raises(BatchCancelled):
@@ -411,19 +519,32 @@ def test_cancellation_stops_within_one_decode_step(engine: LocalEngine) -> None:
         cancelled.clear()
         with pytest.raises(BatchCancelled):
             engine.generate_batch(
-                [GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=50, reuse_key="k")],
+                [
+                    GenerationRequest(
+                        prompt_ids=request.prompt_ids,
+                        sampling=SamplingSettings(max_new_tokens=50),
+                        reuse_key="k",
+                    )
+                ],
                 cancelled=cancelled,
             )
         assert "k" not in engine._kept  # a cancelled stream keeps no half-updated cache
     finally:
         handle.remove()
-    after = _alone(engine, GenerationRequest(prompt_ids=request.prompt_ids, max_new_tokens=3, temperature=0))
+    after = _alone(
+        engine,
+        GenerationRequest(
+            prompt_ids=request.prompt_ids, sampling=SamplingSettings(max_new_tokens=3, temperature=0)
+        ),
+    )
     assert 1 <= after.n_tokens <= 3  # the engine is usable again: the lock was released
 
 
 def test_a_bad_row_fails_alone(engine: LocalEngine) -> None:
-    good = GenerationRequest(prompt_ids=_prompt(engine, _TOPICS[0]), max_new_tokens=4, temperature=0)
-    bad = GenerationRequest(prompt_ids=(1, 2, 10**6), max_new_tokens=4)
+    good = GenerationRequest(
+        prompt_ids=_prompt(engine, _TOPICS[0]), sampling=SamplingSettings(max_new_tokens=4, temperature=0)
+    )
+    bad = GenerationRequest(prompt_ids=(1, 2, 10**6), sampling=SamplingSettings(max_new_tokens=4))
     results = engine.generate_batch([good, bad, good])
     assert isinstance(results[1], ConfigurationError)
     assert "outside this model's vocabulary" in str(results[1])
@@ -448,13 +569,15 @@ def test_a_bad_row_fails_alone(engine: LocalEngine) -> None:
 )
 def test_requests_are_validated_on_construction(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigurationError, match="GenerationRequest") as info:
-        GenerationRequest(**kwargs)  # type: ignore[arg-type]
+        kwargs, names = dict(kwargs), ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+        settings = {k: kwargs.pop(k) for k in names if k in kwargs}
+        GenerationRequest(**kwargs, sampling=SamplingSettings(**settings))  # type: ignore[arg-type]
     assert message in str(info.value)
 
 
 def test_lists_are_accepted_and_stored_as_tuples() -> None:
-    request = GenerationRequest(prompt_ids=[3, 4], max_new_tokens=2, stop=["x"])  # type: ignore[arg-type]
-    assert request.prompt_ids == (3, 4) and request.stop == ("x",)
+    request = GenerationRequest(prompt_ids=[3, 4], sampling=SamplingSettings(max_new_tokens=2, stop=["x"]))  # type: ignore[arg-type]
+    assert request.prompt_ids == (3, 4) and request.sampling.stop == ("x",)
 
 
 class _WatchedLock:
@@ -480,7 +603,10 @@ def test_concurrent_callers_are_serialised(engine: LocalEngine) -> None:
     """Caller A holds the model (paused in its first forward pass) until caller B has either reached the
     engine's lock or, if nothing serialises them, run a forward pass of its own beside A's."""
     requests = [
-        GenerationRequest(prompt_ids=_prompt(engine, t), max_new_tokens=8, temperature=0.9, seed=i)
+        GenerationRequest(
+            prompt_ids=_prompt(engine, t),
+            sampling=SamplingSettings(max_new_tokens=8, temperature=0.9, seed=i),
+        )
         for i, t in enumerate(_TOPICS[:2])
     ]
     expected = [_alone(engine, r).token_ids for r in requests]
@@ -555,7 +681,10 @@ def test_load_engine_shares_one_model_per_recipe() -> None:
     assert engine.model.dtype == torch.float32
     half = load_engine(path, dtype="bfloat16")
     assert half is not engine and half.model.dtype == torch.bfloat16
-    result = _alone(half, GenerationRequest(prompt_ids=(1, 2, 3), max_new_tokens=3, temperature=0))
+    result = _alone(
+        half,
+        GenerationRequest(prompt_ids=(1, 2, 3), sampling=SamplingSettings(max_new_tokens=3, temperature=0)),
+    )
     assert result.n_tokens == 3
     clear_engine_cache()
     assert load_engine(path) is not engine
@@ -596,8 +725,8 @@ def test_a_turn_that_would_run_past_the_models_context_ends_there(qwen2_path: st
     prompt = [5, 6, 7, 8] * ((context - 3) // 4) + [5] * ((context - 3) % 4)  # 3 positions left
     asked, fitting = engine.generate_batch(
         [
-            GenerationRequest(prompt, max_new_tokens=20, temperature=0.0),
-            GenerationRequest(prompt, max_new_tokens=3, temperature=0.0),
+            GenerationRequest(prompt, sampling=SamplingSettings(max_new_tokens=20, temperature=0.0)),
+            GenerationRequest(prompt, sampling=SamplingSettings(max_new_tokens=3, temperature=0.0)),
         ]
     )
     assert isinstance(asked, GenerationResult) and isinstance(fitting, GenerationResult)

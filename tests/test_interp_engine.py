@@ -23,6 +23,7 @@ from interlens.engine._generation import (
     GenerationRequest,
     GenerationResult,
     LocalEngine,
+    SamplingSettings,
     ScoreRequest,
     ScoreResult,
 )
@@ -61,7 +62,10 @@ def _one(engine: LocalEngine, request: GenerationRequest) -> GenerationResult:
 def _request(engine: LocalEngine, **kwargs: Any) -> GenerationRequest:
     kwargs.setdefault("max_new_tokens", 10)
     kwargs.setdefault("seed", 7)
-    return GenerationRequest(_prompt(engine), **kwargs)
+    settings = {
+        k: kwargs.pop(k) for k in ("max_new_tokens", "temperature", "top_p", "stop", "seed") if k in kwargs
+    }
+    return GenerationRequest(_prompt(engine), sampling=SamplingSettings(**settings), **kwargs)
 
 
 def _blocks(engine: LocalEngine) -> Any:
@@ -170,7 +174,11 @@ def test_capture_across_the_sliding_window(family: str) -> None:
     window = model.config.sliding_window
     text = "Summarise the rules of chess, then explain castling to a child who knows nothing. " * 4
     prompt = tuple(engine.tokenizer(text)["input_ids"][: window - 6])
-    request = GenerationRequest(prompt, 20, temperature=0.0, capture=CaptureSpec(prompt=True))
+    request = GenerationRequest(
+        prompt,
+        sampling=SamplingSettings(max_new_tokens=20, temperature=0.0),
+        capture=CaptureSpec(prompt=True),
+    )
     result = _one(engine, request)
     assert len(prompt) + result.n_tokens > window, "the answer must cross the window"
     assert result.captured is not None
@@ -275,7 +283,9 @@ def test_ablation_leaves_no_component_along_the_direction(engine: LocalEngine) -
 
 def test_a_hooked_row_leaves_its_batch_mates_untouched(engine: LocalEngine) -> None:
     a = _request(engine, seed=1)
-    b = GenerationRequest(_prompt(engine, "What is 2 + 2?"), max_new_tokens=10, seed=2)
+    b = GenerationRequest(
+        _prompt(engine, "What is 2 + 2?"), sampling=SamplingSettings(max_new_tokens=10, seed=2)
+    )
     steer = SteeringSpec(torch.ones(_d_model(engine)), layers=(0, 1), coef=6.0)
     steered = _request(engine, seed=3, steering=[steer])
     captured = _request(engine, seed=4, capture=CaptureSpec(layers=(0,)))
@@ -294,13 +304,22 @@ def test_a_hooked_row_leaves_its_batch_mates_untouched(engine: LocalEngine) -> N
 def test_a_hooked_row_neither_reads_nor_updates_its_reuse_stream(engine: LocalEngine) -> None:
     engine.clear_reuse()
     prompt = _prompt(engine)
-    first = _one(engine, GenerationRequest(prompt, max_new_tokens=4, seed=1, reuse_key="s"))
+    first = _one(
+        engine, GenerationRequest(prompt, sampling=SamplingSettings(max_new_tokens=4, seed=1), reuse_key="s")
+    )
     kept = engine._kept["s"]
     longer = (*prompt, *first.token_ids, *prompt[-3:])
-    hooked_row = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s", capture=CaptureSpec()))
+    hooked_row = _one(
+        engine,
+        GenerationRequest(
+            longer, sampling=SamplingSettings(max_new_tokens=4, seed=1), reuse_key="s", capture=CaptureSpec()
+        ),
+    )
     assert hooked_row.kv_reused_tokens == 0
     assert engine._kept["s"] is kept  # the stream's cache is the one from the first turn
-    again = _one(engine, GenerationRequest(longer, 4, seed=1, reuse_key="s"))
+    again = _one(
+        engine, GenerationRequest(longer, sampling=SamplingSettings(max_new_tokens=4, seed=1), reuse_key="s")
+    )
     assert again.kv_reused_tokens > 0
     engine.clear_reuse()
 
@@ -526,7 +545,7 @@ def test_structure_search_without_a_family_table() -> None:
 )
 def test_interp_fields_are_validated_on_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match="GenerationRequest") as info:
-        GenerationRequest((1, 2), 4, **kwargs)
+        GenerationRequest((1, 2), sampling=SamplingSettings(max_new_tokens=4), **kwargs)
     assert message in str(info.value)
     with pytest.raises(ConfigurationError, match="ScoreRequest") as info:
         ScoreRequest((1, 2), (3,), **kwargs)
@@ -535,10 +554,12 @@ def test_interp_fields_are_validated_on_construction(kwargs: dict[str, Any], mes
 
 def test_request_fields_are_normalised() -> None:
     spec = SteeringSpec([1.0, 0.0], layers=0)
-    request = GenerationRequest([1, 2], 4, steering=spec)  # type: ignore[arg-type]
+    request = GenerationRequest([1, 2], sampling=SamplingSettings(max_new_tokens=4), steering=spec)  # type: ignore[arg-type]
     assert request.steering == (spec,) and request.interp and request.capture is None
-    assert not GenerationRequest([1], 4).interp  # type: ignore[arg-type]
-    repeated = GenerationRequest([1], 4, capture=CaptureSpec(layers=(1, 0, 1)))  # type: ignore[arg-type]
+    assert not GenerationRequest([1], sampling=SamplingSettings(max_new_tokens=4)).interp
+    repeated = GenerationRequest(
+        [1], sampling=SamplingSettings(max_new_tokens=4), capture=CaptureSpec(layers=(1, 0, 1))
+    )
     assert repeated.capture == CaptureSpec(layers=(0, 1))
     score = ScoreRequest([1, 2], [3], steering=[spec])
     assert score.prompt_ids == (1, 2) and score.continuation_ids == (3,) and score.steering == (spec,)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation
 from interlens._core._exceptions import ConfigurationError
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
 
@@ -53,7 +53,9 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 def _requests(prompts: Sequence[tuple[int, ...]], *, temperature: float, keys: Sequence[str | None]):
     return [
         GenerationRequest(
-            prompt_ids=p, max_new_tokens=6 + i, temperature=temperature, seed=100 + i, reuse_key=key
+            prompt_ids=p,
+            sampling=SamplingSettings(max_new_tokens=6 + i, temperature=temperature, seed=100 + i),
+            reuse_key=key,
         )
         for i, (p, key) in enumerate(zip(prompts, keys, strict=True))
     ]

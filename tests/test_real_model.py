@@ -25,7 +25,7 @@ from interlens import (
     RunReport,
     SteeringSpec,
 )
-from interlens.engine._generation import GenerationRequest, GenerationResult
+from interlens.engine._generation import GenerationRequest, GenerationResult, SamplingSettings
 from interlens.scheduler import ExecutionMode
 from interlens.testing import REAL_MODEL_INSTALL, real_model
 
@@ -71,7 +71,10 @@ def test_rows_end_at_the_end_token_mid_batch_and_the_batch_goes_on_without_them(
         "Write a long story about a dragon who learns to paint.",
         "Name the capital of France in one word.",
     ]
-    requests = [GenerationRequest(_chat(engine, q), max_new_tokens=28, temperature=0.0) for q in questions]
+    requests = [
+        GenerationRequest(_chat(engine, q), sampling=SamplingSettings(max_new_tokens=28, temperature=0.0))
+        for q in questions
+    ]
     results = engine.generate_batch(requests)
     assert all(isinstance(r, GenerationResult) for r in results), results
     eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")

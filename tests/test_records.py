@@ -99,16 +99,16 @@ def test_a_turns_sampling_settings_travel_as_one_record(qwen2_path):
     assert handed_on.sampling is request.sampling
     by_keywords = GenerationRequest(
         prompt_ids=[1, 2],
-        max_new_tokens=5,
-        temperature=0.7,
-        top_p=0.9,
-        stop=["###"],
-        seed=3,
+        sampling=SamplingSettings(max_new_tokens=5, temperature=0.7, top_p=0.9, stop=["###"], seed=3),  # type: ignore[arg-type]
         reuse_key=("job-1", "a"),
     )
     assert by_keywords == handed_on
-    assert (by_keywords.max_new_tokens, by_keywords.temperature, by_keywords.top_p) == (5, 0.7, 0.9)
-    assert (by_keywords.stop, by_keywords.seed) == (("###",), 3)
+    assert (
+        by_keywords.sampling.max_new_tokens,
+        by_keywords.sampling.temperature,
+        by_keywords.sampling.top_p,
+    ) == (5, 0.7, 0.9)
+    assert (by_keywords.sampling.stop, by_keywords.sampling.seed) == (("###",), 3)
 
 
 @pytest.mark.parametrize(

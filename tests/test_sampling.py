@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interlens.engine._sampling import Sampler, SamplingSettings, _draw, _inverse_cdf
+from interlens.engine._sampler import Sampler
+from interlens.engine._sampler_parts import _inverse_cdf
+from interlens.engine._sampler_parts import draw_inverse_cdf as _draw
+from interlens.engine._sampling import SamplingSettings
 
 # Six tokens: probabilities .4 .3 .2 .1, then two that are impossible (-inf logits).
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])

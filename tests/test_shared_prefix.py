@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import AutoModelParticipant, Conversation, dataset_field
 from interlens.engine._decode import left_pad
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.engine._prefill import MIN_SHARED_PREFIX, plain_static, prefix_groups
 from interlens.testing import tiny_model
 
@@ -48,14 +48,15 @@ def _requests(engine: LocalEngine) -> list[GenerationRequest]:
     requests = [
         GenerationRequest(
             prompt_ids=prefix + _ids(engine, text),
-            max_new_tokens=12,
-            temperature=0 if i % 2 else 0.9,
-            seed=i,
+            sampling=SamplingSettings(max_new_tokens=12, temperature=0 if i % 2 else 0.9, seed=i),
         )
         for i, text in enumerate(_SUFFIXES)
     ]
     unrelated = _ids(engine, "An unrelated short prompt")
-    requests.insert(2, GenerationRequest(prompt_ids=unrelated, max_new_tokens=12, temperature=0))
+    requests.insert(
+        2,
+        GenerationRequest(prompt_ids=unrelated, sampling=SamplingSettings(max_new_tokens=12, temperature=0)),
+    )
     return requests
 
 

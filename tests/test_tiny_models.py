@@ -207,7 +207,12 @@ def test_unknown_family_or_size_is_refused_with_the_choices() -> None:
 def test_the_ends_turns_variant_ends_rows_mid_batch_and_the_batch_goes_on(family: str) -> None:
     """A random model's turns always run to the token cap; the ``ends_turns`` variant's end at its end token
     at different steps, and each row of a batch is still the row run alone."""
-    from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+    from interlens.engine._generation import (
+        GenerationRequest,
+        GenerationResult,
+        LocalEngine,
+        SamplingSettings,
+    )
 
     path = tiny_model(family, ends_turns=True)
     assert (
@@ -232,9 +237,7 @@ def test_the_ends_turns_variant_ends_rows_mid_batch_and_the_batch_goes_on(family
                     [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
                 )
             ),
-            max_new_tokens=32,
-            temperature=0.9 * (i % 2),
-            seed=i,
+            sampling=SamplingSettings(max_new_tokens=32, temperature=0.9 * (i % 2), seed=i),
         )
         for i, t in enumerate(texts)
     ]

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens._core._exceptions import ConfigurationTypeError
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
 
@@ -39,10 +39,7 @@ def _requests(engine: LocalEngine, *, record: bool = True, **extra: Any) -> list
     return [
         GenerationRequest(
             prompt_ids=_prompt(engine, "tabs or spaces " * n),
-            max_new_tokens=10 + n,
-            temperature=t,
-            top_p=p,
-            seed=n,
+            sampling=SamplingSettings(max_new_tokens=10 + n, temperature=t, top_p=p, seed=n),
             record_logprobs=record,
             **extra,
         )
@@ -63,12 +60,12 @@ def _reference(engine: LocalEngine, request: GenerationRequest, tokens: list[int
         logits = engine.model(input_ids=ids).logits[0, len(request.prompt_ids) - 1 : -1].float()
     chosen = torch.tensor(tokens)
     model = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
-    if request.temperature <= 0:
+    if request.sampling.temperature <= 0:
         return model.tolist(), [0.0] * len(tokens)
-    probs = (logits / request.temperature).softmax(-1)
-    if request.top_p < 1:
+    probs = (logits / request.sampling.temperature).softmax(-1)
+    if request.sampling.top_p < 1:
         ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-        kept = (ordered.cumsum(-1) < request.top_p).roll(1, -1)
+        kept = (ordered.cumsum(-1) < request.sampling.top_p).roll(1, -1)
         kept[:, 0] = True  # every token below top_p, and the one that reaches it
         nucleus = torch.zeros_like(probs).scatter(1, order, ordered * kept)
         probs = nucleus / nucleus.sum(-1, keepdim=True)
@@ -162,4 +159,8 @@ def test_deterministic_rows_record_bitwise_what_they_record_alone() -> None:
 
 def test_record_logprobs_must_be_a_bool() -> None:
     with pytest.raises(ConfigurationTypeError, match=r"record_logprobs='yes'\): must be True or False"):
-        GenerationRequest(prompt_ids=(1, 2), max_new_tokens=2, record_logprobs="yes")  # type: ignore[arg-type]
+        GenerationRequest(
+            prompt_ids=(1, 2),
+            sampling=SamplingSettings(max_new_tokens=2),
+            record_logprobs="yes",  # type: ignore[arg-type]
+        )

@@ -1,6 +1,6 @@
 """Whether this engine's deterministic path is batch-invariant: the gate for co-stepping deterministic rows.
 
-A deterministic row samples from its own seeded stream (``_sampling``), so its tokens depend only on its own
+A deterministic row samples from its own seeded stream (``_sampler``), so its tokens depend only on its own
 logits. Deterministic rows run on the slot layout (``_slot_rows``: prompts prefilled in one right-padded
 batch, every row's KV at slots equal to its positions, rows, prefill widths and cache lengths padded to fixed
 blocks), built so that a row's arithmetic does not change with its batch mates. Whether it really does not

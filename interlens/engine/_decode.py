@@ -2,7 +2,7 @@
 
 Why a hand-written loop rather than ``model.generate``: ``generate`` cannot honour per-row temperature / top-p
 / max_new_tokens / stop strings, cannot drop finished rows, and draws every row from one RNG stream. Here
-each step samples every active row at once (``_sampling.Sampler``: a seeded row from its own stream), checks
+each step samples every active row at once (``_sampler.Sampler``: a seeded row from its own stream), checks
 end-of-turn ids, stop strings and token caps per row, and drops finished rows from the batch (their KV rows
 removed, once enough have finished to pay for the copy), so long rows do not drag short ones along.
 
@@ -31,7 +31,8 @@ from interlens.scheduler import BatchCancelled
 from .._core import GenerationError
 from ._cpu_attention import use_cpu_decode_attention
 from ._generation_types import FINISH_REASONS, GenerationRequest, GenerationResult
-from ._sampling import Sampler, eos_ids, pad_id
+from ._sampler import Sampler
+from ._sampling import eos_ids, pad_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -218,7 +219,7 @@ class ModelRunner:
                     row.finish = "eos"
                 elif row.stop_window and self._hit_stop(row):
                     row.finish = "stop"
-                elif len(row.tokens) >= row.request.max_new_tokens:
+                elif len(row.tokens) >= row.request.sampling.max_new_tokens:
                     row.finish = "length"
                 if row.finish is not None:
                     dead += 1
@@ -266,7 +267,7 @@ class ModelRunner:
     def _hit_stop(self, row: Row) -> bool:
         # Only the tail can hold a NEW match (older text was checked on earlier steps), so decode just that.
         tail = self.tokenizer.decode(row.tokens[-row.stop_window :], skip_special_tokens=True)
-        return any(s in tail for s in row.request.stop)
+        return any(s in tail for s in row.request.sampling.stop)
 
     def result(
         self, row: Row, *, seconds: float, batch_size: int, shared: int, reused: int
@@ -275,7 +276,7 @@ class ModelRunner:
         ``reused``: its prompt tokens whose KV came from its stream's kept cache."""
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         if row.finish == "stop":
-            cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+            cuts = [i for i in (text.find(s) for s in row.request.sampling.stop) if i >= 0]
             if cuts:
                 text = text[: min(cuts)]
         assert row.finish in FINISH_REASONS

@@ -272,7 +272,7 @@ class LocalEngine:
                 continue
             valid.append(i)
             room = None if context is None else context - len(request.prompt_ids)
-            if room is not None and request.max_new_tokens > room:
+            if room is not None and request.sampling.max_new_tokens > room:
                 # a turn ends ("length") where the model's positions end, as it would at its own cap: past
                 # them RoPE extrapolates into noise and a learned position table fails mid-forward
                 requests[i] = request.capped(room)
@@ -341,7 +341,7 @@ class LocalEngine:
 
     def request_tokens(self, request: GenerationRequest) -> int:
         """What ``request`` costs in a batch (prompt + max_new tokens): the scheduler's batch budget unit."""
-        return len(request.prompt_ids) + request.max_new_tokens
+        return len(request.prompt_ids) + request.sampling.max_new_tokens
 
     def token_budget(self) -> int | None:
         """A first batch budget in tokens from the device's free memory (CUDA only; None elsewhere).

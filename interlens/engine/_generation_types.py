@@ -24,9 +24,12 @@ FINISH_REASONS = ("eos", "length", "stop")
 
 @dataclass(frozen=True, init=False)
 class GenerationRequest:
-    """One row of a batched generate: a tokenized prompt and how to continue it (``sampling=``, as
-    ``ChatEngine`` passes the participant's on, or the settings as keywords). Validated on construction, so
-    a bad value fails in the participant that built it, not deep inside a batch shared with others.
+    """One row of a batched generate: a tokenized prompt and how to continue it (``sampling=``, the ONE
+    record of the sampling settings, held whole: ``ChatEngine`` passes the participant's on, and the engine
+    reads ``request.sampling.temperature`` and the rest from it, so a new setting needs no edit here).
+    Keyword-only past the prompt, so no setting is taken by position. Validated on construction
+    (``SamplingSettings.check``), so a bad value fails in the participant that built it, not deep inside a
+    batch shared with others.
     """
 
     prompt_ids: tuple[int, ...]
@@ -40,25 +43,17 @@ class GenerationRequest:
     def __init__(
         self,
         prompt_ids: Sequence[int],
-        max_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        seed: int | None = None,
-        reuse_key: Hashable | None = None,
         *,
-        sampling: SamplingSettings | None = None,
+        sampling: SamplingSettings,
+        reuse_key: Hashable | None = None,
         capture: CaptureSpec | None = None,
         steering: Sequence[SteeringSpec] = (),
         record_logprobs: bool = False,
     ) -> None:
-        if sampling is None:  # a missing max_new_tokens fails check() below: it must be an int >= 1
-            sampling = SamplingSettings(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,  # type: ignore[arg-type]  # any sequence: __post_init__ stores a tuple
-                seed=seed,
+        if not isinstance(sampling, SamplingSettings):
+            raise ConfigurationTypeError(
+                f"GenerationRequest(sampling={sampling!r}): must be a SamplingSettings record; build one "
+                "with SamplingSettings(max_new_tokens=..., temperature=..., ...)"
             )
         # Accept any sequence of prompt ids (a list is the natural thing to pass), store a tuple.
         object.__setattr__(self, "prompt_ids", tuple(prompt_ids))
@@ -84,7 +79,8 @@ class GenerationRequest:
 
     def capped(self, max_new_tokens: int) -> GenerationRequest:
         """This request with at most ``max_new_tokens`` new tokens (the cap at the model's context)."""
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=min(max_new_tokens, self.max_new_tokens))
+        cap = min(max_new_tokens, self.sampling.max_new_tokens)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=cap)
         return GenerationRequest(
             self.prompt_ids,
             sampling=sampling,
@@ -98,26 +94,6 @@ class GenerationRequest:
     def interp(self) -> bool:
         """Whether hooks run for this row (capture or steering): such a row runs alone, from scratch."""
         return self.capture is not None or bool(self.steering)
-
-    @property  # what the sampler and the decode loop read (``_sampling._Settings``)
-    def max_new_tokens(self) -> int:
-        return self.sampling.max_new_tokens
-
-    @property
-    def temperature(self) -> float:
-        return self.sampling.temperature
-
-    @property
-    def top_p(self) -> float:
-        return self.sampling.top_p
-
-    @property
-    def stop(self) -> tuple[str, ...]:
-        return self.sampling.stop
-
-    @property
-    def seed(self) -> int | None:
-        return self.sampling.seed
 
 
 @dataclass

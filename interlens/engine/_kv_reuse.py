@@ -173,7 +173,7 @@ class ReusedPrefixBatch:
             width = max(width, fresh_width)
             end = max(reused) + width
         held = end - width  # U: the kept region's width (at least the longest kept prefix)
-        max_new = max(r.max_new_tokens for r in requests)
+        max_new = max(r.sampling.max_new_tokens for r in requests)
         cache, static = self.plain.new_cache(end + max_new)
         if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
             self.plain.batch_cache = "dynamic"
@@ -207,7 +207,8 @@ class ReusedPrefixBatch:
         full = torch.cat([mask_t, torch.ones(batch, max_new, dtype=torch.long, device=device)], dim=1)
         attn = None if bool(full.all()) else full
         rows = [
-            Row(r, stop_window=stop_window(r.stop), prompt_slots=slots.get(i)) for i, r in enumerate(requests)
+            Row(r, stop_window=stop_window(r.sampling.stop), prompt_slots=slots.get(i))
+            for i, r in enumerate(requests)
         ]
         next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         runner.decode(rows, logits, cache, next_pos, attn, end, cancelled, static=static, on_leave=collector)
@@ -315,7 +316,7 @@ class ReusedPrefixBatch:
         out = runner.model(
             input_ids=suffix, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
         )
-        row = Row(request, stop_window=stop_window(request.stop))
+        row = Row(request, stop_window=stop_window(request.sampling.stop))
         start_pos = torch.tensor([len(prompt)], dtype=torch.long, device=runner.device)
         runner.decode(
             [row], out.logits[:, -1, :], cache, start_pos, None, len(prompt), cancelled, static=False

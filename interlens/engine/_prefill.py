@@ -97,7 +97,7 @@ class PlainBatch:
         started = time.perf_counter()
         device = runner.device
         lengths = [len(r.prompt_ids) for r in requests]
-        max_new = max(r.max_new_tokens for r in requests)
+        max_new = max(r.sampling.max_new_tokens for r in requests)
         unique: dict[tuple[int, ...], int] = {}
         row_to_unique = [unique.setdefault(r.prompt_ids, len(unique)) for r in requests]
         sharing = self.shared_prefill and len(requests) > 1
@@ -167,7 +167,7 @@ class PlainBatch:
             kv_len = prompt_len
             shared_tokens = [0] * len(requests)
 
-        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
         if prefixes:  # holes between a shared prefix and a row's suffix: say where the prompt lies
             for row, row_mask in zip(rows, mask, strict=True):
                 row.prompt_slots = row_mask.nonzero().flatten().tolist()

@@ -131,11 +131,11 @@ class SlotLayout:
         started = time.perf_counter()
         raise_if_cancelled(cancelled)
         prompts = [r.prompt_ids for r in requests]
-        length = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        length = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
         distinct = list(dict.fromkeys(prompts))
         cache = self.fill(distinct, length)
         logits = self.first(prompts, distinct, cache)
-        rows = [Row(r, stop_window=stop_window(r.stop)) for r in requests]
+        rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
         with self.invariant_kernels(DECODE_CHUNK_ROWS):
             runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)

@@ -39,7 +39,6 @@ from .._core import (
     TokenRecord,
     View,
     check_int,
-    check_number,
     closest_name,
     template_from_json,
 )
@@ -123,15 +122,16 @@ class ModelParticipant(Participant):
         who = f"{type(self).__name__}({name!r})"
         if not isinstance(model_id, str) or not model_id:
             raise ConfigurationError(f"{who}: model_id must be a hub id or a local path, got {model_id!r}")
-        temperature = check_number(
-            temperature, what=f"{who}: temperature", low=0, fix="0 = greedy, 1 = as trained"
+        if isinstance(stop, str):
+            stop = (stop,)  # one stop string is a list of one
+        # the sampling settings' rules live in the record (SamplingSettings.check), named as this call
+        sampling = SamplingSettings(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,  # type: ignore[arg-type]  # any sequence: the record stores a tuple
         )
-        top_p = check_number(
-            top_p, what=f"{who}: top_p", low=0, high=1, open_low=True, fix="1.0 = no nucleus cut-off"
-        )
-        check_int(
-            max_new_tokens, what=f"{who}: max_new_tokens", low=1, fix="the output cap per turn, e.g. 256"
-        )
+        sampling.check(f"{type(self).__name__}(name={name!r})", one_stop_string=True)
         if kv_reuse == "auto":
             warnings.warn(
                 f"{who}: kv_reuse='auto' is deprecated; it always meant True (keep the KV cache between "
@@ -145,13 +145,7 @@ class ModelParticipant(Participant):
                 f"{who}: kv_reuse must be True or False, got {kv_reuse!r}; True (the default) keeps each "
                 "participant's KV cache between its turns in batched mode"
             )
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigurationTypeError(
-                f"{who}: stop must be a str or a list of non-empty str, got {stop!r}"
-            )
-        if seed is not None:
+        if seed is not None:  # the participant's own stream, not a setting of the record (whose is per turn)
             check_int(seed, what=f"{who}: seed", low=0, fix="or None for the run's per-rollout seeds")
         if not isinstance(record_tokens, bool):
             raise ConfigurationTypeError(
@@ -171,12 +165,7 @@ class ModelParticipant(Participant):
             if Path(model_id).expanduser().is_dir():  # a local directory: the file must be there now
                 gguf_path(str(Path(model_id).expanduser()), gguf_file, where=who)
         self.model_id = model_id
-        self.sampling = SamplingSettings(
-            max_new_tokens=max_new_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            stop=tuple(stop),
-        )
+        self.sampling = sampling
         """How each turn is sampled (the turn's cap and seed are set per turn, in :meth:`request`)."""
         self.seed = seed
         self.kv_reuse = kv_reuse
@@ -194,6 +183,8 @@ class ModelParticipant(Participant):
         self.record_tokens = record_tokens
         """Each turn keeps its token ids and their log-probabilities (``message.tokens``)."""
 
+    # Read-only views of the record, for code that read these attributes before it existed; a setting added
+    # since is read from the record (``participant.sampling.min_p``).
     @property
     def temperature(self) -> float:
         return self.sampling.temperature
@@ -255,11 +246,9 @@ class ModelParticipant(Participant):
 
     # ---------------------------------------------------------------- generation
     def request(self, view: View, options: GenerationOptions) -> ChatRequest:
-        cap = (
-            self.max_new_tokens
-            if options.max_new_tokens is None
-            else min(self.max_new_tokens, options.max_new_tokens)
-        )
+        cap = self.sampling.max_new_tokens
+        if options.max_new_tokens is not None:
+            cap = min(cap, options.max_new_tokens)
         capture, steering = self._interp(options, generating=True)
         reuse = None
         if self.kv_reuse and not options.ephemeral and options.stream_id is not None and not steering:
