@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ._errors import SchedulerConfigError
-from ._pool import WorkerInit
-from ._protocols import ExecutionMode
-from .gateway import SpendGuard
+from ._protocols import ExecutionMode, WorkerInit
+
+if TYPE_CHECKING:
+    from .gateway import SpendGuard
 
 __all__ = ["RunConfig"]
 

@@ -28,13 +28,10 @@ import anyio
 
 from ._errors import SchedulerConfigError, WorkerStartError
 from ._placement import WorkerPlan, plan_workers, set_worker_device
-from ._protocols import ExecutionMode
+from ._protocols import ExecutionMode, WorkerInit
 from ._worker import CallGateway, InProcessWorker, Worker
 
-__all__ = ["WorkerInit", "open_workers", "refuse_while_bootstrapping"]
-
-#: A picklable callable run once in each worker before its first job (e.g. load a probe onto its device).
-WorkerInit = Callable[[], object]
+__all__ = ["open_workers", "refuse_while_bootstrapping"]
 
 
 async def open_workers(
