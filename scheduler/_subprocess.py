@@ -42,6 +42,7 @@ from ._outcome import AttemptOutcome, ErrorInfo
 from ._placement import WorkerPlan, plan_workers
 from ._protocols import ExecutionMode, JobSpec
 from ._signals import Notifier
+from ._slots import Slots
 from ._wire import (
     Answers,
     Call,
@@ -103,7 +104,7 @@ class Link(Protocol):
 Launch = Callable[[WorkerPlan], Awaitable[Link]]
 
 
-class SubprocessWorker:
+class SubprocessWorker(Slots):
     """A placement slot on one device whose jobs run in a worker process, replaced when it dies.
 
     ``launch``: how a worker is started (default: a spawned process; ``_ray_worker``: a Ray actor).
@@ -126,7 +127,7 @@ class SubprocessWorker:
             plan = plan_workers([plan])[0]
         self._plan = plan
         self._device = plan.device
-        self._capacity = capacity
+        super().__init__(capacity)
         self._init = partial(  # the preparation data is taken at each spawn
             Init,
             hooks=hooks,
@@ -141,7 +142,6 @@ class SubprocessWorker:
         self._call_gateway = call_gateway
         self._launch: Launch = spawn_process if launch is None else launch
         self._start_timeout = start_timeout
-        self._live = 0
         self._ids = count()
         self._gate = _Gate()
         self._child: _Child | None = None
@@ -155,20 +155,6 @@ class SubprocessWorker:
     @property
     def device(self) -> str:
         return self._device
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def load(self) -> int:
-        return self._live
-
-    def admit(self) -> None:
-        self._live += 1
-
-    def leave(self) -> None:
-        self._live -= 1
 
     async def __aenter__(self) -> Self:
         self._tg = anyio.create_task_group()
