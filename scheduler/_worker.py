@@ -1,11 +1,12 @@
 """Workers: the places where jobs run, next to the engines they use.
 
 :class:`Worker` is the placement seam. An :class:`InProcessWorker` runs jobs in this event loop; a
-``SubprocessWorker`` (``_subprocess``) implements the same interface over a pipe to a spawned process, which
-runs an :class:`InProcessWorker` of its own: it receives a picklable :class:`JobSpec` plus the committed
-turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only ledger writer)
-and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``capacity``, ``load``, ``admit``,
-``leave``) lives on the parent side of that seam, written once in :class:`~._slots.Slots`.
+``SubprocessWorker`` (``workers._subprocess``) implements the same interface over a pipe to a spawned
+process, which runs an :class:`InProcessWorker` of its own: it receives a picklable :class:`JobSpec` plus
+the committed turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only
+ledger writer) and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``capacity``,
+``load``, ``admit``, ``leave``) lives on the parent side of that seam, written once in
+:class:`~._slots.Slots`.
 """
 
 from __future__ import annotations

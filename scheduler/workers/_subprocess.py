@@ -37,12 +37,13 @@ from typing import Any, Protocol, Self
 import anyio
 from anyio.abc import Process, TaskGroup
 
-from ._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
-from ._outcome import AttemptOutcome, ErrorInfo
-from ._placement import WorkerPlan, plan_workers
-from ._protocols import ExecutionMode, JobSpec
-from ._signals import Notifier
-from ._slots import Slots
+from .._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
+from .._outcome import AttemptOutcome, ErrorInfo
+from .._placement import WorkerPlan, plan_workers
+from .._protocols import ExecutionMode, JobSpec
+from .._signals import Notifier
+from .._slots import Slots
+from .._worker import CallGateway, RecordTurn
 from ._wire import (
     Answers,
     Call,
@@ -61,7 +62,6 @@ from ._wire import (
     TurnCall,
     transportable_error,
 )
-from ._worker import CallGateway, RecordTurn
 
 __all__ = ["Launch", "Link", "SubprocessWorker", "spawn_process"]
 
@@ -73,7 +73,7 @@ _BOOT = "; ".join(
     [
         "import sys",
         "sys.path.insert(0, sys.argv[1])",
-        "from interlens.scheduler._worker_process import main",
+        "from interlens.scheduler.workers._worker_process import main",
         "main()",
     ]
 )
