@@ -30,7 +30,7 @@ from ._protocols import (
     JobSpec,
     LineupSpec,
 )
-from ._run import run_jobs
+from ._run_jobs import run_jobs
 from ._worker import HOST_DEVICE
 from .gateway import (
     AdaptiveLimiter,

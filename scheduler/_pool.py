@@ -1,6 +1,6 @@
 """Building a run's workers: in-process for one device, one spawned process per device for several.
 
-Kept apart from ``_run`` (which places and drives jobs) because what it decides is where code runs: a
+Kept apart from ``_run_jobs`` (which places and drives jobs) because what it decides is where code runs: a
 single device keeps everything in this process (no pickling, no start-up cost); several devices get one
 worker process each (seeing only its own GPUs, with its share of the CPU cores: ``_placement``), started
 concurrently, so a run fails fast, before any job starts, when one of them

@@ -1,6 +1,6 @@
 """``Slots``: a worker's placement bookkeeping, written once for every kind of worker.
 
-Placement (``_run``) sends a job to the least-loaded worker with a free slot; it needs each worker's
+Placement (``_run_jobs``) sends a job to the least-loaded worker with a free slot; it needs each worker's
 ``capacity`` (how many jobs may be live on it at once) and ``load`` (how many are), and tells it when a job
 is ``admit``-ted and when it ``leave``-s. The in-process worker, the process worker and (through it) the Ray
 actor all count the same way, so they inherit this instead of spelling the four members again.

@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._batcher import Batcher, is_out_of_memory
-from ._engines import EngineCache
+from ._engine_loads import EngineCache
 from ._errors import NoDeviceError, SchedulerError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec

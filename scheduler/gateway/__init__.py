@@ -9,13 +9,16 @@ one :class:`Gateway`, tuned per spec by :class:`RetryPolicy` and :class:`BatchPo
 good raises :class:`ProviderCallError`; a failed batch row is a :class:`BatchRowError` for its own caller.
 
 Modules: ``_core`` (the contract's protocols, lanes, single and batched calls), ``_limits`` (adaptive limit,
-retry policy, retry-after), ``_batch`` (policy, rows, batches, the store protocol), ``_collect`` (rounds,
-submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a run's API
-budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
+retry policy, retry-after), ``_provider_batch`` (policy, rows, batches, the store protocol), ``_collect``
+(rounds, submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a
+run's API budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
 :class:`SpendLimitReached` to the caller, whose job stays pending).
 """
 
-from ._batch import (
+from ._collect import Blocker
+from ._core import APISpec, Gateway, ProviderCallError, ProviderClient
+from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._provider_batch import (
     BatchClient,
     BatchLimits,
     BatchPolicy,
@@ -24,9 +27,6 @@ from ._batch import (
     BatchStore,
     SubmittedBatch,
 )
-from ._collect import Blocker
-from ._core import APISpec, Gateway, ProviderCallError, ProviderClient
-from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = [

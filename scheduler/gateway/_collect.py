@@ -35,7 +35,8 @@ import anyio
 from interlens.store import redacting_logger
 
 from .._signals import Notifier
-from ._batch import (
+from ._limits import RetryPolicy
+from ._provider_batch import (
     Batch,
     BatchClient,
     BatchPolicy,
@@ -45,7 +46,6 @@ from ._batch import (
     describe_error,
     retrying,
 )
-from ._limits import RetryPolicy
 from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = ["BatchBook", "BatchCollector", "Blocker"]

@@ -9,8 +9,8 @@ SDK adapter, holding the key read from the environment) the first time it is nee
 Seams for the scheduler (the wiring):
 
 * ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id, blocker=...)``
-  (``_run``); from a worker process the (spec, request) pair crosses the pipe and the result or error comes
-  back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
+  (``_run_jobs``); from a worker process the (spec, request) pair crosses the pipe and the result or error
+  comes back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
 * ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches a
   job to the row it recorded only when the job sends the same request now (``ProviderClient.request_hash``).
 * ``Gateway(quiescent=probe)`` and :meth:`Gateway.poke`: a round is flushed when every live job is waiting
@@ -31,7 +31,9 @@ import anyio
 from interlens.store import redacting_logger
 
 from .._errors import SchedulerError
-from ._batch import (
+from ._collect import BatchBook, BatchCollector, Blocker
+from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
+from ._provider_batch import (
     BatchLimits,
     BatchPolicy,
     BatchRowError,
@@ -41,8 +43,6 @@ from ._batch import (
     classify,
     describe_error,
 )
-from ._collect import BatchBook, BatchCollector, Blocker
-from ._limits import AdaptiveLimiter, Failure, RetryPolicy, retry_after_seconds
 from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = [

@@ -7,11 +7,11 @@ ledger (turns come back over the pipe and are durable before the worker hears "o
 call (``ctx.call_gateway``: API keys, provider limits, batch rounds), placement and retries. The messages
 are ``_wire``'s; this is the parent's end of each exchange.
 
-Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error
-that poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe;
-every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
-the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
-error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
+Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error that
+poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe; every attempt it was
+running ends as ``worker_lost`` (``_run_jobs`` retries it, alone, on a fresh process), and the next attempt
+placed here spawns that fresh process. A process that cannot start (bad device, import error, failing init
+hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
 
 How a worker is started is one seam (``launch``: a plan in, a :class:`Link` out): a spawned process over a
 socket pair here, or a Ray actor (``_ray_worker``) carrying the same messages over actor calls. Everything
