@@ -83,8 +83,8 @@ class RunConfig:
         if not isinstance(self.versions, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.versions.items()
         ):
+            # versions is filled in by the caller's code (interlens: the installed versions), never an option
             say.wrong_type("versions", "map str to str (package → version)", self.versions, verb="")
-            # (a TypeError: versions is filled in by the caller's code, never a user's option)
         say.seconds("max_batch_wait", self.max_batch_wait, positive=False)
         say.seconds("worker_start_timeout", self.worker_start_timeout, positive=True)
         if self.cluster not in (None, "ray"):
@@ -130,14 +130,10 @@ class _Say:
 
     def seconds(self, name: str, value: Any, *, positive: bool) -> None:
         bound = "> 0" if positive else ">= 0"
-        what, rule = (
-            (name, f"a number of seconds {bound}")
-            if self.direct
-            else (
-                f"{name} (seconds)",
-                f"a number {bound}",
-            )
-        )
+        if self.direct:
+            what, rule = name, f"a number of seconds {bound}"
+        else:  # "rollout(): max_batch_wait (seconds) must be a number >= 0", as interlens has always said
+            what, rule = f"{name} (seconds)", f"a number {bound}"
         if not isinstance(value, int | float) or isinstance(value, bool):
             self.wrong_type(what, rule, value)
         if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
