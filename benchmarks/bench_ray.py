@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from interlens import AutoModelParticipant, Conversation, ScriptedParticipant
-from interlens.scheduler import _ray_worker
+from interlens.scheduler.workers import _ray_worker
 from interlens.testing import tiny_model
 
 COUNTS: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # kind -> [messages, bytes]

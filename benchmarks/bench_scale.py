@@ -229,7 +229,7 @@ class _Meter:
         self.calls: dict[tuple[int, int], str] = {}  # (connection, call id) -> what was asked
 
     def install(self) -> None:
-        from interlens.scheduler import _wire
+        from interlens.scheduler.workers import _wire
 
         meter, send, recv = self, _wire.Connection.send, _wire.Connection.recv
 
@@ -336,7 +336,7 @@ def _echo_child(fd: int) -> None:
     """The far end: answer every Call with Reply(call, True, None), as the parent answers a TurnCall."""
     import anyio
 
-    from interlens.scheduler._wire import Call, Connection, Reply
+    from interlens.scheduler.workers._wire import Call, Connection, Reply
 
     async def serve() -> None:
         conn = await Connection.from_socket(socket.socket(fileno=fd))
@@ -353,7 +353,7 @@ def _echo_child(fd: int) -> None:
 def _pipe_once(calls: int, in_flight: int) -> tuple[float, float, float]:
     import anyio
 
-    from interlens.scheduler._wire import Calls, Connection, Reply, TurnCall
+    from interlens.scheduler.workers._wire import Calls, Connection, Reply, TurnCall
 
     turn = {"speaker": "pro", "content": _reply(None), "metadata": {"n_tokens": 300, "finish_reason": "eos"}}
     ours, theirs = socket.socketpair()

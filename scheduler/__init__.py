@@ -44,7 +44,7 @@ if typing.TYPE_CHECKING:
         JobSpec,
         LineupSpec,
     )
-    from ._run import run_jobs
+    from ._run_jobs import run_jobs
     from ._worker import HOST_DEVICE
     from .gateway import (
         AdaptiveLimiter,
@@ -89,7 +89,7 @@ _EXPORTS: dict[str, str] = {
     "JobResult": "._protocols",
     "JobSpec": "._protocols",
     "LineupSpec": "._protocols",
-    "run_jobs": "._run",
+    "run_jobs": "._run_jobs",
     "HOST_DEVICE": "._worker",
     "AdaptiveLimiter": ".gateway",
     "APISpec": ".gateway",

@@ -7,7 +7,7 @@ and input fingerprint, the done ones and the ones an earlier run left unfinished
 
 Cost per job, and what the SIGKILL promise needs (a run of short jobs is bound by ledger round trips):
 
-- ``add``: jobs are inserted a chunk per transaction, ahead of their start (see ``_run``). A crash leaves
+- ``add``: jobs are inserted a chunk per transaction, ahead of their start (see ``_run_jobs``). A crash leaves
   the inserted-but-not-started ones pending, which is what a rerun would do with them anyway.
 - ``committed_turns``: read only for a job that may have some: one an earlier run left unfinished (the set
   is read once at the start) or one that recorded a turn in this run (a retry). Any other job was inserted

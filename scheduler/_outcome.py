@@ -56,7 +56,7 @@ class AttemptOutcome:
     ``error`` is None for success. A failed attempt may still carry its ``conversation`` (an analyzer that
     failed after the conversation finished). ``transient`` is decided next to the job (``job.is_transient``),
     where the exception object still exists. ``worker_lost``: the worker process died under the attempt, so
-    the job never got to say how it ended (retried on a fresh worker, see ``_run``).
+    the job never got to say how it ended (retried on a fresh worker, see ``_run_jobs``).
     """
 
     conversation: Mapping[str, Any] | None = None

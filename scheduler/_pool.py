@@ -1,12 +1,12 @@
 """Building a run's workers: in-process for one device, one spawned process per device for several.
 
-Kept apart from ``_run`` (which places and drives jobs) because what it decides is where code runs: a
+Kept apart from ``_run_jobs`` (which places and drives jobs) because what it decides is where code runs: a
 single device keeps everything in this process (no pickling, no start-up cost); several devices get one
 worker process each (seeing only its own GPUs, with its share of the CPU cores: ``_placement``), started
 concurrently, so a run fails fast, before any job starts, when one of them
 cannot start. Init hooks run once per worker before its first job: in each worker process, or here once
-for an in-process run. ``cluster="ray"``: the device workers are Ray actors (``_ray_worker``), however many,
-driven by the same ``SubprocessWorker``; the host worker stays here.
+for an in-process run. ``cluster="ray"``: the device workers are Ray actors (``workers._ray_worker``),
+however many, driven by the same ``SubprocessWorker``; the host worker stays here.
 
 A hook defined in the main script travels by NAME and is looked up in the worker's copy of the main module
 (each worker imports it, as spawn does), exactly as a registered analyzer is: sent by value (cloudpickle),
@@ -28,13 +28,10 @@ import anyio
 
 from ._errors import SchedulerConfigError, WorkerStartError
 from ._placement import WorkerPlan, plan_workers, set_worker_device
-from ._protocols import ExecutionMode
+from ._protocols import ExecutionMode, WorkerInit
 from ._worker import CallGateway, InProcessWorker, Worker
 
-__all__ = ["WorkerInit", "open_workers", "refuse_while_bootstrapping"]
-
-#: A picklable callable run once in each worker before its first job (e.g. load a probe onto its device).
-WorkerInit = Callable[[], object]
+__all__ = ["open_workers", "refuse_while_bootstrapping"]
 
 
 async def open_workers(
@@ -65,12 +62,12 @@ async def open_workers(
     }
     device_workers: list[Worker] = []
     if cluster is not None or devices is None or len(devices) > 1:
-        from ._subprocess import Launch, SubprocessWorker
+        from .workers import Launch, SubprocessWorker
 
         hooks = _pickle_hooks(worker_init)
         launches: list[tuple[WorkerPlan, Launch | None]]
         if cluster == "ray":
-            from ._ray_worker import RaySession, launcher, ray_plans
+            from .workers import RaySession, launcher, ray_plans
 
             session = stack.enter_context(RaySession())  # closed after the actors (the stack unwinds)
             launches = [
@@ -117,7 +114,7 @@ async def open_workers(
 
 def refuse_while_bootstrapping() -> None:
     """A run started while a worker process imports the user's main module would spawn workers forever."""
-    worker_process = sys.modules.get(f"{__package__}._worker_process")
+    worker_process = sys.modules.get(f"{__package__}.workers._worker_process")
     if worker_process is not None and worker_process.bootstrapping():
         raise SchedulerConfigError(
             "a run was started while a worker process was importing your main module: guard the code that "

@@ -41,9 +41,13 @@ __all__ = [
     "JobResult",
     "JobSpec",
     "LineupSpec",
+    "WorkerInit",
 ]
 
 JSON = Any  # a value that json.dumps accepts
+
+#: A picklable callable run once in each worker before its first job (e.g. load a probe onto its device).
+WorkerInit = Callable[[], object]
 
 
 class ExecutionMode(enum.Enum):

@@ -1,11 +1,12 @@
 """Workers: the places where jobs run, next to the engines they use.
 
 :class:`Worker` is the placement seam. An :class:`InProcessWorker` runs jobs in this event loop; a
-``SubprocessWorker`` (``_subprocess``) implements the same interface over a pipe to a spawned process, which
-runs an :class:`InProcessWorker` of its own: it receives a picklable :class:`JobSpec` plus the committed
-turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only ledger writer)
-and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``admit``/``leave``, ``load``) lives
-on the parent side of that seam.
+``SubprocessWorker`` (``workers._subprocess``) implements the same interface over a pipe to a spawned
+process, which runs an :class:`InProcessWorker` of its own: it receives a picklable :class:`JobSpec` plus
+the committed turns, sends each ``record_turn`` back through ``record_turn`` (so the parent stays the only
+ledger writer) and returns a plain-data :class:`AttemptOutcome`. Placement accounting (``capacity``,
+``load``, ``admit``, ``leave``) lives on the parent side of that seam, written once in
+:class:`~._slots.Slots`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._batcher import Batcher, is_out_of_memory
-from ._engines import EngineCache
+from ._engine_loads import EngineCache
 from ._errors import NoDeviceError, SchedulerError
 from ._outcome import AttemptOutcome, ErrorInfo
 from ._protocols import EngineSpec, ExecutionMode, JobResult, JobSpec
 from ._signals import Notifier
+from ._slots import Slots
 
 if TYPE_CHECKING:
     from .gateway import Blocker
@@ -92,7 +94,7 @@ class Worker(Protocol):
     ) -> bool | None: ...
 
 
-class InProcessWorker:
+class InProcessWorker(Slots):
     """Runs its jobs' coroutines in this event loop and hosts the engines of one device.
 
     ``device=None`` makes the host worker for jobs with ``needs_device=False``: it has no engines, and such a
@@ -114,11 +116,10 @@ class InProcessWorker:
         self._call_gateway = call_gateway
         self._on_fatal = on_fatal
         self._fatal: BaseException | None = None
-        self._capacity = capacity
+        super().__init__(capacity)
         self._mode = mode
         self._max_batch_size = max_batch_size
         self._max_batch_wait = max_batch_wait
-        self._live = 0
         self._changed = Notifier()
         self._tg: TaskGroup | None = None
         self._engines: EngineCache | None = None
@@ -128,20 +129,7 @@ class InProcessWorker:
     def device(self) -> str:
         return HOST_DEVICE if self._device is None else self._device
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def load(self) -> int:
-        return self._live
-
-    def admit(self) -> None:
-        self._live += 1
-        self._changed.notify()
-
-    def leave(self) -> None:
-        self._live -= 1
+    def _load_changed(self) -> None:
         self._changed.notify()
 
     async def started(self) -> None:
@@ -211,7 +199,7 @@ class InProcessWorker:
         """Every live job is blocked on a generation or an API call: nothing else can join the queue soon, so
         dispatch now (a mixed local + API debate forms full local batches without the fallback delay)."""
         assert self._batcher is not None
-        return self._batcher.blocked >= self._live
+        return self._batcher.blocked >= self.load
 
     async def generate(self, ctx: _Context, engine: EngineSpec, request: Any) -> Any:
         if self._engines is None or self._batcher is None:

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.lowlevel
 
-from ._batches import open_batches_op, record_batch_op, update_batch_op
 from ._damage import unreadable_jobs
 from ._errors import LedgerSchemaError, StoreError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
 from ._lock import WriterLock
+from ._provider_batches import open_batches_op, record_batch_op, update_batch_op
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
 from ._results import EncodedResult, encode_result, store_results
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op

@@ -97,7 +97,11 @@ def test_floors_below_the_run_load_only_the_contract(floor):
 RUN_ONLY = [
     *(
         f"interlens.scheduler.{name}"
-        for name in ("_run", "_subprocess", "_worker_process", "_wire", "_ray_worker", "_ledger_recorder")
+        for name in ("_run_jobs", "_pool", "_worker", "_batcher", "_engine_loads", "_ledger_recorder")
+    ),
+    *(
+        f"interlens.scheduler.workers.{name}"
+        for name in ("_subprocess", "_worker_process", "_wire", "_ray_worker")
     ),
     "interlens.store._ledger",
 ]

@@ -84,3 +84,20 @@ def test_the_run_options_are_one_record_named_once():
     }
     for name in shared - {"mode"}:  # mode: None (decided with batched=), the scheduler's default BATCHED
         assert OPTION_DEFAULTS[name] == getattr(config, name), name
+
+
+def test_a_new_run_config_field_is_an_option_unless_interlens_sets_it():
+    """The options are derived from ``RunConfig``'s fields: each field is an option of the same name, or
+    one interlens fills in itself; the options beyond the fields are interlens' own four. A field added to
+    ``RunConfig`` becomes an option, and the test above then asks ``RunOptions`` to name it too."""
+    import dataclasses
+
+    from interlens.rollouts._options import OPTION_DEFAULTS, SET_BY_INTERLENS
+    from interlens.scheduler import RunConfig
+
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert set(SET_BY_INTERLENS) <= set(fields)
+    assert [name for name in OPTION_DEFAULTS if name in fields] == [
+        name for name in fields if name not in SET_BY_INTERLENS
+    ]
+    assert set(OPTION_DEFAULTS) - set(fields) == {"seed", "batched", "api_budget", "record_tokens"}

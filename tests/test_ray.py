@@ -41,7 +41,7 @@ ray = pytest.importorskip(
     "ray", reason="Ray is not installed (pip install 'interlens[ray]'): cluster='ray' needs it"
 )
 
-from interlens.scheduler._ray_worker import RaySession  # noqa: E402  (after the skip: it needs nothing of Ray)
+from interlens.scheduler.workers._ray_worker import RaySession  # noqa: E402  (after the skip: it needs nothing of Ray)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 KEY = "sk-test-ray-0123456789abcdef"  # in the environment when Ray starts, and the fake provider's key

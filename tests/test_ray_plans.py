@@ -12,7 +12,7 @@ import pytest
 
 from interlens import ConfigurationError, Conversation, ScriptedParticipant
 from interlens.scheduler import DeviceError, check_ray_devices
-from interlens.scheduler._ray_worker import ray_plans
+from interlens.scheduler.workers._ray_worker import ray_plans
 
 
 def test_by_default_one_gpu_actor_per_gpu_of_the_cluster_each_seeing_its_gpu_as_cuda_0() -> None:
@@ -61,8 +61,8 @@ def test_cluster_ray_without_ray_installed_is_refused_in_the_call(
 
 async def test_an_actor_delivers_the_parents_messages_in_sent_order_whatever_order_the_calls_start() -> None:
     """Ray does not promise that an async actor starts calls in their sent order: ``down`` reorders."""
-    from interlens.scheduler._ray_worker import WorkerActor, _ActorEnd
-    from interlens.scheduler._wire import Cancel, Evict
+    from interlens.scheduler.workers._ray_worker import WorkerActor, _ActorEnd
+    from interlens.scheduler.workers._wire import Cancel, Evict
 
     actor = WorkerActor()
     actor._end = end = _ActorEnd()

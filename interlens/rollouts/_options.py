@@ -4,13 +4,17 @@ Every option is checked here, in the caller's thread, before a job is expanded, 
 file created: a typo (``outdir=``), a wrong type (``seed="a"``, ``n=True``, ``resume="no"``) or a directory
 that cannot be written fails at once with an error naming the call, the option and the fix, instead of a
 raw ``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The checked options are one
-record, :class:`Options`: the run's own settings are the scheduler's :class:`~interlens.scheduler.RunConfig`
-(whose defaults are the defaults here), passed on whole; only ``seed`` and ``api_budget`` are interlens'.
-``RunOptions`` is the same names for type checkers (a test keeps the two equal).
+record, :class:`Options`: the run's own settings are the scheduler's :class:`~interlens.scheduler.RunConfig`,
+passed on whole. ``RunConfig`` is the single source of those options: their names and defaults are derived
+from its fields (``OPTION_DEFAULTS``) and its ``check`` is their one checker, whose messages name the user's
+call; only ``seed``, ``batched`` (another spelling of ``mode``), ``api_budget`` and ``record_tokens`` are
+interlens' own and checked here. ``RunOptions`` is the same names for type checkers (a TypedDict cannot be
+derived at run time; a test keeps its keys equal to the derived names).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -20,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from interlens.scheduler import RunConfig
+from interlens.scheduler import RunConfig, SchedulerConfigError
 
 from .._core import (
     ConfigurationError,
     ConfigurationTypeError,
     check_bool,
     check_int,
-    check_number,
     closest_name,
     type_name,
 )
@@ -60,29 +63,29 @@ class RunOptions(TypedDict, total=False):
     record_tokens: bool  # every participant that can keeps its turns' tokens (message.tokens)
 
 
-_RUN = RunConfig()  # the scheduler's defaults, stated once there
+#: ``RunConfig`` fields that interlens fills in itself (from the registered hooks, the installed versions,
+#: ``api_budget``): never options. Every other field of ``RunConfig`` is an option of the same name.
+SET_BY_INTERLENS = ("versions", "worker_init", "spend_guard")
 
-#: Each option and its default, in the order the error for an unknown option lists them.
-OPTION_DEFAULTS: Mapping[str, Any] = {
-    "devices": None,  # every visible GPU, else the CPU (only local models need a device)
-    "out_dir": None,
-    "seed": 0,
+#: The options that are interlens' own (not ``RunConfig`` fields), and their defaults.
+_OWN_DEFAULTS: Mapping[str, Any] = {
+    "seed": 0,  # per-rollout seeds are seed, seed+1, ...
     "batched": None,  # True unless mode=ExecutionMode.DETERMINISTIC
-    "mode": None,
-    "resume": _RUN.resume,
-    "max_batch_size": _RUN.max_batch_size,
-    "max_concurrency": _RUN.max_concurrency,
-    "max_attempts": _RUN.max_attempts,
-    "progress": _RUN.progress,
-    "max_batch_wait": _RUN.max_batch_wait,
-    "worker_start_timeout": _RUN.worker_start_timeout,
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
-    "cluster": _RUN.cluster,  # this machine; "ray": a Ray cluster (RAY_ADDRESS, else a private local one)
     "record_tokens": False,  # True: record_tokens=True on every participant that can (docs/rollouts.md)
 }
 
-#: The values ``cluster=`` accepts.
-CLUSTERS = (None, "ray")
+#: The ``RunConfig`` fields that are options, in the record's order.
+_RUN_OPTIONS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SET_BY_INTERLENS)
+
+#: Each option and its default (the scheduler's, stated once in ``RunConfig``), in the order the error for an
+#: unknown option lists them. ``mode``'s is None: decided with ``batched=`` (BATCHED unless batched=False).
+#: ``devices=None``: every visible GPU, else the CPU (only local models need a device).
+OPTION_DEFAULTS: Mapping[str, Any] = {
+    **{f.name: f.default for f in dataclasses.fields(RunConfig) if f.name in _RUN_OPTIONS},
+    "mode": None,
+    **_OWN_DEFAULTS,
+}
 
 #: Options people reach for that do not exist, and what to write instead.
 _INSTEAD: Mapping[str, str] = {
@@ -118,37 +121,18 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
     )
     if seed >= _SEED_LIMIT:
         raise ConfigurationError(f"{where}: seed must be below 2**63 (a 64-bit integer), got {seed}")
-    run = RunConfig(
-        devices=_devices(where, given["devices"]),
-        out_dir=_out_dir(where, given["out_dir"]),
-        resume=bool(
-            check_bool(
-                given["resume"],
-                what=f"{where}: resume",
-                fix="resume=False starts a fresh ledger (the old one is moved aside)",
-            )
-        ),
-        mode=_mode(where, given["mode"], given["batched"]),
-        max_batch_size=check_int(given["max_batch_size"], what=f"{where}: max_batch_size", low=1),
-        max_concurrency=check_int(given["max_concurrency"], what=f"{where}: max_concurrency", low=1),
-        max_attempts=check_int(given["max_attempts"], what=f"{where}: max_attempts", low=1),
-        progress=check_bool(
-            given["progress"],
-            what=f"{where}: progress",
-            allow_none=True,
-            fix="None shows a bar when interactive",
-        ),
-        max_batch_wait=check_number(
-            given["max_batch_wait"], what=f"{where}: max_batch_wait (seconds)", low=0
-        ),
-        worker_start_timeout=check_number(
-            given["worker_start_timeout"],
-            what=f"{where}: worker_start_timeout (seconds)",
-            low=0,
-            open_low=True,
-        ),
-        cluster=_cluster(where, given["cluster"]),
-    )
+    values = {name: given[name] for name in _RUN_OPTIONS}
+    run = RunConfig(**{**values, "mode": _mode(where, given["mode"], given["batched"])})
+    try:
+        run.check(where=where)  # the one checker of the run's options (the scheduler's record)
+    except SchedulerConfigError as exc:
+        raise (ConfigurationTypeError if isinstance(exc, TypeError) else ConfigurationError)(
+            *exc.args
+        ) from None
+    _cluster_installed(where, run.cluster)
+    out_dir = None if run.out_dir is None else Path(run.out_dir).expanduser()  # "~/runs/x": the home's
+    devices = None if run.devices is None else list(run.devices)
+    run = dataclasses.replace(run, devices=devices, out_dir=out_dir)
     record_tokens = check_bool(
         given["record_tokens"],
         what=f"{where}: record_tokens",
@@ -163,21 +147,13 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
     )
 
 
-def _cluster(where: str, cluster: Any) -> str | None:
-    if cluster is None:
-        return None
-    if isinstance(cluster, str) and cluster in CLUSTERS:
-        if not _installed(cluster):
-            raise ConfigurationError(
-                f"{where}: cluster={cluster!r} needs Ray, which is not installed here; install it with "
-                "`pip install 'interlens[ray]'` (the same Ray version as the cluster's), or leave "
-                "cluster=None to run on this machine"
-            )
-        return cluster
-    raise ConfigurationError(
-        f"{where}: cluster must be None (this machine) or 'ray' (a Ray cluster: RAY_ADDRESS, else a private "
-        f"local Ray instance; see docs/ray.md), got {cluster!r}"
-    )
+def _cluster_installed(where: str, cluster: str | None) -> None:
+    if cluster is not None and not _installed(cluster):
+        raise ConfigurationError(
+            f"{where}: cluster={cluster!r} needs Ray, which is not installed here; install it with "
+            "`pip install 'interlens[ray]'` (the same Ray version as the cluster's), or leave "
+            "cluster=None to run on this machine"
+        )
 
 
 def _api_budget(where: str, budget: Any) -> APIBudget | None:
@@ -219,39 +195,6 @@ def _unknown_option(caller: str, name: str) -> ConfigurationTypeError:
     return ConfigurationTypeError(
         f"{caller}() has no option {name!r}{hint} Its options are: {valid} (see help(interlens.run))."
     )
-
-
-def _devices(where: str, devices: Any) -> list[str | Sequence[str]] | None:
-    if devices is None:
-        return None
-    if isinstance(devices, str):
-        raise ConfigurationTypeError(
-            f"{where}: devices must be a list of device strings, got the string {devices!r}; write "
-            f"devices=[{devices!r}]"
-        )
-    if not isinstance(devices, Sequence):
-        raise ConfigurationTypeError(
-            f"{where}: devices must be None (every visible GPU) or a list of device strings such as "
-            f"['cuda:0', 'cuda:1'], got {type_name(devices)}"
-        )
-    return list(devices)  # each entry is checked by the scheduler's validate_devices, before anything runs
-
-
-def _out_dir(where: str, out_dir: Any) -> Path | None:
-    if out_dir is None:
-        return None
-    if not isinstance(out_dir, str | os.PathLike) or not isinstance(os.fspath(out_dir), str):
-        raise ConfigurationTypeError(
-            f"{where}: out_dir must be a directory path (str or pathlib.Path) or None, got "
-            f"{type_name(out_dir)}"
-        )
-    text = os.fspath(out_dir)
-    if not text.strip():
-        raise ConfigurationError(
-            f"{where}: out_dir must name a directory, got {text!r}; pass a path such as out_dir='runs/x' "
-            "for a resumable run, or leave out_dir=None to keep results in memory"
-        )
-    return Path(text).expanduser()  # "~/runs/x" is the home directory's, as in a shell
 
 
 def _mode(where: str, mode: Any, batched: Any) -> ExecutionMode:

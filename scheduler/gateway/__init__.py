@@ -10,9 +10,9 @@ good raises :class:`ProviderCallError`; a failed batch row is a :class:`BatchRow
 
 Modules: ``_contract`` (the protocols, the values an adapter returns, the two errors), ``_policies`` (the
 failure an adapter reads, retry and batch policies, retry-after: plain values), ``_core`` (the gateway: lanes,
-single and batched calls), ``_limits`` (the adaptive limit), ``_batch`` (rows, batches), ``_collect`` (rounds,
-submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a run's API
-budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
+single and batched calls), ``_limits`` (the adaptive limit), ``_provider_batch`` (rows, batches), ``_collect``
+(rounds, submission recorded before polling, re-attach after a crash), ``_spend`` (the :class:`SpendGuard` a
+run's API budget plugs in: asked before each request or batch is sent, told of each result; a refusal raises
 :class:`SpendLimitReached` to the caller, whose job stays pending).
 
 The face is lazy (PEP 562): a name loads its module on first use and is kept here, so a provider adapter

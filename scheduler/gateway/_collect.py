@@ -35,9 +35,9 @@ import anyio
 from interlens.store import redacting_logger
 
 from .._signals import Notifier
-from ._batch import Batch, Row, describe_error, retrying
 from ._contract import BatchClient, BatchRowError, BatchStore
 from ._policies import BatchPolicy, RetryPolicy
+from ._provider_batch import Batch, Row, describe_error, retrying
 from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = ["BatchBook", "BatchCollector", "Blocker"]

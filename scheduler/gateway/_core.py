@@ -10,8 +10,8 @@ SDK adapter, holding the key read from the environment) the first time it is nee
 Seams for the scheduler (the wiring):
 
 * ``JobContext.call_gateway(spec, request)`` -> ``gateway.call(spec, request, owner=ctx.job_id, blocker=...)``
-  (``_run``); from a worker process the (spec, request) pair crosses the pipe and the result or error comes
-  back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
+  (``_run_jobs``); from a worker process the (spec, request) pair crosses the pipe and the result or error
+  comes back. ``blocker`` tells the job's device batcher while a row waits on a provider batch.
 * ``Gateway(store=ledger)``: batches are recorded in the run's ledger before polling; a rerun re-attaches a
   job to the row it recorded only when the job sends the same request now (``ProviderClient.request_hash``).
 * ``Gateway(quiescent=probe)`` and :meth:`Gateway.poke`: a round is flushed when every live job is waiting
@@ -32,11 +32,11 @@ import anyio
 from interlens.store import redacting_logger
 
 from .._errors import SchedulerError
-from ._batch import classify, describe_error
 from ._collect import BatchBook, BatchCollector, Blocker
 from ._contract import APISpec, BatchStore, ProviderCallError, ProviderClient
 from ._limits import AdaptiveLimiter
 from ._policies import Failure, RetryPolicy
+from ._provider_batch import classify, describe_error
 from ._spend import SpendGuard, SpendLimitReached
 
 __all__ = ["Gateway"]

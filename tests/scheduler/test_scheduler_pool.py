@@ -160,6 +160,26 @@ async def test_bad_arguments_are_refused_with_the_fix(kwargs: dict[str, object],
         await run_jobs([LineupSpec("a", "fp", jobs=_untouched())], RunConfig(**args))
 
 
+def test_run_config_check_names_the_caller_and_tells_a_wrong_type_from_a_bad_value() -> None:
+    """``RunConfig.check`` is the one checker of the run options: ``where`` (the user's call) starts each
+    message, and a wrong type is also a ``TypeError`` (interlens raises its type-error twin for it)."""
+    with pytest.raises(
+        SchedulerConfigError, match=r"^rollout\(\): max_batch_size must be an int >= 1, got 0$"
+    ):
+        RunConfig(max_batch_size=0).check(where="rollout()")
+    with pytest.raises(TypeError, match=r"^rollout\(\): resume must be True or False, got 'no' \(str\); "):
+        RunConfig(resume="no").check(where="rollout()")  # type: ignore[arg-type]
+    with pytest.raises(SchedulerConfigError) as info:
+        RunConfig(max_batch_size=0).check()
+    assert not isinstance(info.value, TypeError)
+    RunConfig().check()  # the defaults pass; devices=None is run_jobs' question (only with a cluster)
+
+
+async def test_devices_none_is_refused_without_a_cluster() -> None:
+    with pytest.raises(SchedulerConfigError, match=r"None only with cluster='ray'"):
+        await run_jobs([LineupSpec("a", "fp", jobs=_untouched())], RunConfig(out_dir=None))
+
+
 async def test_a_single_lineup_must_be_wrapped_in_a_list() -> None:
     with pytest.raises(SchedulerConfigError, match=r"wrap the single lineup: \[lineup\]"):
         await run_jobs(LineupSpec("a", "fp", jobs=_untouched()), RunConfig(devices=["cpu"], out_dir=None))

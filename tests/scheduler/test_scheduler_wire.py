@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from interlens.scheduler._wire import (
+from interlens.scheduler.workers._wire import (
     Answers,
     Blocked,
     Call,

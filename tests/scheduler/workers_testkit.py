@@ -210,7 +210,7 @@ def lineup(name: str, jobs: Sequence[Any]) -> LineupSpec:
 def one_slot_worker(where: Any, mode: ExecutionMode = ExecutionMode.BATCHED) -> Any:
     """A worker process of one job slot and batches of one (``where``: a device or a ``WorkerPlan``), for
     tests that drive a ``SubprocessWorker`` directly."""
-    from interlens.scheduler._subprocess import SubprocessWorker
+    from interlens.scheduler.workers._subprocess import SubprocessWorker
 
     return SubprocessWorker(
         where,

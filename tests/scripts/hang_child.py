@@ -1,4 +1,4 @@
-"""A rollout that hangs in user code, for tests/test_overnight_cases.py: ``python hang_child.py OUT_DIR WHERE``.
+"""A rollout that hangs in user code, for tests/test_overnight_cases.py: ``python hang_child.py OUT WHERE``.
 
 WHERE is ``analyzer`` (a sync analyzer blocks forever on one job) or ``participant`` (a scripted participant's
 callable blocks forever on one job). Every other job finishes; the child prints ``DONE <job>`` as each one is

@@ -50,8 +50,8 @@ import anyio
 
 from interlens.store import SecretGuard
 
-from ._errors import DeviceError, SchedulerConfigError, WorkerStartError
-from ._placement import WORKER_CREDENTIALS, WorkerPlan
+from .._errors import DeviceError, SchedulerConfigError, WorkerStartError
+from .._placement import WORKER_CREDENTIALS, WorkerPlan
 from ._subprocess import Launch
 from ._wire import Init, Message
 

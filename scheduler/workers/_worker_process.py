@@ -28,10 +28,12 @@ from typing import Any, NoReturn
 
 import anyio
 
-from ._errors import JobPickleError
-from ._outcome import AttemptOutcome, ErrorInfo
-from ._placement import set_worker_device
-from ._protocols import ExecutionMode, JobSpec
+from .._errors import JobPickleError
+from .._outcome import AttemptOutcome, ErrorInfo
+from .._placement import set_worker_device
+from .._protocols import ExecutionMode, JobSpec
+from .._worker import InProcessWorker
+from ..gateway import Blocker
 from ._wire import (
     Blocked,
     Calls,
@@ -50,8 +52,6 @@ from ._wire import (
     TurnCall,
     Unblocked,
 )
-from ._worker import InProcessWorker
-from .gateway import Blocker
 
 __all__ = ["bootstrapping", "main", "serve"]
 

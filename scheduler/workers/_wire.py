@@ -45,12 +45,12 @@ import anyio
 from anyio.abc import SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ._errors import ParentCallError
-from ._outcome import AttemptOutcome, ErrorInfo
-from ._protocols import ExecutionMode
+from .._errors import ParentCallError
+from .._outcome import AttemptOutcome, ErrorInfo
+from .._protocols import ExecutionMode
 
 if TYPE_CHECKING:
-    from .gateway import Blocker
+    from ..gateway import Blocker
 
 __all__ = [
     "Answers",

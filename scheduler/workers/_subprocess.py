@@ -7,11 +7,11 @@ ledger (turns come back over the pipe and are durable before the worker hears "o
 call (``ctx.call_gateway``: API keys, provider limits, batch rounds), placement and retries. The messages
 are ``_wire``'s; this is the parent's end of each exchange.
 
-Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error
-that poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe;
-every attempt it was running ends as ``worker_lost`` (``_run`` retries it, alone, on a fresh process), and
-the next attempt placed here spawns that fresh process. A process that cannot start (bad device, import
-error, failing init hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
+Faults: the death of the process (SIGKILL, segfault, the OOM killer, or its own exit after a CUDA error that
+poisoned it, announced by a ``Fatal`` message) shows up at once as EOF on the pipe; every attempt it was
+running ends as ``worker_lost`` (``_run_jobs`` retries it, alone, on a fresh process), and the next attempt
+placed here spawns that fresh process. A process that cannot start (bad device, import error, failing init
+hook, no "ready" in time) is a :class:`WorkerStartError` that ends the run, never a hang.
 
 How a worker is started is one seam (``launch``: a plan in, a :class:`Link` out): a spawned process over a
 socket pair here, or a Ray actor (``_ray_worker``) carrying the same messages over actor calls. Everything
@@ -37,11 +37,13 @@ from typing import Any, Protocol, Self
 import anyio
 from anyio.abc import Process, TaskGroup
 
-from ._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
-from ._outcome import AttemptOutcome, ErrorInfo
-from ._placement import WorkerPlan, plan_workers
-from ._protocols import ExecutionMode, JobSpec
-from ._signals import Notifier
+from .._errors import JobPickleError, SchedulerError, WorkerLostError, WorkerStartError
+from .._outcome import AttemptOutcome, ErrorInfo
+from .._placement import WorkerPlan, plan_workers
+from .._protocols import ExecutionMode, JobSpec
+from .._signals import Notifier
+from .._slots import Slots
+from .._worker import CallGateway, RecordTurn
 from ._wire import (
     Answers,
     Call,
@@ -60,7 +62,6 @@ from ._wire import (
     TurnCall,
     transportable_error,
 )
-from ._worker import CallGateway, RecordTurn
 
 __all__ = ["Launch", "Link", "SubprocessWorker", "spawn_process"]
 
@@ -72,7 +73,7 @@ _BOOT = "; ".join(
     [
         "import sys",
         "sys.path.insert(0, sys.argv[1])",
-        "from interlens.scheduler._worker_process import main",
+        "from interlens.scheduler.workers._worker_process import main",
         "main()",
     ]
 )
@@ -103,7 +104,7 @@ class Link(Protocol):
 Launch = Callable[[WorkerPlan], Awaitable[Link]]
 
 
-class SubprocessWorker:
+class SubprocessWorker(Slots):
     """A placement slot on one device whose jobs run in a worker process, replaced when it dies.
 
     ``launch``: how a worker is started (default: a spawned process; ``_ray_worker``: a Ray actor).
@@ -126,7 +127,7 @@ class SubprocessWorker:
             plan = plan_workers([plan])[0]
         self._plan = plan
         self._device = plan.device
-        self._capacity = capacity
+        super().__init__(capacity)
         self._init = partial(  # the preparation data is taken at each spawn
             Init,
             hooks=hooks,
@@ -141,7 +142,6 @@ class SubprocessWorker:
         self._call_gateway = call_gateway
         self._launch: Launch = spawn_process if launch is None else launch
         self._start_timeout = start_timeout
-        self._live = 0
         self._ids = count()
         self._gate = _Gate()
         self._child: _Child | None = None
@@ -155,20 +155,6 @@ class SubprocessWorker:
     @property
     def device(self) -> str:
         return self._device
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def load(self) -> int:
-        return self._live
-
-    def admit(self) -> None:
-        self._live += 1
-
-    def leave(self) -> None:
-        self._live -= 1
 
     async def __aenter__(self) -> Self:
         self._tg = anyio.create_task_group()

@@ -97,9 +97,11 @@ async def run_jobs(lineups: Sequence[LineupSpec], config: RunConfig) -> RunOutco
             "RunConfig(devices=['cpu'], out_dir=None))"
         )
     config.check()
+    if config.cluster is None and config.devices is None:
+        raise SchedulerConfigError("devices must be a list of devices (None only with cluster='ray')")
     refuse_while_bootstrapping()
     if config.cluster is None:
-        assert config.devices is not None  # RunConfig.check: None only with a cluster
+        assert config.devices is not None
         devices: list[str] | None = validate_devices(config.devices)
     else:
         devices = check_ray_devices(config.devices)
