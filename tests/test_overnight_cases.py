@@ -3,6 +3,7 @@ wrong, and store only what was generated."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import warnings
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from crash_testkit import exited, lines
 
 from interlens import (
     ConfigurationError,
@@ -259,3 +261,53 @@ def test_a_full_disk_is_said_and_a_rerun_after_freeing_space_resumes(small_disk:
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # space freed
     report = conv.rollout(n=400, out_dir=out, progress=False)
     assert len(report.skipped) == done and report.counts["done"] == 400 - done
+
+
+# ------------------------------------------------------------------------------------------ hangs
+
+HANG_CHILD = Path(__file__).parent / "scripts" / "hang_child.py"
+
+
+def hang_child(out: Path, where: str, *limit: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HANG_CHILD), str(out), where, *limit],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("where", ["analyzer", "participant"])
+def test_a_time_limit_fails_the_hung_job_and_the_run_finishes(tmp_path: Path, where: str) -> None:
+    proc = hang_child(tmp_path, where, "3")
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "FINISHED ['row_00003']" in stdout
+    with LedgerReader(tmp_path) as reader:
+        job = reader.job("row_00003")
+        assert reader.counts()["done"] == 5 and job is not None and job.error_message is not None
+    limit = "analyzer_timeout=3.0 s" if where == "analyzer" else "turn_timeout=3.0 s"
+    assert limit in job.error_message
+
+
+@pytest.mark.parametrize("where", ["analyzer", "participant"])
+def test_one_ctrl_c_stops_a_run_whose_user_code_hangs(tmp_path: Path, where: str) -> None:
+    """No limit set: the blocked call runs in a thread nothing can kill, and the run stops waiting for it at
+    the first Ctrl-C, ends its ledger run as interrupted, and the process exits."""
+    proc = hang_child(tmp_path, where)
+    try:
+        output = lines(proc)
+        assert output.get(timeout=120) == "HUNG"
+        proc.send_signal(signal.SIGINT)
+        assert exited(proc.pid, timeout=30), "one Ctrl-C did not stop the run"
+        assert proc.wait(timeout=5) != 0
+    finally:
+        proc.kill()
+        proc.wait()
+    with LedgerReader(tmp_path) as reader:
+        assert reader.runs()[-1]["status"] == "interrupted"
+        job = reader.job("row_00003")
+        assert job is not None and job.state != "done"

@@ -88,7 +88,7 @@ def test_the_run_options_are_one_record_named_once():
 
 def test_a_new_run_config_field_is_an_option_unless_interlens_sets_it():
     """The options are derived from ``RunConfig``'s fields: each field is an option of the same name, or
-    one interlens fills in itself; the options beyond the fields are interlens' own four. A field added to
+    one interlens fills in itself; the options beyond the fields are interlens' own six. A field added to
     ``RunConfig`` becomes an option, and the test above then asks ``RunOptions`` to name it too."""
     import dataclasses
 
@@ -100,4 +100,11 @@ def test_a_new_run_config_field_is_an_option_unless_interlens_sets_it():
     assert [name for name in OPTION_DEFAULTS if name in fields] == [
         name for name in fields if name not in SET_BY_INTERLENS
     ]
-    assert set(OPTION_DEFAULTS) - set(fields) == {"seed", "batched", "api_budget", "record_tokens"}
+    assert set(OPTION_DEFAULTS) - set(fields) == {
+        "seed",
+        "batched",
+        "api_budget",
+        "record_tokens",
+        "turn_timeout",
+        "analyzer_timeout",
+    }

@@ -2,7 +2,7 @@
 conditions, data rows, the speaker's view and the running job's context. Imports nothing of interlens.
 """
 
-from ._blocking import TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
+from ._blocking import NO_TIME_LIMITS, TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
 from ._context import (
     CURRENT_JOB,
     collecting_samples,
@@ -71,6 +71,7 @@ from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tok
 __all__ = [
     "CURRENT_JOB",
     "MODERATOR",
+    "NO_TIME_LIMITS",
     "TIME_LIMITS",
     "TOKENS_KEY",
     "AnalyzerError",

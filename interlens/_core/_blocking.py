@@ -27,7 +27,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-__all__ = ["TIME_LIMITS", "TimeLimits", "call_blocking", "run_in_loop", "within"]
+__all__ = ["NO_TIME_LIMITS", "TIME_LIMITS", "TimeLimits", "call_blocking", "run_in_loop", "within"]
 
 T = TypeVar("T")
 
@@ -42,9 +42,10 @@ class TimeLimits:
     analyzer: float | None = None
 
 
+NO_TIME_LIMITS = TimeLimits()  # live runs, and a rollout without turn_timeout/analyzer_timeout
 TIME_LIMITS: contextvars.ContextVar[TimeLimits] = contextvars.ContextVar(
     "interlens_time_limits",
-    default=TimeLimits(),  # noqa: B039  (frozen: never mutated)
+    default=NO_TIME_LIMITS,
 )
 
 

@@ -2,14 +2,15 @@
 
 Every option is checked here, in the caller's thread, before a job is expanded, a worker started or a ledger
 file created: a typo (``outdir=``), a wrong type (``seed="a"``, ``n=True``, ``resume="no"``) or a directory
-that cannot be written fails at once with an error naming the call, the option and the fix, instead of a
-raw ``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The checked options are one
-record, :class:`Options`: the run's own settings are the scheduler's :class:`~interlens.scheduler.RunConfig`,
-passed on whole. ``RunConfig`` is the single source of those options: their names and defaults are derived
-from its fields (``OPTION_DEFAULTS``) and its ``check`` is their one checker, whose messages name the user's
-call; only ``seed``, ``batched`` (another spelling of ``mode``), ``api_budget`` and ``record_tokens`` are
-interlens' own and checked here. ``RunOptions`` is the same names for type checkers (a TypedDict cannot be
-derived at run time; a test keeps its keys equal to the derived names).
+that cannot be written fails at once with an error naming the call, the option and the fix, instead of a raw
+``TypeError`` from the scheduler or an ``OSError`` minutes into a run. The checked options are one record,
+:class:`Options`: the run's own settings are the scheduler's :class:`~interlens.scheduler.RunConfig`, passed
+on whole. ``RunConfig`` is the single source of those options: their names and defaults are derived from its
+fields (``OPTION_DEFAULTS``) and its ``check`` is their one checker, whose messages name the user's call; only
+``seed``, ``batched`` (another spelling of ``mode``), ``api_budget``, ``record_tokens`` and the jobs' time
+limits (``turn_timeout``, ``analyzer_timeout``) are interlens' own and checked here. ``RunOptions`` is the
+same names for type checkers (a TypedDict cannot be derived at run time; a test keeps its keys equal to the
+derived names).
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 from interlens.scheduler import RunConfig, SchedulerConfigError
 
 from .._core import (
+    NO_TIME_LIMITS,
     ConfigurationError,
     ConfigurationTypeError,
+    TimeLimits,
     check_bool,
     check_int,
+    check_number,
     closest_name,
     type_name,
 )
@@ -61,6 +65,8 @@ class RunOptions(TypedDict, total=False):
     api_budget: APIBudget | None
     cluster: Literal["ray"] | None  # "ray": the device workers are Ray actors (docs/ray.md)
     record_tokens: bool  # every participant that can keeps its turns' tokens (message.tokens)
+    turn_timeout: float | None  # seconds one turn may take before its job fails (None: no limit)
+    analyzer_timeout: float | None  # seconds an analyzer may take before its job fails (None: no limit)
 
 
 #: ``RunConfig`` fields that interlens fills in itself (from the registered hooks, the installed versions,
@@ -73,6 +79,8 @@ _OWN_DEFAULTS: Mapping[str, Any] = {
     "batched": None,  # True unless mode=ExecutionMode.DETERMINISTIC
     "api_budget": None,  # else the enclosing ``with APIBudget(...):`` block's
     "record_tokens": False,  # True: record_tokens=True on every participant that can (docs/rollouts.md)
+    "turn_timeout": None,  # seconds; None: a turn may take as long as it takes
+    "analyzer_timeout": None,  # seconds; None: an analyzer may take as long as it takes
 }
 
 #: The ``RunConfig`` fields that are options, in the record's order.
@@ -107,6 +115,7 @@ class Options:
     run: RunConfig  # devices, out_dir (a Path), resume, mode, limits, progress, cluster: passed on whole
     api_budget: APIBudget | None = None
     record_tokens: bool = False  # each participant that can records its turns' tokens (part of the recipe)
+    limits: TimeLimits = NO_TIME_LIMITS  # how long a job waits for one turn and for its analyzer
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -144,6 +153,23 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         run=run,
         api_budget=_api_budget(where, given["api_budget"]),
         record_tokens=bool(record_tokens),
+        limits=TimeLimits(
+            turn=_seconds(where, "turn_timeout", given["turn_timeout"]),
+            analyzer=_seconds(where, "analyzer_timeout", given["analyzer_timeout"]),
+        ),
+    )
+
+
+def _seconds(where: str, name: str, value: Any) -> float | None:
+    """A time limit: None (none) or a number of seconds > 0."""
+    if value is None:
+        return None
+    return check_number(
+        value,
+        what=f"{where}: {name}",
+        low=0,
+        open_low=True,
+        fix=f"seconds, e.g. {name}=600, or None for no limit",
     )
 
 

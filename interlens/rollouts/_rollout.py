@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from .._core import (
+    NO_TIME_LIMITS,
+    TIME_LIMITS,
     TOKENS_KEY,
     ConfigurationError,
     DatasetField,
@@ -31,6 +33,7 @@ from .._core import (
     Message,
     MissingColumnError,
     TemplateError,
+    TimeLimits,
     ambient_conditions,
     as_interlens_errors,
     collecting_samples,
@@ -73,6 +76,7 @@ class ConversationJob:
     error: BaseException | None = None  # a row that could not be expanded fails its own job only
     #: ``run(record_tokens=True)``: the speakers that cannot record, by name, and why (their turns say so)
     tokens_missing: Mapping[str, str] | None = None
+    limits: TimeLimits = NO_TIME_LIMITS  # turn_timeout / analyzer_timeout: a job that hangs fails, named
 
     async def run(self, ctx: JobContext) -> JobResult:
         from interlens.scheduler import JobResult
@@ -90,6 +94,7 @@ class ConversationJob:
             recorded = conv.transcript.to_json()[-1] if TOKENS_KEY in message.metadata else message.to_json()
             await ctx.record_turn(index, recorded)
 
+        limits = TIME_LIMITS.set(self.limits)  # read by the turn loop's TurnWatch and by run_analyzer
         try:
             with in_job(ctx):
                 try:
@@ -114,6 +119,8 @@ class ConversationJob:
         except Exception:
             await _end_conversation(conv, ctx.job_id)
             raise
+        finally:
+            TIME_LIMITS.reset(limits)
         await _end_conversation(conv, ctx.job_id)  # what the participants kept for it (KV caches) can go
         # messages the analyzer appended (a moderator's note) are kept, after what was generated
         state["transcript"].extend(conv.transcript.to_json()[generated:])
@@ -227,6 +234,7 @@ def lineup_spec(
     single_job_id: str | None,
     lineup: str,
     record_tokens: bool = False,
+    limits: TimeLimits = NO_TIME_LIMITS,
 ) -> LineupSpec:
     """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked.
     ``record_tokens``: every participant that can records its turns' tokens (so the recipe a resume
@@ -265,6 +273,7 @@ def lineup_spec(
             "a steered turn cannot share); pass batched=False (mode=ExecutionMode.DETERMINISTIC)"
         )
     needs_device = any(p.needs_device for p in conv.participants)
+    job_options = {"tokens_missing": unrecorded, "limits": limits}
     engine_keys = _engine_keys(conv.participants)
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
@@ -278,7 +287,7 @@ def lineup_spec(
         expanded: Conversation | None = None
         try:
             expanded = base.for_row(row, index=row_index, seed=seed + i)
-            job = ConversationJob(expanded, needs_device, recipe, tokens_missing=unrecorded)
+            job = ConversationJob(expanded, needs_device, recipe, **job_options)
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
         fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
@@ -465,6 +474,7 @@ async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunR
         single_job_id=None,
         lineup=lineup,
         record_tokens=options.record_tokens,
+        limits=options.limits,
     )
     return await execute([(conv, spec)], options)
 

@@ -17,7 +17,7 @@ from ._options import Options, RunOptions, parse_options
 from ._rollout import execute, lineup_spec
 
 if TYPE_CHECKING:
-    from interlens.scheduler import ExecutionMode, LineupSpec
+    from interlens.scheduler import LineupSpec
 
     from ..conversation import Conversation
     from ..report import RunReport
@@ -26,7 +26,7 @@ __all__ = ["arun", "run"]
 
 
 def _lineups(
-    conversations: Iterable[Conversation], seed: int, mode: ExecutionMode, record_tokens: bool
+    conversations: Iterable[Conversation], options: Options
 ) -> list[tuple[Conversation, LineupSpec]]:
     from ..conversation import Conversation  # when called: see the module's docstring
 
@@ -44,12 +44,13 @@ def _lineups(
         spec = lineup_spec(
             conv,
             None,
-            seed=seed,
-            mode=mode,
+            seed=options.seed,
+            mode=options.run.mode,
             prefix=f"{name}/",
             single_job_id=single,
             lineup=name,
-            record_tokens=record_tokens,
+            record_tokens=options.record_tokens,
+            limits=options.limits,
         )
         out.append((conv, spec))
     # one iterator read by two lineups: the second would get what the first left (a recipe holds one
@@ -76,7 +77,7 @@ async def _arun(conversations: Iterable[Conversation], options: Options) -> RunR
             f"{options.caller}() takes a list of Conversation objects (one per lineup), got "
             f"{type(conversations).__name__}; e.g. {options.caller}([pair, solo], out_dir='runs/x')"
         )
-    lineups = _lineups(conversations, options.seed, options.run.mode, options.record_tokens)
+    lineups = _lineups(conversations, options)
     return await execute(lineups, options)
 
 
@@ -102,8 +103,9 @@ def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) ->
     per GPU of the cluster, or one per ``"cpu"``/``"cuda"`` entry of ``devices``; see docs/ray.md),
     ``record_tokens`` (False; True: every participant that can keeps each turn's tokens and their
     log-probabilities, ``message.tokens``, as its own ``record_tokens=True`` would; the turns of those
-    that cannot, such as Anthropic's, say why in ``metadata["tokens_missing"]``; docs/rollouts.md).
-    Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
+    that cannot, such as Anthropic's, say why in ``metadata["tokens_missing"]``; docs/rollouts.md),
+    ``turn_timeout`` and ``analyzer_timeout`` (None: no limit; seconds a turn or an analyzer may take before
+    its job fails, the others going on). Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
     how many failed and why the first did.
     """
     from interlens.scheduler import run_sync

@@ -1,8 +1,8 @@
 """A rollout that hangs in user code, for tests/test_overnight_cases.py: ``python hang_child.py OUT WHERE``.
 
 WHERE is ``analyzer`` (a sync analyzer blocks forever on one job) or ``participant`` (a scripted participant's
-callable blocks forever on one job). Every other job finishes; the child prints ``DONE <job>`` as each one is
-committed and ``HUNG`` when the blocked call starts, so the test knows when to press Ctrl-C.
+callable blocks forever on one job). Every other job finishes; the child prints ``HUNG`` when the blocked call
+starts, so the test knows when to press Ctrl-C, and ``FINISHED [failed ids]`` if the rollout returns.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ def main() -> None:
         .analyzer(analyze)
     )
     limit = float(sys.argv[3]) if len(sys.argv) > 3 else None
-    report = conv.rollout(
-        out_dir=sys.argv[1], progress=False, analyzer_timeout=limit, turn_timeout=limit
-    )
+    report = conv.rollout(out_dir=sys.argv[1], progress=False, analyzer_timeout=limit, turn_timeout=limit)
     print("FINISHED", sorted(report.failed), flush=True)
 
 

@@ -7,9 +7,11 @@ job. Every generated turn prints ``TURN <job> <index>`` (before the ledger commi
 parent can tell which process generated each turn.
 
 With HOLD_AT, the first reply asked for at or after the HOLD_AT-th call whose conversation already has a
-committed turn prints ``HOLD <job> <index>`` instead and blocks the process's event loop until it is killed:
-the ledger then holds exactly ``index`` committed turns for that job (a job's turn is committed before its
-next one is asked for), so the parent kills a run with a job certainly cut mid-conversation.
+committed turn prints ``HOLD <job> <index>`` instead and blocks until the process is killed (a scripted
+callable runs in a thread of its own, so the other jobs go on meanwhile): the ledger then holds exactly
+``index`` committed turns for that job (a job's turn is committed before its next one is asked for), so the
+parent kills a run with a job certainly cut mid-conversation. Each event is one write (the callables of
+several jobs run at once, and ``print`` writes its text and its newline apart).
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ hold_at = int(sys.argv[5]) if len(sys.argv) > 5 else None
 calls = 0
 
 
+def say(line):
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def reply(view):
     global calls
     calls += 1
     job = view.messages[0].content.rsplit(" ", 1)[-1]
     index = len(view.messages) - 1  # the shared context, then one message per generated turn
     if hold_at is not None and calls >= hold_at and index >= 1:
-        print("HOLD", job, index, flush=True)
-        time.sleep(600)  # blocks the run's event loop: nothing more is generated or committed; killed here
-    print("TURN", job, index, flush=True)
+        say(f"HOLD {job} {index}")
+        time.sleep(600)  # this job's turn never comes back: it is killed here
+    say(f"TURN {job} {index}")
     return f"{view.speaker} turn {view.own_turns} by {tag}"
 
 
