@@ -311,3 +311,27 @@ def test_one_ctrl_c_stops_a_run_whose_user_code_hangs(tmp_path: Path, where: str
         assert reader.runs()[-1]["status"] == "interrupted"
         job = reader.job("row_00003")
         assert job is not None and job.state != "done"
+
+
+def test_an_endpoint_that_is_down_is_named_in_every_failed_job() -> None:
+    import socket
+
+    from interlens import APIParticipant, RetryPolicy
+
+    with socket.socket() as probe:  # a port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    down = APIParticipant(
+        name="a",
+        provider="openai",
+        model_id="gpt-test",
+        base_url=url,
+        auth=False,
+        retry=RetryPolicy(initial_s=0.01, max_s=0.02, max_attempts=2),
+    )
+    report = Conversation([down], shared_context="hi").turns(1).rollout(n=2, progress=False)
+    assert sorted(report.failed) == ["rollout_0000", "rollout_0001"]
+    for result in report.results.values():
+        assert result.error is not None and f"No answer came from {url}" in result.error.message
+        assert "OPENAI_BASE_URL" in result.error.message

@@ -325,9 +325,10 @@ class APIParticipant(Participant):
             if isinstance(result, BaseException):
                 raise result
         except (ProviderCallError, BatchRowError) as exc:
-            hint = self._refused_without_key(exc) or self._refused_logprobs(exc)
+            hint = self._refused_without_key(exc) or self._refused_logprobs(exc) or self._no_answer(exc)
+            said = str(exc).rstrip(".") if hint else str(exc)
             raise GenerationError(
-                f"{self.name} ({self.provider} model {self.model_id!r}): {exc}{hint}"
+                f"{self.name} ({self.provider} model {self.model_id!r}): {said}{hint}"
             ) from exc
         return self.message(result, time.perf_counter() - start, seed=request.settings.seed)
 
@@ -347,6 +348,17 @@ class APIParticipant(Participant):
                 f"and the server wants one: set {variable} to the server's key"
             )
         return ""
+
+    def _no_answer(self, exc: BaseException) -> str:
+        """Where it called, when no answer came at all (a server down, a wrong host or port, a firewall):
+        every job fails the same way, and the URL is what to check."""
+        if not isinstance(exc, ProviderCallError) or exc.status is not None:
+            return ""
+        variable = provider_named(self.provider).url_variable
+        return (
+            f". No answer came from {resolve_base_url(self.provider, self.base_url)}: check that the server "
+            f"is up and that the URL is right (base_url=, or the {variable} variable)"
+        )
 
     def _refused_logprobs(self, exc: BaseException) -> str:
         """The fix, when a request that asked for log-probabilities (``record_tokens``) was refused for
