@@ -105,8 +105,8 @@ def run(conversations: Iterable[Conversation], **options: Unpack[RunOptions]) ->
     log-probabilities, ``message.tokens``, as its own ``record_tokens=True`` would; the turns of those
     that cannot, such as Anthropic's, say why in ``metadata["tokens_missing"]``; docs/rollouts.md),
     ``turn_timeout`` and ``analyzer_timeout`` (None: no limit; seconds a turn or an analyzer may take before
-    its job fails, the others going on). Failed jobs do not raise: they are in ``report.failed``, and a warning on the ``interlens`` logger says
-    how many failed and why the first did.
+    its job fails, the others going on). Failed jobs do not raise: they are in ``report.failed``, and a
+    warning on the ``interlens`` logger says how many failed and why the first did.
     """
     from interlens.scheduler import run_sync
 
