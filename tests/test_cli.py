@@ -179,7 +179,9 @@ def test_status_of_several_lineups(tmp_path: Path) -> None:
     )
 
 
-def test_names_with_control_characters_are_escaped_in_status_and_show(tmp_path: Path) -> None:
+def test_names_with_control_characters_are_escaped_in_status_and_show(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A lineup, job id or speaker named with a newline or an ANSI escape cannot forge a line of output or
     recolour the terminal: status and show print it escaped, as they print message text."""
     import interlens
@@ -195,6 +197,8 @@ def test_names_with_control_characters_are_escaped_in_status_and_show(tmp_path: 
     )
     report = interlens.run([lineup], out_dir=tmp_path, progress=False)
     job_ids = sorted(report.results)
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert warned and "\x1b" not in warned[0] and "x\\x1b[2J\\x0aFORGED" in warned[0]  # the run's warning
     status = interlens_cli("status", str(tmp_path))
     shown = interlens_cli("show", str(tmp_path), job_ids[0])
     for result in (status, shown):

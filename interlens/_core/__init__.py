@@ -65,7 +65,16 @@ from ._templating import (
     template_to_json,
 )
 from ._token_record import TOKENS_KEY, TokenRecord, common_prefix, expand_turns
-from ._validate import check_bool, check_int, check_number, check_text, closest_name, invalid_text, type_name
+from ._validate import (
+    check_bool,
+    check_int,
+    check_number,
+    check_text,
+    closest_name,
+    escape_controls,
+    invalid_text,
+    type_name,
+)
 from ._view import GenerationOptions, View, ViewMessage, count_tokens, first_tokens
 
 __all__ = [
@@ -128,6 +137,7 @@ __all__ = [
     "dataset_field",
     "describe_callable",
     "describe_template",
+    "escape_controls",
     "expand_turns",
     "first_tokens",
     "import_callable",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "check_number",
     "check_text",
     "closest_name",
+    "escape_controls",
     "invalid_text",
     "type_name",
 ]
@@ -96,3 +98,15 @@ def check_text(value: Any, *, what: str) -> None:
     """Refuse a str that cannot be stored, at the call that set it, naming it (``what``)."""
     if isinstance(value, str) and (why := invalid_text(value)) is not None:
         raise ConfigurationError(f"{what}: {why}")
+
+
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROLS_AND_BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text: object, *, breaks: bool = True) -> str:
+    """``text`` safe for a terminal or a log line: control characters shown as ``\\xNN``, so user text (a
+    message, a job id) cannot move the cursor or recolour the screen. ``breaks=False`` escapes newlines and
+    tabs too (a name that must stay on its one line)."""
+    pattern = _CONTROLS if breaks else _CONTROLS_AND_BREAKS
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import time
 from datetime import UTC, datetime
@@ -28,14 +27,12 @@ from rich.text import Text
 import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
-from .._core import TOKENS_KEY, ConfigurationError, as_interlens_errors
+from .._core import TOKENS_KEY, ConfigurationError, as_interlens_errors, escape_controls
 from ..report import recorded_metadata, summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
 
 _FAILURES_SHOWN = 10
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_CONTROL_IN_NAMES = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def open_reader(out_dir: str | os.PathLike[str]) -> LedgerReader:
@@ -56,14 +53,14 @@ def open_reader(out_dir: str | os.PathLike[str]) -> LedgerReader:
 
 def clean(text: str) -> str:
     """Text safe for a terminal: control characters (other than newline and tab) shown as ``\\xNN``."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return escape_controls(text)
 
 
 def name(text: object) -> str:
     """A name (job id, lineup, author, model, batch id) safe for one line of a terminal: every control
     character, newline and tab included, shown as ``\\xNN``, so a name cannot move the cursor, recolour the
     screen or forge a line of output."""
-    return _CONTROL_IN_NAMES.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    return escape_controls(text, breaks=False)
 
 
 def first_line(text: str | None) -> str:

@@ -37,6 +37,7 @@ from .._core import (
     ambient_conditions,
     as_interlens_errors,
     collecting_samples,
+    escape_controls,
     in_job,
     is_templated,
     warn_no_rows,
@@ -453,8 +454,8 @@ def _warn_failures(report: RunReport, caller: str) -> None:
         "each error in report.results[job_id].error%s",
         caller,
         how_many,
-        failed[0],
-        _shorten(why),
+        escape_controls(failed[0], breaks=False),  # a job id or error cannot drive the terminal
+        escape_controls(_shorten(why)),
         where,
     )
 
