@@ -27,7 +27,7 @@ __all__ = ["ChatEngine", "ChatRequest", "ChatScoreRequest"]
 _Encoded = tuple[tuple[int, ...], tuple[int, ...] | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """One turn to generate: the speaker's view and its sampling settings (handed on to the engine as is)."""
 
@@ -39,7 +39,7 @@ class ChatRequest:
     record_tokens: bool = False  # the result carries each token's log-probabilities
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatScoreRequest:
     """Score ``continuation`` as the speaker's next message after ``view`` (teacher-forced, no sampling)."""
 
