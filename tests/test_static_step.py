@@ -21,8 +21,10 @@ from interlens import ConfigurationError
 from interlens.engine._buckets import ROW_BUCKETS, length_bucket, row_bucket
 from interlens.engine._decode import left_pad
 from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
-from interlens.engine._static_sampler import variant_for
+from interlens.engine._sampler import Sampler
+from interlens.engine._static_sampler import sample_rows, variant_for
 from interlens.engine._static_step import StaticDecodeStep, static_cache
+from interlens.testing import tiny_model
 
 #: A greedy row, a seeded row at temperature 0.8, a seeded nucleus row, a seeded nucleus row at T = 1.3.
 SETTINGS = (
@@ -108,29 +110,66 @@ def test_row_and_length_buckets() -> None:
 # ---------------------------------------------------------------------------------------------- tokens
 
 
-def test_tokens_and_logprobs_equal_the_engines_eager_decode(qwen2_path: str) -> None:
-    """Four rows of each kind in a bucket of 4 and of 8: the engine's tokens exactly, its recorded
-    log-probabilities to float32 rounding (its prefill groups and attention differ in the last bits)."""
-    model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
-    ids = prompts(tokenizer)
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_tokens_and_logprobs_equal_the_engines_eager_decode(family: str) -> None:
+    """Each variant's batch (all greedy; greedy and tempered; every kind, nucleus rows too) in its own row
+    bucket and in one of 8: the engine's tokens exactly, its recorded log-probabilities to float32 rounding
+    (its prefill groups and attention differ in the last bits)."""
+    path = tiny_model(family)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     engine = LocalEngine(model, tokenizer, device="cpu")
     engine._runner.eos_ids = frozenset()  # every row runs its whole length: the step never ends a row
-    requests = [
-        GenerationRequest(prompt_ids=tuple(p), sampling=s, record_logprobs=True)
-        for p, s in zip(ids, SETTINGS, strict=True)
-    ]
-    expected = engine.generate_batch(requests)
-    for rows in (4, 8):
-        step = built(model, SETTINGS, rows=rows, length=64)
-        tokens, logprobs = generate(step, model, ids, SETTINGS, 24)
-        for result, row_tokens, row_lps in zip(expected, tokens, logprobs, strict=True):
-            assert not isinstance(result, Exception)
-            assert row_tokens == result.token_ids
-            assert result.model_logprobs is not None and result.sampling_logprobs is not None
-            assert [m for m, _ in row_lps] == pytest.approx(result.model_logprobs, abs=1e-4)
-            assert [s for _, s in row_lps] == pytest.approx(result.sampling_logprobs, abs=1e-4)
+    greedy = (SETTINGS[0], SamplingSettings(max_new_tokens=24, temperature=0, top_p=0.5))
+    for settings in (greedy, SETTINGS[:2], SETTINGS):
+        ids = prompts(tokenizer, len(settings))
+        requests = [
+            GenerationRequest(prompt_ids=tuple(p), sampling=s, record_logprobs=True)
+            for p, s in zip(ids, settings, strict=True)
+        ]
+        expected = engine.generate_batch(requests)
+        for rows in (row_bucket(len(settings)), 8):
+            tokens, logprobs = generate(
+                built(model, settings, rows=rows, length=64), model, ids, settings, 24
+            )
+            for result, row_tokens, row_lps in zip(expected, tokens, logprobs, strict=True):
+                assert not isinstance(result, Exception)
+                assert row_tokens == result.token_ids, (variant_for(settings), rows)
+                assert result.model_logprobs is not None and result.sampling_logprobs is not None
+                assert [m for m, _ in row_lps] == pytest.approx(result.model_logprobs, abs=1e-4)
+                assert [s for _, s in row_lps] == pytest.approx(result.sampling_logprobs, abs=1e-4)
     assert any(lp != 0.0 for lp in expected[1].sampling_logprobs or [])  # type: ignore[union-attr]
+
+
+def test_the_sampler_is_the_eager_samplers_bit_for_bit() -> None:
+    """``sample_rows`` against ``Sampler.choose`` on the same logits and uniforms at a vocabulary of 5,000
+    (the block-wise draw), every kind of row, one row of NaN and one of -inf: the same tokens, finite flags
+    and log-probabilities, bit for bit."""
+    rows, vocab = 7, 5000
+    settings = (*SETTINGS, SETTINGS[0], SETTINGS[3], SETTINGS[1])  # row 4 (NaN) greedy, row 5 (-inf) not
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits[4] = float("nan")
+    logits[5] = float("-inf")
+    eager = Sampler(settings, "cpu", record=True)
+    expected = eager.choose(logits)
+    uniforms = torch.full((rows,), 0.5)
+    again = Sampler(settings, "cpu", record=True)  # the same streams: the uniforms the eager draw used
+    uniforms[torch.tensor(again.greedy.sampling)] = again.uniforms.next()
+    is_greedy = torch.tensor([s.temperature <= 0 for s in settings])
+    tokens, finite, logprobs = sample_rows(
+        logits,
+        temperature=torch.tensor([1.0 if s.temperature <= 0 else s.temperature for s in settings]),
+        top_p=torch.tensor([1.0 if s.temperature <= 0 else s.top_p for s in settings]),
+        greedy=is_greedy,
+        uniforms=uniforms,
+        variant=variant_for(settings),
+        record=True,
+    )
+    assert finite.tolist() == expected.finite.tolist() == [True] * 4 + [False, False, True]
+    usable = expected.finite
+    assert torch.equal(tokens[usable], expected.tokens[usable])
+    assert logprobs is not None and expected.logprobs is not None
+    assert torch.equal(logprobs[usable], expected.logprobs[usable])
 
 
 def test_real_rows_are_the_same_with_dummy_rows(loaded: tuple[Any, Any]) -> None:
