@@ -253,6 +253,39 @@ def test_static_buffers_never_move_across_batches(loaded: tuple[Any, Any]) -> No
     assert [row[:12] for row in first[0][:2]] == second[0]
 
 
+def test_rows_carry_on_across_a_hand_over(loaded: tuple[Any, Any]) -> None:
+    """Four rows run 10 steps in a bucket whose slots then run out; rows 1 and 3 carry on in a bucket of 2
+    rows and a longer length (its buffers under the address-checking graph), then row 3 alone compacted in
+    place: each row's tokens are those of the batch run whole in one bucket."""
+    model, tokenizer = loaded
+    settings, ids = SETTINGS, prompts(tokenizer)
+    whole = generate(built(model, settings, rows=4, length=64), model, ids, settings, 30)
+    kv, mask, logits = prefill(model, ids)
+    first = built(model, settings, rows=4, length=mask.shape[1] + 10)
+    tokens = [first.begin(settings, kv=kv, prompt_mask=mask, logits=logits).tokens.tolist()]
+    for _ in range(10):
+        first.step()
+        tokens.append(first.tokens.tolist())
+    assert first.slots_left == 0
+    second = built(model, settings[1::2], rows=2, length=64)
+    graph = AddressCheckingGraph(second)
+    graph.capture()
+    second.run = graph.replay
+    first.hand_over([1, 3], second)
+    for _ in range(10):
+        second.step()
+        tokens.append([-1, second.tokens[0].item(), -1, second.tokens[1].item()])
+    second.hand_over([1], second)  # row 3 alone, compacted into the front row in place
+    for _ in range(9):
+        second.step()
+        tokens.append([-1, -1, -1, second.tokens[0].item()])
+    assert graph.replays == 19
+    columns = [list(row) for row in zip(*tokens, strict=True)]
+    assert columns[0][:11] == whole[0][0][:11] and columns[2][:11] == whole[0][2][:11]
+    assert columns[1][:21] == whole[0][1][:21]
+    assert columns[3] == whole[0][3]
+
+
 # ---------------------------------------------------------------------------------------------- syncs
 
 

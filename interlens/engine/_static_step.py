@@ -223,6 +223,69 @@ class StaticDecodeStep:
         self.run()
         self._slot += 1
 
+    def hand_over(self, keep: Sequence[int], to: StaticDecodeStep) -> None:
+        """Carry the real rows ``keep`` (indices among this batch's rows, in order) on in ``to``: a step of
+        a smaller row bucket at a bucket edge (finished rows dropped), of a longer length bucket when this
+        one's slots run out, or this step itself (compacted in place). Their KV, mask, positions, next
+        tokens and settings are copied into ``to``'s buffers in place (none of ``to``'s tensors moves: a
+        graph captured on it stays valid), and each row's uniform stream carries on where it was
+        (``Sampler.select``), so a row's tokens are the same across the hand-over. Off the hot path: once
+        per bucket edge."""
+        import torch
+
+        if self._sampler is None:
+            raise ConfigurationError("StaticDecodeStep.hand_over(): no batch begun on this step")
+        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
+            raise ConfigurationError(
+                f"StaticDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
+                f"batch's {self._n} rows, at least one"
+            )
+        settings = [self._sampler.settings[j] for j in keep]
+        to._check(settings, len(keep), self._slot)
+        if self.record and not to.record:
+            raise ConfigurationError(
+                "StaticDecodeStep.hand_over(): this batch records log-probabilities and the step it is "
+                "handed to does not; hand it to a step built with record=True"
+            )
+        k, slot = len(keep), self._slot
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            # gathered first (index_select copies), so a step handing over to itself reads before it writes
+            kv = [
+                (src.keys.index_select(0, index)[:, :, :slot], src.values.index_select(0, index)[:, :, :slot])
+                for src in self.cache.layers
+            ]
+            state = {
+                name: getattr(self, name).index_select(0, index)
+                for name in ("positions", "input_ids", "temperature", "top_p", "greedy")
+            }
+            mask = self.mask.index_select(0, index)[:, :slot]
+            for (keys, values), dst in zip(kv, to.cache.layers, strict=True):
+                dst.keys[:k, :, :slot].copy_(keys)
+                dst.values[:k, :, :slot].copy_(values)
+                dst.cumulative_length.fill_(slot)
+            to.mask.fill_(1)
+            to.mask[:k, :slot].copy_(mask)
+            for name, fill in (
+                ("positions", 0),
+                ("input_ids", to.pad_id),
+                ("temperature", 1.0),
+                ("top_p", 1.0),
+            ):
+                buffer = getattr(to, name)
+                buffer.fill_(fill)
+                buffer[:k].copy_(state[name])
+            to.greedy.fill_(True)
+            to.greedy[:k].copy_(state["greedy"])
+            to.uniforms.fill_(0.5)
+        sampler = self._sampler.select(list(keep))
+        self._sampler = None
+        to._sampler = sampler
+        sampling = sampler.greedy.sampling
+        to._sampling_idx = torch.tensor(sampling, dtype=torch.long, device=to.device) if sampling else None
+        to._n = k
+        to._slot = slot
+
     def _check(self, settings: Sequence[SamplingSettings], n: int, width: int) -> None:
         if not 1 <= n <= self.rows or len(settings) != n:
             raise ConfigurationError(
