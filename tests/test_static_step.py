@@ -330,3 +330,11 @@ def test_refuses_what_it_cannot_serve(loaded: tuple[Any, Any]) -> None:
     assert full.slots_left == 0
     with pytest.raises(ConfigurationError, match=r"length bucket of .* slots is full"):
         full.step()
+    with pytest.raises(ConfigurationError, match=r"keep=\[1, 0\]\): keep must be ascending indices"):
+        full.hand_over([1, 0], full)
+    with pytest.raises(
+        ConfigurationError, match=r"hand_over\(\): the \d+ slots already written leave no slot"
+    ):
+        full.hand_over([0, 1], full)  # the same full bucket: nowhere to go
+    with pytest.raises(ConfigurationError, match=r"hand_over\(\): these settings need the 'sample' sampler"):
+        full.hand_over([0], greedy)

@@ -30,9 +30,15 @@ Rows past the real ones up to the bucket are dummies: greedy, fed the pad id ove
 outputs are never read. Every operation of the step is row-wise, so a real row's tokens do not depend on
 them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
 
+At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
+a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
+
 What the engine still has to build around it: one persistent KV pool that every prefill path writes into
-(here :meth:`StaticDecodeStep.begin` copies a prefilled cache in), compaction at bucket edges, and the
-pipelined loop (the host's checks of step n beside the device's step n+1).
+(here :meth:`StaticDecodeStep.begin` copies a prefilled cache in, and each step owns its cache, so a
+hand-over copies rather than re-points views of one pool), the choice of when to hand over (after the
+kept-KV collector has read the rows that leave), the graphs themselves (``torch.cuda.CUDAGraph`` over
+:attr:`StaticDecodeStep.run`, keyed by bucket, in one memory pool), and the pipelined loop (the host's checks
+of step n beside the device's step n+1: the outputs double-buffered or copied out before the next replay).
 """
 
 from __future__ import annotations
@@ -241,7 +247,7 @@ class StaticDecodeStep:
                 f"batch's {self._n} rows, at least one"
             )
         settings = [self._sampler.settings[j] for j in keep]
-        to._check(settings, len(keep), self._slot)
+        to._check(settings, len(keep), self._slot, who="hand_over")
         if self.record and not to.record:
             raise ConfigurationError(
                 "StaticDecodeStep.hand_over(): this batch records log-probabilities and the step it is "
@@ -286,21 +292,22 @@ class StaticDecodeStep:
         to._n = k
         to._slot = slot
 
-    def _check(self, settings: Sequence[SamplingSettings], n: int, width: int) -> None:
+    def _check(self, settings: Sequence[SamplingSettings], n: int, width: int, *, who: str = "begin") -> None:
+        """Refuse a batch this step cannot serve (``who``: the method to name)."""
         if not 1 <= n <= self.rows or len(settings) != n:
             raise ConfigurationError(
-                f"StaticDecodeStep.begin(): {len(settings)} settings for {n} prompt rows in a bucket of "
+                f"StaticDecodeStep.{who}(): {len(settings)} settings for {n} prompt rows in a bucket of "
                 f"{self.rows} rows; give one setting per prompt row, at most {self.rows} rows"
             )
         if width >= self.length:
             raise ConfigurationError(
-                f"StaticDecodeStep.begin(prompt_mask of width {width}): the prompts leave no slot of the "
+                f"StaticDecodeStep.{who}(): the {width} slots already written leave no slot of the "
                 f"length bucket ({self.length}); build the step for a larger length bucket"
             )
         needed = variant_for(settings)
         if VARIANTS.index(needed) > VARIANTS.index(self.variant):
             raise ConfigurationError(
-                f"StaticDecodeStep.begin(): these settings need the {needed!r} sampler variant, this step "
+                f"StaticDecodeStep.{who}(): these settings need the {needed!r} sampler variant, this step "
                 f"is built for {self.variant!r}; build it with variant=variant_for(settings)"
             )
 
