@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import ConfigurationError
 from interlens.engine._buckets import ROW_BUCKETS, length_bucket, row_bucket
+from interlens.engine._cpu_attention import use_cpu_decode_attention
 from interlens.engine._decode import left_pad
 from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 from interlens.engine._sampler import Sampler
@@ -207,6 +208,20 @@ def test_compiles_to_one_frame_per_bucket_with_the_eager_tokens(loaded: tuple[An
         # a second batch through the same compiled step: still the one frame
         generate(step, model, ids, settings, 8)
         assert counter.frame_count == 1
+
+
+def test_compiles_with_the_engines_cpu_decode_attention(qwen2_path: str) -> None:
+    """The attention the engine gives a model on the CPU (``_cpu_attention``, from 8 rows) is inside the
+    one frame too, with the eager tokens."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
+    assert use_cpu_decode_attention(model)
+    ids = prompts(AutoTokenizer.from_pretrained(qwen2_path))
+    eager = generate(built(model, SETTINGS, rows=8, length=64), model, ids, SETTINGS, 40)
+    step = built(model, SETTINGS, rows=8, length=64)
+    counter = CompileCounter()
+    step.run = torch.compile(step._forward_and_sample, fullgraph=True, backend=counter)
+    assert generate(step, model, ids, SETTINGS, 40)[0] == eager[0]
+    assert counter.frame_count == 1
 
 
 # ---------------------------------------------------------------------------------------------- graph
