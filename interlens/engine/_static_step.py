@@ -1,0 +1,345 @@
+"""A decode step of static shapes over static buffers: what a CUDA graph (or a ``torch.compile`` frame)
+can capture once per bucket and replay every step.
+
+The engine's eager step (``_decode.ModelRunner.decode``) allocates as it goes: ``positions + 1``, a window
+narrowed per step, a sampler whose tensors change size with the batch's mix of settings. A captured graph
+replays fixed kernels over fixed addresses, so :class:`StaticDecodeStep` is built for one key (row bucket,
+length bucket, sampler variant, recording on/off: ``_buckets``) and owns every tensor a step touches,
+allocated once:
+
+* inputs: the tokens fed (rows, 1), their positions (rows, 1), the 2-D attention mask over the length
+  bucket's full width (rows, length), and per row its uniform, temperature, top-p and greedy flag;
+* outputs: the chosen tokens, whether each row's logits were usable (``finite``), and with recording the
+  chosen tokens' log-probabilities under the model's and the sampling distribution (rows, 2);
+* its static KV cache (transformers' ``StaticCache``, initialised to rows x length up front), whose layers
+  keep their write position in a tensor (``cumulative_length``) advanced in place by the forward itself.
+
+:meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
+token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
+with per-row settings as tensors), the outputs written in place, and the next step's inputs advanced in
+place (the chosen tokens fed, positions + 1). No ``.item()``, ``.tolist()`` or Python branching on a tensor's
+value: it runs eagerly (the CPU's path), under ``torch.compile(fullgraph=True)``, or captured.
+
+The host's part of a step is :meth:`StaticDecodeStep.step`: this step's uniforms copied into their buffer
+(seeded rows' from each row's own stream, drawn on the host in blocks by the eager sampler's
+``_RowUniforms``: the seed rule is the sampler's, unchanged), then the function run. The host reads the
+chosen tokens afterwards, once a step (its end-of-turn, stop-string and length checks), as the eager loop
+does.
+
+Rows past the real ones up to the bucket are dummies: greedy, fed the pad id over a mask of ones; their
+outputs are never read. Every operation of the step is row-wise, so a real row's tokens do not depend on
+them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
+
+At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
+a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
+
+What the engine still has to build around it: one persistent KV pool that every prefill path writes into
+(here :meth:`StaticDecodeStep.begin` copies a prefilled cache in, and each step owns its cache, so a
+hand-over copies rather than re-points views of one pool), the choice of when to hand over (after the
+kept-KV collector has read the rows that leave), the graphs themselves (``torch.cuda.CUDAGraph`` over
+:attr:`StaticDecodeStep.run`, keyed by bucket, in one memory pool), and the pipelined loop (the host's checks
+of step n beside the device's step n+1: the outputs double-buffered or copied out before the next replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._core import ConfigurationError
+from ._sampler import Choice, Sampler
+from ._sampling import SamplingSettings
+from ._static_sampler import VARIANTS, sample_rows, variant_for
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["StaticDecodeStep", "static_cache"]
+
+
+def static_cache(model: Any, *, rows: int, length: int) -> Any:
+    """A transformers ``StaticCache`` for ``model`` of ``rows`` x ``length`` slots, every layer's storage
+    allocated now (not at its first write), so its addresses are fixed before anything is captured."""
+    import torch
+    from transformers import StaticCache
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cache = StaticCache(config=config, max_cache_len=length)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(model.parameters()).device
+    cache.early_initialization(rows, heads, head_dim, model.dtype, torch.device(device))
+    return cache
+
+
+class StaticDecodeStep:
+    """One decode step's static buffers and its capturable function, for one bucket key (module docstring).
+
+    ``model``: a causal LM (``from_pretrained``); ``rows`` and ``length``: the row and length bucket (the
+    cache and mask are this wide); ``variant``: the sampler variant (``_static_sampler.VARIANTS``: the
+    cheapest one serving the batch's settings is :func:`~._static_sampler.variant_for`); ``record``: the
+    chosen tokens' log-probabilities are written too; ``pad_id``: the token dummy rows are fed.
+
+    Use: :meth:`begin` with a batch's settings, its prefilled KV and its prefill logits (the first tokens
+    are drawn there), then :meth:`step` per token, reading :attr:`tokens` / :attr:`finite` /
+    :attr:`logprobs` after each. :attr:`run` is the function a step runs: :meth:`_forward_and_sample`
+    itself, or what compiled or captured it (a test or the engine sets it).
+    """
+
+    def __init__(
+        self, model: Any, *, rows: int, length: int, variant: str, record: bool, pad_id: int = 0
+    ) -> None:
+        import torch
+
+        if variant not in VARIANTS:
+            raise ConfigurationError(
+                f"StaticDecodeStep(variant={variant!r}): variant must be one of {', '.join(VARIANTS)}; "
+                "variant_for(settings) gives the cheapest one for a batch"
+            )
+        self.model = model
+        self.rows = rows
+        self.length = length
+        self.variant = variant
+        self.record = record
+        self.pad_id = pad_id
+        device = next(model.parameters()).device
+        self.device = str(device)
+        self.cache = static_cache(model, rows=rows, length=length)
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.vocab = vocab
+        # inputs (the host fills them in begin() and the uniforms per step; the step advances the rest)
+        self.input_ids = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.mask = torch.ones((rows, length), dtype=torch.long, device=device)
+        self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, device=device)
+        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        # outputs
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.finite = torch.ones(rows, dtype=torch.bool, device=device)
+        self.logprobs = torch.zeros((rows, 2), dtype=torch.float32, device=device)
+        #: what a step runs: this eager function, or what compiled / captured it
+        self.run: Callable[[], None] = self._forward_and_sample
+        self._sampler: Sampler | None = None
+        self._sampling_idx: torch.Tensor | None = None  # the batch rows the uniforms go to
+        self._n = 0  # the real rows of the batch begun
+        self._slot = length  # the next cache slot a step writes (host-side count; no device read)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every static tensor a step reads or writes, by name: inputs, outputs, and each cache layer's
+        keys, values and write position. A captured graph holds these addresses: none may ever move."""
+        named = {
+            name: getattr(self, name)
+            for name in (
+                "input_ids",
+                "positions",
+                "mask",
+                "uniforms",
+                "temperature",
+                "top_p",
+                "greedy",
+                "tokens",
+                "finite",
+                "logprobs",
+            )
+        }
+        for i, layer in enumerate(self.cache.layers):
+            named[f"cache.{i}.keys"] = layer.keys
+            named[f"cache.{i}.values"] = layer.values
+            named[f"cache.{i}.cumulative_length"] = layer.cumulative_length
+        return named
+
+    @property
+    def slots_left(self) -> int:
+        """Steps this bucket can still take before its cache is full (the engine moves to the next length
+        bucket, or stops, there)."""
+        return self.length - self._slot
+
+    # ------------------------------------------------------------------ the host's part
+
+    def begin(
+        self,
+        settings: Sequence[SamplingSettings],
+        *,
+        kv: Any,
+        prompt_mask: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> Choice:
+        """Start a batch of ``len(settings)`` real rows (at most :attr:`rows`): ``kv`` a cache prefilled
+        with their left-padded prompts (any transformers cache whose layers have ``keys`` / ``values`` of
+        ``prompt_mask``'s width, batch-first), ``prompt_mask`` (real rows x prompt width, 1 = a prompt token)
+        and ``logits`` (real rows x vocab): the prefill's last-position logits. Every buffer is filled in
+        place (nothing is allocated that a step reads); the first tokens are drawn from ``logits`` by the
+        eager sampler (whose uniform streams the steps carry on) and returned as its :class:`Choice`."""
+        import torch
+
+        n, width = prompt_mask.shape
+        self._check(settings, n, width)
+        with torch.no_grad():
+            for src, dst in zip(kv.layers, self.cache.layers, strict=True):
+                dst.keys[:n, :, :width].copy_(src.keys[:, :, :width])
+                dst.values[:n, :, :width].copy_(src.values[:, :, :width])
+                dst.cumulative_length.fill_(width)
+            self.mask.fill_(1)
+            self.mask[:n, :width].copy_(prompt_mask)
+            self.positions.zero_()
+            self.positions[:n, 0].copy_(prompt_mask.sum(dim=-1))
+            self.input_ids.fill_(self.pad_id)
+            self.uniforms.fill_(0.5)
+            greedy = [s.temperature <= 0 for s in settings]
+            self.greedy.fill_(True)
+            self.greedy[:n].copy_(torch.tensor(greedy, dtype=torch.bool))
+            self.temperature.fill_(1.0)
+            self.temperature[:n].copy_(
+                torch.tensor([1.0 if g else s.temperature for g, s in zip(greedy, settings, strict=True)])
+            )
+            self.top_p.fill_(1.0)
+            self.top_p[:n].copy_(
+                torch.tensor([1.0 if g else s.top_p for g, s in zip(greedy, settings, strict=True)])
+            )
+            sampler = Sampler(settings, self.device, record=self.record)
+            choice = sampler.choose(logits)
+            fed = torch.where(choice.finite, choice.tokens, 0)
+            self.input_ids[:n, 0].copy_(fed)
+        self._sampler = sampler
+        sampling = sampler.greedy.sampling
+        self._sampling_idx = (
+            torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
+        )
+        self._n = n
+        self._slot = width
+        return choice
+
+    def step(self) -> None:
+        """One decode step: this step's uniforms into their buffer (one copy), then :attr:`run`. The outputs
+        are in :attr:`tokens`, :attr:`finite` and :attr:`logprobs`; nothing is read back here."""
+        if self._sampler is None:
+            raise ConfigurationError(
+                "StaticDecodeStep.step(): no batch begun; call begin(settings, kv=..., prompt_mask=..., "
+                "logits=...) first"
+            )
+        if self._slot >= self.length:
+            raise ConfigurationError(
+                f"StaticDecodeStep.step(): the length bucket of {self.length} slots is full; "
+                "move the batch to the next length bucket (or end it) before this step"
+            )
+        if self._sampling_idx is not None:
+            self.uniforms.index_copy_(0, self._sampling_idx, self._sampler.uniforms.next())
+        self.run()
+        self._slot += 1
+
+    def hand_over(self, keep: Sequence[int], to: StaticDecodeStep) -> None:
+        """Carry the real rows ``keep`` (indices among this batch's rows, in order) on in ``to``: a step of
+        a smaller row bucket at a bucket edge (finished rows dropped), of a longer length bucket when this
+        one's slots run out, or this step itself (compacted in place). Their KV, mask, positions, next
+        tokens and settings are copied into ``to``'s buffers in place (none of ``to``'s tensors moves: a
+        graph captured on it stays valid), and each row's uniform stream carries on where it was
+        (``Sampler.select``), so a row's tokens are the same across the hand-over. Off the hot path: once
+        per bucket edge."""
+        import torch
+
+        if self._sampler is None:
+            raise ConfigurationError("StaticDecodeStep.hand_over(): no batch begun on this step")
+        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
+            raise ConfigurationError(
+                f"StaticDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
+                f"batch's {self._n} rows, at least one"
+            )
+        settings = [self._sampler.settings[j] for j in keep]
+        to._check(settings, len(keep), self._slot, who="hand_over")
+        if self.record and not to.record:
+            raise ConfigurationError(
+                "StaticDecodeStep.hand_over(): this batch records log-probabilities and the step it is "
+                "handed to does not; hand it to a step built with record=True"
+            )
+        k, slot = len(keep), self._slot
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            # gathered first (index_select copies), so a step handing over to itself reads before it writes
+            kv = [
+                (src.keys.index_select(0, index)[:, :, :slot], src.values.index_select(0, index)[:, :, :slot])
+                for src in self.cache.layers
+            ]
+            state = {
+                name: getattr(self, name).index_select(0, index)
+                for name in ("positions", "input_ids", "temperature", "top_p", "greedy")
+            }
+            mask = self.mask.index_select(0, index)[:, :slot]
+            for (keys, values), dst in zip(kv, to.cache.layers, strict=True):
+                dst.keys[:k, :, :slot].copy_(keys)
+                dst.values[:k, :, :slot].copy_(values)
+                dst.cumulative_length.fill_(slot)
+            to.mask.fill_(1)
+            to.mask[:k, :slot].copy_(mask)
+            for name, fill in (
+                ("positions", 0),
+                ("input_ids", to.pad_id),
+                ("temperature", 1.0),
+                ("top_p", 1.0),
+            ):
+                buffer = getattr(to, name)
+                buffer.fill_(fill)
+                buffer[:k].copy_(state[name])
+            to.greedy.fill_(True)
+            to.greedy[:k].copy_(state["greedy"])
+            to.uniforms.fill_(0.5)
+        sampler = self._sampler.select(list(keep))
+        self._sampler = None
+        to._sampler = sampler
+        sampling = sampler.greedy.sampling
+        to._sampling_idx = torch.tensor(sampling, dtype=torch.long, device=to.device) if sampling else None
+        to._n = k
+        to._slot = slot
+
+    def _check(self, settings: Sequence[SamplingSettings], n: int, width: int, *, who: str = "begin") -> None:
+        """Refuse a batch this step cannot serve (``who``: the method to name)."""
+        if not 1 <= n <= self.rows or len(settings) != n:
+            raise ConfigurationError(
+                f"StaticDecodeStep.{who}(): {len(settings)} settings for {n} prompt rows in a bucket of "
+                f"{self.rows} rows; give one setting per prompt row, at most {self.rows} rows"
+            )
+        if width >= self.length:
+            raise ConfigurationError(
+                f"StaticDecodeStep.{who}(): the {width} slots already written leave no slot of the "
+                f"length bucket ({self.length}); build the step for a larger length bucket"
+            )
+        needed = variant_for(settings)
+        if VARIANTS.index(needed) > VARIANTS.index(self.variant):
+            raise ConfigurationError(
+                f"StaticDecodeStep.{who}(): these settings need the {needed!r} sampler variant, this step "
+                f"is built for {self.variant!r}; build it with variant=variant_for(settings)"
+            )
+
+    # ------------------------------------------------------------------ the captured part
+
+    def _forward_and_sample(self) -> None:
+        """The step a graph holds: forward one token per row over the static cache, sample every row, write
+        the outputs and advance the inputs, all in place over the static buffers."""
+        import torch
+
+        with torch.no_grad():
+            out = self.model(
+                input_ids=self.input_ids,
+                attention_mask=self.mask,
+                position_ids=self.positions,
+                cache=self.cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            tokens, finite, logprobs = sample_rows(
+                logits,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                greedy=self.greedy,
+                uniforms=self.uniforms,
+                variant=self.variant,
+                record=self.record,
+            )
+            self.tokens.copy_(tokens)
+            self.finite.copy_(finite)
+            if logprobs is not None:
+                self.logprobs.copy_(logprobs)
+            # the next step feeds this one's tokens (a row whose logits went bad: a valid id, ignored)
+            self.input_ids.copy_(torch.where(finite, tokens, 0).unsqueeze(1))
+            self.positions.add_(1)
