@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -75,11 +75,11 @@ async def call_blocking(fn: Callable[..., T], *args: Any) -> T:
     await done.wait()
     ok, value = outcome[0]
     if ok:
-        return value  # type: ignore[no-any-return]
+        return value
     raise value
 
 
-def run_in_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+def run_in_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
     """From a thread :func:`call_blocking` started (or one of anyio's): ``await fn(*args)`` on the loop that
     started it, blocking this thread until it is done."""
     return anyio.from_thread.run(fn, *args, token=_LOOP.get())

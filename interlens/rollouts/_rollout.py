@@ -274,7 +274,7 @@ def lineup_spec(
             "a steered turn cannot share); pass batched=False (mode=ExecutionMode.DETERMINISTIC)"
         )
     needs_device = any(p.needs_device for p in conv.participants)
-    job_options = {"tokens_missing": unrecorded, "limits": limits}
+
     engine_keys = _engine_keys(conv.participants)
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
@@ -288,7 +288,7 @@ def lineup_spec(
         expanded: Conversation | None = None
         try:
             expanded = base.for_row(row, index=row_index, seed=seed + i)
-            job = ConversationJob(expanded, needs_device, recipe, **job_options)
+            job = ConversationJob(expanded, needs_device, recipe, tokens_missing=unrecorded, limits=limits)
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
         fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
