@@ -17,7 +17,10 @@ Time limits (``rollout(turn_timeout=..., analyzer_timeout=...)``) reach the turn
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import functools
+import queue
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -50,33 +53,84 @@ TIME_LIMITS: contextvars.ContextVar[TimeLimits] = contextvars.ContextVar(
 
 
 async def call_blocking(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a daemon thread of its own; its exception (SystemExit too) is raised here. Cancelling
-    the caller (Ctrl-C, :func:`within`'s limit) stops the wait at once; the thread runs on unobserved."""
+    """``fn(*args)`` in a daemon thread (:data:`_POOL`); its exception (SystemExit too) is raised here.
+    Cancelling the caller (Ctrl-C, :func:`within`'s limit) stops the wait at once; the thread runs on
+    unobserved, and the pool starts another for the next call."""
     token = anyio.lowlevel.current_token()
     done = anyio.Event()
     outcome: list[tuple[bool, Any]] = []
+    loop = _asyncio_loop()
 
     def target() -> None:
         try:
             outcome.append((True, fn(*args)))
         except BaseException as exc:  # handed to the awaiting task, whatever it is
             outcome.append((False, exc))
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
+        try:  # asyncio (what interlens runs on): a wake-up, without waiting for the loop to run it
+            if loop is not None:
+                loop.call_soon_threadsafe(done.set)
+            else:
+                anyio.from_thread.run_sync(done.set, token=token)
         except Exception:  # the loop is gone (the run stopped waiting long ago): nobody to tell
             pass
 
     context = contextvars.copy_context()
     context.run(_LOOP.set, token)
-    thread = threading.Thread(
-        target=context.run, args=(target,), name=f"interlens-user-{_name(fn)}", daemon=True
-    )
-    thread.start()
+    _POOL.submit(functools.partial(context.run, target))
     await done.wait()
     ok, value = outcome[0]
     if ok:
         return value
     raise value
+
+
+class _DaemonPool:
+    """Daemon threads for user code, kept a while between calls (starting a thread per call tripled the
+    cost of a scripted turn). A thread blocked forever is simply never idle again: the pool starts another,
+    and the process can still exit (daemon threads are not joined at exit, unlike anyio's and
+    ``concurrent.futures``')."""
+
+    IDLE_S = 10.0  # an idle thread ends after this long
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name="interlens-user-code", daemon=True
+            ).start()
+        inbox.put(work)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            try:
+                work = inbox.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # nobody handed it work meanwhile: end
+                        self._idle.remove(inbox)
+                        return
+                continue  # work is on its way: serve it
+            if work is None:
+                return
+            work()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_POOL = _DaemonPool()
+
+
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # another anyio backend
+        return None
 
 
 def run_in_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
@@ -94,7 +148,3 @@ async def within(seconds: float | None, awaitable: Awaitable[T], *, timed_out: C
     if scope.cancelled_caught:
         raise timed_out()
     raise AssertionError("unreachable: the block returned or was cancelled by its deadline")
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return str(getattr(fn, "__name__", type(fn).__name__))[:40]
