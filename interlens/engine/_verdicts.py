@@ -103,13 +103,12 @@ class VerdictKey:
 
 
 class Verdicts:
-    """One engine's reads and writes of its verdicts. The model's part of the key is computed once, on the
-    first lookup (only deterministic use pays for it); the rest at every lookup (threads can change)."""
+    """One engine's reads and writes of its verdicts. The key is computed at each lookup (a few per engine:
+    the self-test, then each larger batch size), so weights edited or threads changed in between count."""
 
     def __init__(self, model: Any, *, device: str) -> None:
         self._model = model
         self._device = device
-        self._identity: dict[str, Any] | None = None
 
     def lookup(self, probe: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[VerdictKey | None, Any]:
         """``(key, verdict)``: the verdict on disk for ``probe`` (a dict of ``fields``, each a bool), or
@@ -132,6 +131,7 @@ class Verdicts:
             return key, None
         if not all(isinstance(value, bool) for value in verdict.values()):
             return key, None
+        log.debug("batch-invariance verdict %s read from %s", verdict, key.path)
         return key, verdict
 
     def store(self, key: VerdictKey | None, verdict: Mapping[str, bool]) -> None:
@@ -159,17 +159,16 @@ class Verdicts:
 
         if _hooked(self._model):
             return None
-        if self._identity is None:
-            try:
-                self._identity = _model_identity(self._model)
-            except Exception as exc:  # meta or offloaded tensors, an odd config: no verdicts kept
-                log.debug("no identity for %r's weights (%r): its verdicts are not kept", self._model, exc)
-                return None
+        try:
+            identity = _model_identity(self._model)
+        except Exception as exc:  # meta or offloaded tensors, an odd config: no verdicts kept
+            log.debug("no identity for %r's weights (%r): its verdicts are not kept", self._model, exc)
+            return None
         import transformers
 
         parts = {
             "probe": dict(probe),
-            "model": self._identity,
+            "model": identity,
             "device": _device_identity(self._device),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
