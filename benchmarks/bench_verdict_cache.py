@@ -33,9 +33,9 @@ def child(path: str, dtype: str, rollouts: int, turns: int, new_tokens: int) -> 
             n=rollouts, devices=["cpu"], out_dir=out_dir, progress=False, batched=False, seed=1
         )
         seconds = time.perf_counter() - start
-    assert not report.failed, report.failed
-    metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
-    tokens = sum(r.tokens_generated for r in report.results.values())
+        assert not report.failed, report.failed
+        metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
+        tokens = sum(r.tokens_generated for r in report.results.values())
     sizes = sorted({m["batch_size"] for m in metas})
     print(json.dumps({"seconds": seconds, "tokens": tokens, "sizes": sizes}))
 

@@ -93,6 +93,7 @@ def test_a_fresh_engine_reads_its_verdicts_and_runs_no_self_test_nor_size_probe(
     warm, again = first.steps_of(requests)  # the verdicts in memory: the batch's own steps only
     assert again == tokens and cold > warm
     assert verdict_dir() == verdicts_here and len(_files(verdicts_here)) == 2  # the self-test; 20 rows
+    assert sorted(p.suffix for p in verdicts_here.iterdir()) == [".json", ".json"]  # no temporary file left
     kept = [json.loads(p.read_text()) for p in _files(verdicts_here)]
     assert sorted(k["parts"]["probe"]["rows"] or 0 for k in kept) == [0, 20]
     assert {k["format"] for k in kept} == {VERDICT_FORMAT}
