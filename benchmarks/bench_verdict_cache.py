@@ -34,7 +34,7 @@ def child(path: str, dtype: str, rollouts: int, turns: int, new_tokens: int) -> 
         )
         seconds = time.perf_counter() - start
         assert not report.failed, report.failed
-        metas = [m.metadata for r in report.results.values() for m in r.transcript[1:]]
+        metas = [m.metadata for r in report.results.values() for m in (r.transcript or [])[1:]]
         tokens = sum(r.tokens_generated for r in report.results.values())
     sizes = sorted({m["batch_size"] for m in metas})
     print(json.dumps({"seconds": seconds, "tokens": tokens, "sizes": sizes}))
