@@ -22,6 +22,28 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verdicts_in_a_session_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the user's kept batch-invariance verdicts (``engine._verdicts``): the session's
+    own folder (what session fixtures and child processes see), and each test its own below."""
+    before = os.environ.get("INTERLENS_CACHE_DIR")
+    os.environ["INTERLENS_CACHE_DIR"] = str(tmp_path_factory.mktemp("interlens-cache"))
+    yield
+    if before is None:
+        os.environ.pop("INTERLENS_CACHE_DIR", None)
+    else:
+        os.environ["INTERLENS_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _verdicts_per_test(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Each test starts with no kept verdict, as before they were kept: its engines run their self-test."""
+    import hashlib
+
+    name = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("INTERLENS_CACHE_DIR", os.path.join(os.environ["INTERLENS_CACHE_DIR"], name))
+
+
 @pytest.fixture(scope="session")
 def qwen2_path() -> str:
     return tiny_model("qwen2")

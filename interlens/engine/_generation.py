@@ -35,7 +35,7 @@ from interlens.scheduler import ExecutionMode
 
 from .._core import ConfigurationError, GenerationError
 from ..interp import text_config
-from ._batch_invariance import PROBED_ROWS, invariant_at
+from ._batch_invariance import PROBED_ROWS, invariant_at, probe_definition
 from ._batch_invariance import batch_invariant as _self_test
 from ._decode import ModelRunner, raise_if_cancelled
 from ._device_memory import model_cuda_devices, usable_cuda_bytes
@@ -48,6 +48,7 @@ from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
 from ._slot_rows import ROW_BLOCK, SlotLayout
+from ._verdicts import Verdicts
 
 log = logging.getLogger("interlens")
 
@@ -114,6 +115,7 @@ class LocalEngine:
         #: ``interlens.engine._model_cache`` loaded it: what a GPU run's memory depends on, for diagnostics.
         self.placement: dict[str, Any] = {}
         self._batch_invariant: bool | None = None  # the self-test's verdict, once run (``batch_invariant``)
+        self._verdicts = Verdicts(model, device=device)  # the verdicts kept on disk (``_verdicts``)
         # Deterministic batch sizes (rows, padded) that co-step: up to ``_invariant_rows`` they were probed
         # and passed; from ``_variant_rows`` on one failed, so larger batches co-step in chunks instead.
         self._invariant_rows = PROBED_ROWS
@@ -199,8 +201,13 @@ class LocalEngine:
 
         size = -(-rows // ROW_BLOCK) * ROW_BLOCK
         if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
+            probe = {"rows": size, "fixed_linear_rows": self._slots.fixed_linear_rows, **probe_definition()}
+            key, known = self._verdicts.lookup(probe, ("invariant",))
             with torch.inference_mode():
-                if invariant_at(self._slots, size):
+                passed = known["invariant"] if known else invariant_at(self._slots, size)
+                if not known:
+                    self._verdicts.store(key, {"invariant": passed})
+                if passed:
                     self._invariant_rows = size
                 else:
                     self._variant_rows = size
@@ -213,10 +220,17 @@ class LocalEngine:
 
     def _passes_self_test(self) -> bool:
         """The self-test on the stock kernels, else with every linear layer in fixed-row chunks (slower, so
-        only where the stock kernels pick their kernel by the batch's row count: ``_slot_rows``)."""
+        only where the stock kernels pick their kernel by the batch's row count: ``_slot_rows``). A verdict
+        kept on disk for this very key (``_verdicts``) is used instead; one computed here is kept."""
         slots = self._slots
+        fields = ("invariant", "fixed_linear_rows")
+        key, known = self._verdicts.lookup({"rows": None, **probe_definition()}, fields)
+        if known:
+            slots.fixed_linear_rows = known["fixed_linear_rows"]
+            return bool(known["invariant"])
         slots.fixed_linear_rows = False
         if _self_test(slots):
+            self._verdicts.store(key, {"invariant": True, "fixed_linear_rows": False})
             return True
         slots.fixed_linear_rows = True
         passed = False
@@ -224,6 +238,7 @@ class LocalEngine:
             passed = _self_test(slots)
         finally:
             slots.fixed_linear_rows = passed
+        self._verdicts.store(key, {"invariant": passed, "fixed_linear_rows": passed})
         if passed:
             log.info(
                 "%r: the stock kernels are not batch-invariant here; deterministic rows co-step with every "
