@@ -155,6 +155,9 @@ def _capture(step: Any, pool: Any, cuda: bool, warmups: int = 3) -> tuple[Callab
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - t0
+    # the capture empties the allocator's cache as it starts: emptied first, what it reserves after is the
+    # graph's (new segments of the shared pool; a graph that reuses the pool's free blocks adds little)
+    torch.cuda.empty_cache()
     reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     cuda_graph = torch.cuda.CUDAGraph()
     t0 = time.perf_counter()

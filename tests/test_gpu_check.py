@@ -2,7 +2,8 @@
 
 A GPU machine is lent for one short run, so ``benchmarks/gpu_check.py`` must work the first time: this runs
 it here as that machine will (a fresh process, ``python -u``, figures to ``--out``), at the tiny model size,
-and reads what it wrote. Parts that need a GPU say they were skipped.
+and reads what it wrote. Parts that need a GPU say they were skipped; part 9 (issue 37) replays the static
+decode step through a stand-in graph that checks every buffer's address.
 """
 
 from __future__ import annotations
