@@ -22,6 +22,7 @@ __all__ = [
     "generate_check",
     "invariance_diagnosis",
     "kv_reuse_check",
+    "random_model",
     "syncs_check",
     "versions",
 ]
@@ -197,6 +198,28 @@ class _IdsOnly:
         return ""
 
 
+def random_model(path: str, device: str, shape: dict[str, int]) -> Any:
+    """A model of ``shape`` (one of :data:`SHAPES`) with random weights, built from the config at ``path``
+    straight on ``device``: bfloat16 on CUDA, float32 elsewhere; no end-of-turn id (every row runs its whole
+    length), pad id 0."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    heads, layers = shape["num_attention_heads"], shape["num_hidden_layers"]
+    config.update({**shape, "num_key_value_heads": 2, "head_dim": shape["hidden_size"] // heads})
+    config.update({"max_position_embeddings": 4096, "tie_word_embeddings": True})
+    if getattr(config, "layer_types", None) is not None:  # one entry per layer: the new count's
+        config.layer_types = ["full_attention"] * layers
+    config.eos_token_id = None
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    with torch.device(device):  # initialised on the device: a 3B model's random init on the host is slow
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def decode_bench(
     path: str, device: str, shapes: dict[str, dict[str, int]], batches: list[int], *, new: int, prompt: int
 ) -> dict[str, Any]:
@@ -204,7 +227,6 @@ def decode_bench(
     models of ``shapes`` in bfloat16: ``batches`` rows of random ``prompt``-token prompts, ``new`` tokens each
     (no end-of-turn id), T = 0.9, one warm-up of each then one timed run of each."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
     from interlens.scheduler import ExecutionMode
@@ -221,18 +243,8 @@ def decode_bench(
 
     figures: dict[str, Any] = {}
     for name, shape in shapes.items():
-        config = AutoConfig.from_pretrained(path)
-        heads, layers = shape["num_attention_heads"], shape["num_hidden_layers"]
-        config.update({**shape, "num_key_value_heads": 2, "head_dim": shape["hidden_size"] // heads})
-        config.update({"max_position_embeddings": 4096, "tie_word_embeddings": True})
-        if getattr(config, "layer_types", None) is not None:  # one entry per layer: the new count's
-            config.layer_types = ["full_attention"] * layers
-        config.eos_token_id = None
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        with torch.device(device):  # initialised on the device: a 3B model's random init on the host is slow
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
+        model = random_model(path, device, shape)
+        config = model.config
         engine = LocalEngine(model, _IdsOnly(), device=device)
         params = sum(p.numel() for p in model.parameters()) / 1e6
         rows: dict[str, Any] = {}

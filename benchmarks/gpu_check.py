@@ -35,6 +35,18 @@ versions. Python, CUDA and the packages the image has (a missing one is null), c
    verdict with stock and chunked linear layers under each attention kernel (which one breaks invariance).
 8. A real device-side assert (GPU only): the first job to reach its analyzer indexes out of range on its
    worker's GPU; the worker must exit and its jobs be retried on a fresh one (no job fails).
+9. Decode steps as CUDA graphs (issue 37; run first, right after ``versions``): the static decode step
+   (``engine/_static_step.py``) on part 0c's shapes in bfloat16, 128-token prompts, 1/16/64/256 rows, greedy
+   and seeded nucleus rows with recording: eager ms a step against the hand-captured graph's replay (CUDA
+   events), capture seconds and the shared pool's memory, tokens graph = eager, the whole loop at 16 rows
+   against HF ``generate``, and the norms' reductions bitwise across row counts (``_gpu_graphs``; the
+   rehearsal: a 3-layer shape, 1 and 4 rows, a stand-in graph that checks the buffers' addresses).
+
+The GPU session of issue 37 runs, with ``.whl`` carried (``gpu_wheels.sh``, rebuilt from this tree), one
+command of ``timeout_s`` 540 (part 9 ~3-6 minutes, then part 0c's engine and deterministic figures beside it):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && PYTHONPATH=/tmp/site python3 -u benchmarks/gpu_check.py --parts 9,0c --out "$OUT"
 
 Without network on the GPU machine, the wheels the image lacks travel with the tree: ``gpu_wheels.sh``.
 
@@ -61,6 +73,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from _gpu_graphs import graphs_bench
 from _gpu_parts import (
     REHEARSAL_SHAPE,
     SHAPES,
@@ -241,6 +254,19 @@ def main() -> None:
     llama = tiny_model("llama", size=size)
     started = time.perf_counter()
     first = devices[0]
+
+    if wanted("9"):  # first: issue 37's figures before anything else takes the machine's time
+        with part(f"9. decode steps as CUDA graphs on {first}") as fig:
+            if gpus:
+                graphs_bench(
+                    path, first, SHAPES, [1, 16, 64, 256], prompt=128, warm=20, timed=50, check=32,
+                    loop_rows=16, loop_new=64, figures=fig, flush=write_figures,
+                )  # fmt: skip
+            else:  # the rehearsal: part 0c's small shape and batches, a stand-in graph
+                graphs_bench(
+                    path, first, REHEARSAL_SHAPE, [1, 4], prompt=16, warm=2, timed=4, check=8,
+                    loop_rows=4, loop_new=8, figures=fig, flush=write_figures,
+                )  # fmt: skip
 
     if wanted("0"):
         with part(f"0. greedy tokens vs HF generate, float32 on {first}") as fig:

@@ -2,7 +2,8 @@
 
 A GPU machine is lent for one short run, so ``benchmarks/gpu_check.py`` must work the first time: this runs
 it here as that machine will (a fresh process, ``python -u``, figures to ``--out``), at the tiny model size,
-and reads what it wrote. Parts that need a GPU say they were skipped.
+and reads what it wrote. Parts that need a GPU say they were skipped; part 9 (issue 37) replays the static
+decode step through a stand-in graph that checks every buffer's address.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     failed = {title: p["error"] for title, p in parts.items() if not p["ok"]}
     assert failed == {}  # each part's error says what went wrong
     by_number = {title.split(" ")[0]: p for title, p in parts.items()}
-    assert set(by_number) == {"versions", "0.", "0b.", "0c.", "1.", "2.", "3.", "4.", "5.", "6.", "7.", "8."}
+    assert set(by_number) == {
+        "versions", "0.", "0b.", "0c.", "1.", "2.", "3.", "4.", "5.", "6.", "7.", "8.", "9.",
+    }  # fmt: skip
     assert by_number["versions"]["torch"] and by_number["versions"]["transformers"]
     correct = by_number["0."]
     assert correct["batch_equal"] == [True] * 4 and correct["alone_equal"] is True
@@ -49,6 +52,33 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert diagnosis["stock linears, default attention"] is True
     assert diagnosis["chunked linears, math attention"] is True
     assert by_number["8."]["skipped"] == "no GPU"
+    _check_graphs_part(by_number["9."])
+
+
+def _check_graphs_part(graphs: dict[str, Any]) -> None:
+    """Part 9's rehearsal (issue 37): every row bucket and variant timed eager and replayed through the
+    stand-in graph, which saw no buffer move and no host read in the captured function; the replayed tokens
+    (and recorded log-probabilities) equal the eager ones; the loop's figures and the reduction verdicts."""
+    shape = graphs["3 layers"]
+    assert shape["length_bucket"] == 256 and shape["prompt"] == 16
+    for rows in ("1", "4"):
+        for variant in ("greedy", "top_p"):
+            step = shape[rows][variant]
+            assert "error" not in step, step
+            assert step["tokens_equal"] is True and step["steps_compared"] == 8, (rows, variant)
+            assert step["buffers_moved"] == 0 and step["capture_syncs"] == 0, (rows, variant)
+            assert step["eager_ms"] > 0 and step["graph_ms"] > 0 and step["capture_s"] >= 0
+            assert step.get("logprobs_equal") is (True if variant == "top_p" else None)  # recorded or not
+    assert shape["graphs"]["count"] == 4
+    loop = shape["loop"]
+    assert loop["tokens_equal"] is True and loop["rows"] == 4
+    assert loop["graph_tok_s"] > 0 and loop["eager_tok_s"] > 0 and loop["generate_tok_s"] > 0
+    # a row's mean of squares and norm do not depend on its batch on this CPU
+    assert shape["reduction"] == {
+        "width": 64,
+        "mean_sq": {"4": True, "8": True, "16": True},
+        "norm": {"4": True, "8": True, "16": True},
+    }
 
 
 def test_a_part_that_fails_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
