@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from ._damage import unreadable_jobs
-from ._errors import LedgerSchemaError, StoreError
+from ._errors import LedgerSchemaError, StoreError, UnreadableRecordError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
@@ -42,7 +42,7 @@ from ._schema import (
     migration_script,
 )
 from ._secrets import redacting_logger
-from ._token_rows import TOKENS_KEY, TOKENS_TABLE, join, split, split_text
+from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, join, split, split_text
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -450,12 +450,21 @@ class Ledger:
                 "WHERE t.job_id = ? AND t.idx >= 0 ORDER BY t.idx",
                 (job_id,),
             )
-            turns = []
+            turns: list[dict[str, Any]] = []
             for text, *values in rows:
                 turn = json.loads(text)
                 if values[0] is not None:
                     meta = turn["metadata"]
-                    turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values)}
+                    try:
+                        turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values)}
+                    except TokenRowError as exc:
+                        raise UnreadableRecordError(
+                            f"job {job_id!r}'s turn {len(turns)}: its token record ({TOKENS_TABLE}) does not "
+                            f"read: {exc}; the file was damaged there, so the job cannot replay it. Rerun it "
+                            "with resume=False or into another out_dir",
+                            job_id=job_id,
+                            idx=len(turns),
+                        ) from exc
                 turns.append(turn)
             return turns
 

@@ -21,7 +21,7 @@ import pytest
 from crash_testkit import lines
 from ledger_testkit import as_schema
 
-from interlens import Message, TokenRecord, Transcript
+from interlens import ConfigurationError, Message, TokenRecord, Transcript
 from interlens.report import ledger_rows, ledger_token_rows
 from interlens.store import JobRecord, Ledger, LedgerReader, UnreadableRecordError, restore_tokens
 
@@ -94,6 +94,8 @@ async def test_records_round_trip_bit_for_bit_and_leave_the_turns_json(tmp_path:
             assert markers[4]["reported_by"] == "openai" and markers[4]["n"] == 3
     async with await Ledger.open(tmp_path) as ledger:  # what a resumed attempt replays: the records whole
         assert await ledger.committed_turns("job_0") == written[1:]
+    with pytest.raises(ConfigurationError, match="stored in the ledger's turn_tokens table"):
+        Message.from_json(stored[1]).tokens  # noqa: B018  (a marker read on its own: says where to read it)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
         assert db.execute("SELECT count(*) FROM turn_tokens").fetchone()[0] == 10  # one per record
         assert (
@@ -150,6 +152,9 @@ async def test_a_damaged_record_is_named_by_job_and_turn_and_the_rest_reads(
         assert reader.result("job_1")["conversation"]["transcript"][1]["content"] == written[1]["content"]
         assert _tokens(reader, "job_0") == [m.tokens for m in Transcript.from_json(written)]
         assert reader.unreadable_records() == []  # the turn's JSON itself reads
+    async with await Ledger.open(tmp_path) as ledger:  # a resume that would replay it names it too
+        with pytest.raises(UnreadableRecordError, match=r"job 'job_1'.s turn 0: its token record"):
+            await ledger.committed_turns("job_1")
     assert len(list(ledger_rows(tmp_path))) == 2  # a plain export does not read records
 
 
