@@ -319,15 +319,20 @@ class LedgerReader:
                 ) from exc
         return [records.get(idx) for idx in indices]
 
-    def turn_values(self, json_path: str) -> Iterator[Any]:
+    def turn_values(self, json_path: str, *, without: Sequence[str] = ()) -> Iterator[Any]:
         """The JSON value at ``json_path`` (an SQLite JSON path such as ``'$.metadata.usage'``) of every
         stored message that has one, whichever job, state or run it belongs to (each message is stored once):
-        a scan for totals (what a run spent) without reading whole transcripts."""
+        a scan for totals (what a run spent) without reading whole transcripts. ``without``: paths inside
+        that value left out in SQL, never parsed here (``'$.tokens'`` of ``'$.metadata'``: a token record's
+        marker, or an older ledger's whole record, which no total needs)."""
+        value = "json_extract(turn_json, ?)"
+        if without:
+            value = f"json_remove({value}, {', '.join('?' * len(without))})"
         sql = (  # a record that does not parse is skipped here (``unreadable_records`` names it)
-            "SELECT json_extract(turn_json, ?) FROM turns "
+            f"SELECT {value} FROM turns "
             "WHERE CASE WHEN json_valid(turn_json) THEN json_type(turn_json, ?) END IN ('object', 'array')"
         )
-        for (text,) in self._conn.execute(sql, (json_path, json_path)):
+        for (text,) in self._conn.execute(sql, (json_path, *without, json_path)):
             yield json.loads(text)
 
     def result_values(self, json_path: str) -> Iterator[Any]:

@@ -8,11 +8,14 @@ third more bytes than the binary. So the writer takes it out where the turn is w
 the same transaction as its turns row: no turn without its record, no record without its turn) into a
 ``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
 
-    {"stored": "turn_tokens", "format": 1, "n": 256, "digest": "…"}  (+ "reported_by" for a hosted turn)
+    {"stored": "turn_tokens", "n": 256, "digest": "1f2e3d4c"}  (+ "reported_by" for a hosted turn)
 
-``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints; ``digest`` (of the row's bytes) keeps
-two turns that differ only in their records from reading as equal where a result's messages are matched to
-committed turns by text, and lets a reader tell a damaged row (truncated, wrong length) from a whole one.
+``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints; ``digest`` (32 bits of a hash of the
+row's bytes) keeps two turns that differ only in their records from reading as equal where a result's
+messages are matched to committed turns by text, and lets a reader tell a damaged row (truncated, wrong
+length, overwritten) from a whole one. The marker is kept this small on purpose: every reader of turns
+parses it (``benchmarks/bench_token_reads.py``: status and a plain export pay for its bytes, ~4 % of a
+256-token turn's JSON, where the first, 70-byte marker cost them ~10 %).
 The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
 previous recorded turn (``keep`` leading ids, then its own), the rest in the ``prompt_ids`` BLOB.
 
@@ -70,7 +73,7 @@ class TokenRow:
         return (self.facts_json, self.ids, self.model_logprobs, self.sampling_logprobs, self.prompt_ids)
 
     def digest(self) -> str:
-        h = hashlib.blake2b(digest_size=8)
+        h = hashlib.blake2b(digest_size=4)
         for part in self.values():
             data = part.encode() if isinstance(part, str) else (part or b"")
             h.update(len(data).to_bytes(8, "little") + data)
@@ -137,7 +140,6 @@ def marked(row: TokenRow) -> dict[str, Any]:
     facts = json.loads(row.facts_json)
     marker: dict[str, Any] = {
         MARKER_KEY: TOKENS_TABLE,
-        "format": facts["format"],
         "n": len(row.model_logprobs) // 4,
         "digest": row.digest(),
     }
