@@ -5,7 +5,8 @@
 
 ``--ledger`` measures the records' size instead: 16 debates x 8 turns x up to ``--ledger-tokens`` tokens
 (``_common.debate``, T = 0.9) run into a fresh ledger with ``record_tokens`` off and on; prints each
-ledger's size after ``VACUUM``, the turns' text, the records' JSON, and what the records add.
+ledger's size after ``VACUUM``, the turns' text, the records (their ``turn_tokens`` rows' bytes and the
+markers their turns keep: schema 5) and what the records add.
 
 One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
 the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
@@ -50,13 +51,22 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int) -> None:
             conv.rollout(n=16, out_dir=out, seed=1)
             db = sqlite3.connect(os.path.join(out, "ledger.sqlite"))
             turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
+            # Schema 5 (issue 40): the records' bytes are in turn_tokens, a marker in each turn's JSON.
+            table = sum(
+                n or 0
+                for (n,) in db.execute(
+                    "SELECT length(facts_json) + length(ids) + length(model_logprobs) "
+                    "+ coalesce(length(sampling_logprobs), 0) + length(prompt_ids) FROM turn_tokens"
+                )
+            )
             db.execute("VACUUM")
             db.close()  # the write-ahead log folded in: the files' size is the ledger's
             size = sum(
                 os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("ledger")
             )
         text = sum(len(t["content"].encode()) for t in turns)
-        records = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
+        markers = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
+        records = table + markers
         tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
         sizes[record] = size
         print(

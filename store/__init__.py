@@ -73,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "SCHEMA_VERSION": "._schema",
     "SecretGuard": "._secrets",
     "redacting_logger": "._secrets",
+    "restore_tokens": "._token_rows:restore",
 }
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "UnreadableRecordError",
     "encode_json",
     "redacting_logger",
+    "restore_tokens",
 ]
 
 

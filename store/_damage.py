@@ -127,6 +127,10 @@ async def rerun_unreadable(conn: aiosqlite.Connection) -> list[str]:
             "DELETE FROM turns WHERE job_id = ? AND (idx < 0 OR idx >= ?)",
             (job_id, first if first is not None else 2**62),
         )
+        await conn.execute(
+            "DELETE FROM turn_tokens WHERE job_id = ? AND (idx < 0 OR idx >= ?)",
+            (job_id, first if first is not None else 2**62),
+        )
         await conn.execute("UPDATE jobs SET state = 'pending' WHERE job_id = ? AND state = 'done'", (job_id,))
         kept = "its committed turns kept" if first is None else f"its turns before turn {first} kept"
         where = "its result" if first is None else f"turn {first}"

@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from ._damage import unreadable_jobs
-from ._errors import LedgerSchemaError, StoreError
+from ._errors import LedgerSchemaError, StoreError, UnreadableRecordError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
 from ._json import SecretGuard, dumps
@@ -33,8 +33,16 @@ from ._provider_batches import open_batches_op, record_batch_op, update_batch_op
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
 from ._results import EncodedResult, encode_result, store_results
 from ._runs import STORE_START_OVER, begin_run_op, check_lineups_op
-from ._schema import LEDGER_FILENAME, SCHEMA, SCHEMA_VERSION, check_existing, migration_script
+from ._schema import (
+    LEDGER_FILENAME,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SPLIT_FUNCTION,
+    check_existing,
+    migration_script,
+)
 from ._secrets import redacting_logger
+from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, join, split, split_text
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -51,10 +59,23 @@ _INSERT_JOB = (
     "tokens_generated, input_fp) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0, ?)"
 )
 _UPSERT_TURN = "INSERT OR REPLACE INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)"
+_UPSERT_TOKENS = (
+    f"INSERT OR REPLACE INTO {TOKENS_TABLE} (job_id, idx, facts_json, ids, model_logprobs, "
+    "sampling_logprobs, prompt_ids) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_DROP_TOKENS = f"DELETE FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ?"  # a turn re-recorded without one
 _MARK_DONE = (
     "UPDATE jobs SET state = 'done', finished_at = ?, tokens_generated = ?, run_id = ?, error_type = NULL, "
     "error_message = NULL, error_traceback = NULL WHERE job_id = ?"
 )
+
+
+def _split_part(text: str, part: int) -> Any:
+    """The v4 -> v5 migration's SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    stored, row = split_text(text)
+    if part == 0:
+        return stored
+    return None if row is None else row.values()[part - 1]
 
 
 def _unknown_job(action: str, job_id: str) -> StoreError:
@@ -168,6 +189,7 @@ class Ledger:
                 if not existing:
                     await conn.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
                 elif existing < SCHEMA_VERSION:  # an older ledger: brought up to date, in one transaction
+                    await conn.create_function(SPLIT_FUNCTION, 2, _split_part, deterministic=True)
                     try:
                         await conn.executescript(migration_script(existing))
                     except sqlite3.Error as exc:
@@ -401,23 +423,50 @@ class Ledger:
             raise TypeError(
                 f"record_turn({job_id!r}, {index}): turn must be a mapping, got {type(turn).__name__}"
             )
-        text = dumps(dict(turn), what=f"turn {index} of job {job_id!r}", guard=self._guard)
+        stored, row = split(turn)  # its token record, if any, to turn_tokens in the same transaction
+        text = dumps(dict(stored), what=f"turn {index} of job {job_id!r}", guard=self._guard)
+        tokens = (
+            (_DROP_TOKENS, (job_id, index))
+            if row is None
+            else (_UPSERT_TOKENS, (job_id, index, *row.values()))
+        )
         await self._submit(
             Op(
                 f"record_turn({job_id!r}, {index})",
-                stmts=((_UPSERT_TURN, (job_id, index, text, time.time())),),
+                stmts=((_UPSERT_TURN, (job_id, index, text, time.time())), tokens),
                 explain=lambda _exc: _unknown_job("record_turn", job_id),
             )
         )
 
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]:
-        """The committed turns of ``job_id`` in index order (what a resumed attempt replays)."""
+        """The committed turns of ``job_id`` in index order (what a resumed attempt replays), token records
+        included as they were recorded: the replayed conversation is the one that ran."""
 
         async def apply(conn: aiosqlite.Connection) -> list[dict[str, Any]]:
             rows = await conn.execute_fetchall(
-                "SELECT turn_json FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx", (job_id,)
+                "SELECT t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+                f"k.prompt_ids FROM turns t LEFT JOIN {TOKENS_TABLE} k "
+                "ON k.job_id = t.job_id AND k.idx = t.idx "
+                "WHERE t.job_id = ? AND t.idx >= 0 ORDER BY t.idx",
+                (job_id,),
             )
-            return [json.loads(r[0]) for r in rows]
+            turns: list[dict[str, Any]] = []
+            for text, *values in rows:
+                turn = json.loads(text)
+                if values[0] is not None:
+                    meta = turn["metadata"]
+                    try:
+                        turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values)}
+                    except TokenRowError as exc:
+                        raise UnreadableRecordError(
+                            f"job {job_id!r}'s turn {len(turns)}: its token record ({TOKENS_TABLE}) does not "
+                            f"read: {exc}; the file was damaged there, so the job cannot replay it. Rerun it "
+                            "with resume=False or into another out_dir",
+                            job_id=job_id,
+                            idx=len(turns),
+                        ) from exc
+                turns.append(turn)
+            return turns
 
         result: list[dict[str, Any]] = await self._submit(Op(f"committed_turns({job_id!r})", apply=apply))
         return result

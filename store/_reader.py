@@ -32,6 +32,7 @@ from ._records import (
 )
 from ._results import assemble, chunks
 from ._schema import LEDGER_FILENAME, check_existing, ro_uri
+from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, is_marker, join
 
 __all__ = ["LedgerReader"]
 
@@ -279,15 +280,59 @@ class LedgerReader:
             for idx, turn, at in rows
         ]
 
-    def turn_values(self, json_path: str) -> Iterator[Any]:
+    def result_tokens(self, job_id: str) -> list[dict[str, Any] | None] | None:
+        """The token records of ``job_id``'s result transcript, one per message in order (None where a
+        message has none in ``turn_tokens``), as their JSON was written: put them back in place of the markers
+        with ``_token_rows.restore``. None when the job has no stored transcript. The only read of the
+        ``turn_tokens`` table (schema 5): :meth:`result` and the listings leave it alone. A row that does not
+        decode to the record its marker names raises :class:`UnreadableRecordError` naming the job and turn;
+        the rest of the ledger reads."""
+        if self._version < 5:
+            return None  # an older ledger keeps its records in the turns' JSON: result() has them
+        with self._snapshot():
+            order = self._all("SELECT turn_order FROM results WHERE job_id = ?", (job_id,))
+            if not order or order[0][0] is None:
+                return None
+            rows = self._all(
+                "SELECT k.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+                f"k.prompt_ids FROM {TOKENS_TABLE} k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx "
+                "WHERE k.job_id = ?",
+                (job_id,),
+            )
+        with self._unreadable_as_error(job_id):
+            indices = json.loads(order[0][0])
+        records: dict[int, dict[str, Any]] = {}
+        for idx, text, *values in rows:
+            record = UnreadableRecord(job_id, int(idx))
+            marker = (loads(text, record=record, path=self.path).get("metadata") or {}).get(TOKENS_KEY)
+            if not is_marker(marker):
+                continue  # re-recorded without a record: the JSON is what holds
+            try:
+                records[int(idx)] = join(marker, values)
+            except TokenRowError as exc:
+                raise UnreadableRecordError(
+                    f"{record.describe()} in {self.path}: its token record ({TOKENS_TABLE}) does not "
+                    f"read: {exc}; the file was damaged there. The turn itself and the rest of the ledger "
+                    "read (read the job without its tokens, or rerun it into another out_dir)",
+                    job_id=job_id,
+                    idx=int(idx),
+                ) from exc
+        return [records.get(idx) for idx in indices]
+
+    def turn_values(self, json_path: str, *, without: Sequence[str] = ()) -> Iterator[Any]:
         """The JSON value at ``json_path`` (an SQLite JSON path such as ``'$.metadata.usage'``) of every
         stored message that has one, whichever job, state or run it belongs to (each message is stored once):
-        a scan for totals (what a run spent) without reading whole transcripts."""
+        a scan for totals (what a run spent) without reading whole transcripts. ``without``: paths inside
+        that value left out in SQL, never parsed here (``'$.tokens'`` of ``'$.metadata'``: a token record's
+        marker, or an older ledger's whole record, which no total needs)."""
+        value = "json_extract(turn_json, ?)"
+        if without:
+            value = f"json_remove({value}, {', '.join('?' * len(without))})"
         sql = (  # a record that does not parse is skipped here (``unreadable_records`` names it)
-            "SELECT json_extract(turn_json, ?) FROM turns "
+            f"SELECT {value} FROM turns "
             "WHERE CASE WHEN json_valid(turn_json) THEN json_type(turn_json, ?) END IN ('object', 'array')"
         )
-        for (text,) in self._conn.execute(sql, (json_path, json_path)):
+        for (text,) in self._conn.execute(sql, (json_path, *without, json_path)):
             yield json.loads(text)
 
     def result_values(self, json_path: str) -> Iterator[Any]:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ._json import SecretGuard, dumps
+from ._token_rows import TOKENS_TABLE, TokenRow, split
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -57,6 +58,7 @@ class EncodedResult:
     recipe_json: str | None  # the conversation's "recipe", None when it has none
     messages: tuple[str, ...] | None  # each message of a "transcript" list; None when there is no list
     analysis_json: str | None
+    records: tuple[TokenRow | None, ...] = ()  # each message's token record, taken out of its JSON
 
     def state_with_recipe(self) -> str:
         """``state_json`` with the recipe put back: what is stored when the recipe is not the lineup's."""
@@ -75,16 +77,19 @@ def encode_result(
         dumps(state.pop(_RECIPE), what=f"the recipe in {what}", guard=guard) if _RECIPE in state else None
     )
     messages = None
+    records: tuple[TokenRow | None, ...] = ()
     if isinstance(state.get(_TRANSCRIPT), list):
+        pieces = [split(message) for message in state.pop(_TRANSCRIPT)]  # a record: to turn_tokens
         messages = tuple(
             dumps(message, what=f"message {i} of the transcript in {what}", guard=guard)
-            for i, message in enumerate(state.pop(_TRANSCRIPT))
+            for i, (message, _) in enumerate(pieces)
         )
+        records = tuple(row for _, row in pieces)
     state_json = dumps(state, what=what, guard=guard)
     analysis_json = (
         None if analysis is None else dumps(analysis, what=f"the analysis of job {job_id!r}", guard=guard)
     )
-    return EncodedResult(job_id, state_json, recipe, messages, analysis_json)
+    return EncodedResult(job_id, state_json, recipe, messages, analysis_json, records)
 
 
 _CHUNK: Final = 500  # values per "IN (...)": under SQLite's oldest limit of 999 bound parameters
@@ -122,6 +127,7 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
             else:
                 committed.setdefault(job_id, {}).setdefault(text, deque()).append(int(idx))
     extra: list[tuple[str, int, str, float]] = []
+    extra_tokens: list[tuple[Any, ...]] = []  # the token records of those rows (schema 5)
     rows: list[tuple[str, str, int, str | None, str | None]] = []
     now = time.time()
     for result in results:
@@ -132,13 +138,16 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
         if result.messages is not None:
             texts = committed.get(job_id, {})
             indices: list[int] = []
-            for text in result.messages:
+            for k, text in enumerate(result.messages):
                 same = texts.get(text)
                 if same:
                     indices.append(same.popleft())
                 else:  # a message no turn row holds: its own row, numbered -1, -2, ...
                     extra.append((job_id, -len(extra) - 1 + first_extra, text, now))
                     indices.append(extra[-1][1])
+                    row = result.records[k] if result.records else None
+                    if row is not None:
+                        extra_tokens.append((job_id, extra[-1][1], *row.values()))
             order = json.dumps(indices, separators=(",", ":"))
         state = result.state_json if shared else result.state_with_recipe()
         rows.append((job_id, state, int(shared), order, result.analysis_json))
@@ -152,9 +161,18 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
         await conn.executemany(
             "DELETE FROM turns WHERE job_id = ? AND idx < 0", [(j,) for j in sorted(stale)]
         )
+        await conn.executemany(
+            f"DELETE FROM {TOKENS_TABLE} WHERE job_id = ? AND idx < 0", [(j,) for j in sorted(stale)]
+        )
     if extra:
         await conn.executemany(
             "INSERT INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)", extra
+        )
+    if extra_tokens:
+        await conn.executemany(
+            f"INSERT OR REPLACE INTO {TOKENS_TABLE} (job_id, idx, facts_json, ids, model_logprobs, "
+            "sampling_logprobs, prompt_ids) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            extra_tokens,
         )
     await conn.executemany(
         "INSERT OR REPLACE INTO results (job_id, state_json, lineup_recipe, turn_order, analysis_json) "

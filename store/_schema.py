@@ -19,6 +19,7 @@ __all__ = [
     "MIGRATIONS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "SPLIT_FUNCTION",
     "check_existing",
     "migration_script",
     "ro_uri",
@@ -27,7 +28,39 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
+
+# Version 5 keeps turns' token records out of their JSON (store/_token_rows.py): one row per recorded turn.
+# facts_json: the record's format and small facts; the arrays as little-endian BLOBs, never base64.
+_TURN_TOKENS: Final = """CREATE TABLE turn_tokens (
+    job_id      TEXT NOT NULL,
+    idx         INTEGER NOT NULL,
+    facts_json  TEXT NOT NULL,
+    ids         BLOB,
+    model_logprobs BLOB NOT NULL,
+    sampling_logprobs BLOB,
+    prompt_ids  BLOB,
+    PRIMARY KEY (job_id, idx)
+)"""
+
+#: The SQL function the v4 -> v5 step calls (registered by the writer on its connection before it runs):
+#: ``SPLIT_FUNCTION(turn_json, part)`` is part ``part`` of ``_token_rows.split_text(turn_json)``: 0 the turn's
+#: new JSON, 1-5 its row's values (NULL for a turn without a record the store knows).
+SPLIT_FUNCTION: Final = "interlens_split_turn"
+_HAS_RECORD: Final = "json_valid(turn_json) AND json_type(turn_json, '$.metadata.tokens') = 'object'"
+_V4_TO_V5: Final = (
+    _TURN_TOKENS,
+    "CREATE TEMP TABLE v5_split AS SELECT job_id, idx, "
+    + ", ".join(f"{SPLIT_FUNCTION}(turn_json, {k}) AS p{k}" for k in range(6))
+    + f" FROM turns WHERE {_HAS_RECORD}",
+    "INSERT INTO turn_tokens (job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids) "
+    "SELECT job_id, idx, p1, p2, p3, p4, p5 FROM v5_split WHERE p1 IS NOT NULL",
+    "UPDATE turns SET turn_json = (SELECT p0 FROM v5_split s WHERE s.job_id = turns.job_id "
+    "AND s.idx = turns.idx) WHERE EXISTS (SELECT 1 FROM v5_split s WHERE s.job_id = turns.job_id "
+    "AND s.idx = turns.idx "
+    "AND s.p1 IS NOT NULL)",
+    "DROP TABLE temp.v5_split",
+)
 
 # Version 4 keeps every result a later one replaced (see SCHEMA): one table, empty in a migrated ledger (the
 # results version 3 replaced are gone).
@@ -103,7 +136,8 @@ _V2_TO_V3: Final = (
 #: Version 2 adds what a rerun compares: each job's input fingerprint and each provider batch row's request
 #: hash (NULL on rows written by version 1, which recorded neither). Version 3 stops storing a result's
 #: transcript and recipe again per job (see :data:`SCHEMA`). Version 4 keeps the results later ones replaced
-#: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted.
+#: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted. Version 5
+#: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`).
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
@@ -111,6 +145,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     ),
     2: _V2_TO_V3,
     3: (_SUPERSEDED,),
+    4: _V4_TO_V5,
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
@@ -122,7 +157,7 @@ _TABLES: Final = frozenset(
     {"runs", "lineups", "run_lineups", "jobs", "turns", "results", "batches", "batch_requests"}
 )
 #: The tables a ledger has from a version on (older ones lack them until the writer upgrades the file).
-_TABLES_SINCE: Final = {4: frozenset({"superseded_results"})}
+_TABLES_SINCE: Final = {4: frozenset({"superseded_results"}), 5: frozenset({"turn_tokens"})}
 
 # Text columns holding JSON are named *_json. Times are UNIX seconds (REAL). Job order is jobs.seq, the
 # rowid, i.e. the order add_jobs inserted them — not the lexical order of the ids. turns and results are
@@ -201,6 +236,9 @@ CREATE TABLE results (
 -- computed and paid for (interlens: the metadata of an analyzer's API samples), which a total over every
 -- result must still count (LedgerReader.result_values); whatever reads "the" result reads results only.
 {_SUPERSEDED};
+-- A turns row's token record (store/_token_rows.py): written with its turns row, in the same transaction;
+-- its turn_json keeps a marker in metadata.tokens. Read only by what asks for tokens.
+{_TURN_TOKENS};
 CREATE TABLE batches (
     provider    TEXT NOT NULL,
     batch_id    TEXT NOT NULL,

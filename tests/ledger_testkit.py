@@ -7,6 +7,7 @@ its "old" file with the code under test could not notice that code changing.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -128,13 +129,36 @@ _TO_V1 = (
 )
 
 
+def _to_v4(conn: sqlite3.Connection) -> None:
+    """Version 5 keeps token records in turn_tokens; version 4 kept them in the turn's JSON (base64)."""
+    from interlens.store._token_rows import join
+
+    rows = conn.execute(
+        "SELECT t.job_id, t.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+        "k.prompt_ids FROM turn_tokens k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx"
+    ).fetchall()
+    for job_id, idx, text, *values in rows:
+        turn = json.loads(text)
+        turn["metadata"]["tokens"] = join(turn["metadata"]["tokens"], values)
+        conn.execute(
+            "UPDATE turns SET turn_json = ? WHERE job_id = ? AND idx = ?",
+            (json.dumps(turn, ensure_ascii=False, separators=(",", ":")), job_id, idx),
+        )
+    conn.execute("DROP TABLE turn_tokens")
+    conn.execute("PRAGMA user_version = 4")
+
+
 def as_schema(path: Path, version: int) -> None:
-    """Rewrite the closed ledger at ``path`` (schema 4) as schema ``version`` (3, 2 or 1) would hold it."""
-    assert version in (1, 2, 3), version
-    conn = sqlite3.connect(path)
+    """Rewrite the closed ledger at ``path`` (schema 5) as schema ``version`` (4, 3, 2 or 1) would hold it."""
+    assert version in (1, 2, 3, 4), version
+    conn = sqlite3.connect(path, isolation_level=None)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        conn.execute("BEGIN")
+        _to_v4(conn)
+        conn.execute("COMMIT")
         steps = [_TO_V3, _TO_V2, _TO_V1][: 4 - version]
-        conn.executescript("BEGIN;" + "".join(steps) + "COMMIT;")
+        if steps:
+            conn.executescript("BEGIN;" + "".join(steps) + "COMMIT;")
     finally:
         conn.close()

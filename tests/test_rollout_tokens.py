@@ -62,32 +62,42 @@ def test_each_turn_keeps_its_tokens_through_the_ledger_and_a_resume(qwen2_path: 
 
 
 def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: Path) -> None:
-    """Stored as base64 of little-endian arrays (about 5.3 characters a float), never JSON floats; ids in 2
-    bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0) not at all; a
-    speaker's later prompts as their difference from its previous turn, stored once (the job's result
-    refers to the recorded turns)."""
+    """Stored as little-endian BLOBs in the ledger's own table (schema 5, issue 40), never JSON floats nor
+    base64; ids in 2 bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0)
+    not at all; a speaker's later prompts as their difference from its previous turn, stored once (the job's
+    result refers to the recorded turns). The turn's JSON keeps only a marker."""
     report = _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
         rows = list(db.execute("SELECT job_id, idx, turn_json FROM turns ORDER BY job_id, idx"))
+        blobs = {
+            (job, idx): (json.loads(facts), *parts)
+            for job, idx, facts, *parts in db.execute(
+                "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids "
+                "FROM turn_tokens"
+            )
+        }
     turns = [
         (job, idx, json.loads(text)) for job, idx, text in rows if json.loads(text)["author"] != "moderator"
     ]
     assert [idx for _, idx, _ in turns] == [0, 1, 2, 3] * 2  # every generated turn, each stored once
+    assert sorted(blobs) == sorted((job, idx) for job, idx, _ in turns)  # a row per recorded turn, no more
     for job, idx, turn in turns:
-        s = turn["metadata"]["tokens"]
         n = turn["metadata"]["n_tokens"]
+        marker = turn["metadata"]["tokens"]
+        assert marker["stored"] == "turn_tokens" and marker["n"] == n and len(json.dumps(marker)) < 100
+        facts, ids, model, sampling, prompt_ids = blobs[(job, idx)]
         prompt = report.results[job].transcript[1 + idx].tokens.prompt_ids  # type: ignore[union-attr]
         if idx < 2:  # each speaker's first turn: its whole prompt
-            assert len(s["prompt_ids"]) == 4 * -(-2 * len(prompt) // 3)
+            assert "keep" not in facts and len(prompt_ids) == 2 * len(prompt)
         else:  # the previous turn's prompt and answer, then the other speaker's turn and the template's
-            assert s["prompt_ids"]["keep"] > len(prompt) // 2
-            assert len(s["prompt_ids"]["ids"]) == 4 * -(-2 * (len(prompt) - s["prompt_ids"]["keep"]) // 3)
-        assert s["id_bytes"] == 2 and len(s["ids"]) == 4 * -(-2 * n // 3)  # a vocabulary under 65,536
-        assert len(s["model_logprobs"]) == 4 * -(-4 * n // 3)
+            assert facts["keep"] > len(prompt) // 2
+            assert len(prompt_ids) == 2 * (len(prompt) - facts["keep"])
+        assert facts["id_bytes"] == 2 and len(ids) == 2 * n  # a vocabulary under 65,536
+        assert len(model) == 4 * n
         if turn["author"] == "b":  # greedy: nothing to store
-            assert s["sampling_logprobs"] == "certain"
+            assert facts["sampling"] == "certain" and sampling is None
         else:
-            assert len(s["sampling_logprobs"]) == 4 * -(-4 * n // 3)
+            assert len(sampling) == 4 * n
 
 
 def test_recording_is_part_of_the_recipe_a_resume_compares(qwen2_path: str, tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ from ._templating import (
     template_from_json,
     template_to_json,
 )
-from ._token_record import TOKENS_KEY, TokenRecord, common_prefix, expand_turns
+from ._token_record import TOKENS_KEY, TOKENS_TABLE, TokenRecord, common_prefix, expand_turns
 from ._validate import (
     check_bool,
     check_int,
@@ -83,6 +83,7 @@ __all__ = [
     "NO_TIME_LIMITS",
     "TIME_LIMITS",
     "TOKENS_KEY",
+    "TOKENS_TABLE",
     "AnalyzerError",
     "ConfigurationError",
     "ConfigurationTypeError",

@@ -7,12 +7,12 @@ Both are JSON all the way down (``to_json`` / ``from_json``) because they are wh
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ._exceptions import ConfigurationError, ConfigurationTypeError
-from ._token_record import TOKENS_KEY, TokenRecord, compact_turns, expand_turns
+from ._token_record import TOKENS_KEY, TOKENS_TABLE, TokenRecord, compact_turns, expand_turns
 
 __all__ = ["MODERATOR", "Message", "Transcript"]
 
@@ -32,6 +32,12 @@ class Message:
     author: str
     content: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Where a message read from a ledger finds its token record (schema 5 keeps records in their own table
+    #: and only a marker in ``metadata["tokens"]``): called on the first :attr:`tokens`, it returns the
+    #: record's JSON. Set by whoever read the message (a ``RunResult``); not part of the message's value.
+    token_source: Callable[[], Mapping[str, Any] | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.author, str) or not self.author:
@@ -66,6 +72,14 @@ class Message:
         for). Decoded from the metadata on each access: keep the result rather than asking again in a
         loop."""
         data = self.metadata.get(TOKENS_KEY)
+        if isinstance(data, Mapping) and data.get("stored") == TOKENS_TABLE:
+            if self.token_source is None:
+                raise ConfigurationError(
+                    f"turn by {self.author!r}: its token record is stored in the ledger's {TOKENS_TABLE} "
+                    "table, not in this message: read the message through its run (RunReport.results[job]"
+                    ".transcript, interlens export --tokens), which reads the record when asked"
+                )
+            data = self.token_source()
         return None if data is None else TokenRecord.from_json(data)
 
     def to_json(self) -> dict[str, Any]:
@@ -119,7 +133,7 @@ class Transcript:
 
     def copy(self) -> Transcript:
         """A copy whose messages can be appended to without touching this transcript."""
-        return Transcript(Message(m.author, m.content, dict(m.metadata)) for m in self._messages)
+        return Transcript(_copied(m) for m in self._messages)
 
     @property
     def tokens_generated(self) -> int:
@@ -156,3 +170,10 @@ class Transcript:
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython
         printer.text(self.format())
+
+
+def _copied(message: Message) -> Message:
+    """A copy of ``message`` that still finds its token record."""
+    copy = Message(message.author, message.content, dict(message.metadata))
+    copy.token_source = message.token_source
+    return copy

@@ -35,10 +35,14 @@ from typing import Any
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["TOKENS_KEY", "TokenRecord", "common_prefix", "compact_turns", "expand_turns"]
+__all__ = ["TOKENS_KEY", "TOKENS_TABLE", "TokenRecord", "common_prefix", "compact_turns", "expand_turns"]
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
+#: A ledger (schema 5) keeps records in this table and, in their place, a marker ``{"stored": TOKENS_TABLE,
+#: "n", "digest"}`` (``interlens.store``'s ``_token_rows``); :attr:`Message.tokens` then asks the
+#: message's ``token_source``.
+TOKENS_TABLE = "turn_tokens"
 _FORMAT = 1  # a local turn's record
 _PROVIDER_FORMAT = 2  # a hosted model's turn: token texts and the provider's log-probabilities
 

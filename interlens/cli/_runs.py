@@ -380,7 +380,7 @@ def _shown(key: str, value: Any, meta: dict[str, Any]) -> str:
     if key == TOKENS_KEY:
         reporter = value.get("reported_by") if isinstance(value, dict) else None
         if reporter is not None:
-            count = len(value.get("texts") or ())
+            count = value["n"] if "n" in value else len(value.get("texts") or ())  # a marker (schema 5): "n"
             return f"<{count} tokens and their log-probabilities, reported by {reporter}>"
         return f"<{meta.get('n_tokens', '?')} token ids and their log-probabilities>"
     return clean(json.dumps(value, ensure_ascii=False))

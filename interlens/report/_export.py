@@ -31,6 +31,7 @@ from .._core import (
     expand_turns,
     type_name,
 )
+from ._ledger_tokens import with_records
 
 if TYPE_CHECKING:
     import datasets
@@ -301,14 +302,28 @@ def _listed(values: Sequence[Any] | None) -> list[Any] | None:
     return None if values is None else list(values)
 
 
-def outcome_token_rows(outcomes: Iterable[JobOutcome], *, per: str = "turn") -> Iterator[dict[str, Any]]:
+def outcome_token_rows(
+    outcomes: Iterable[JobOutcome], *, per: str = "turn", out_dir: Path | None = None
+) -> Iterator[dict[str, Any]]:
     """:func:`turn_token_rows` (``per="turn"``) or :func:`speaker_token_rows` (``per="speaker"``) of a
-    ``RunReport``'s job outcomes."""
+    ``RunReport``'s job outcomes; ``out_dir``: the run's ledger, whose table holds their records."""
     rows = _TOKEN_ROWS[per][0]
-    for o in outcomes:
-        yield from rows(
-            job_id=o.job_id, lineup=o.lineup, row_index=o.row_index, seed=o.seed, conversation=o.conversation
-        )
+    reader = LedgerReader(out_dir) if out_dir is not None else None
+    try:
+        for o in outcomes:
+            conversation = (
+                o.conversation if reader is None else with_records(reader, o.job_id, o.conversation)
+            )
+            yield from rows(
+                job_id=o.job_id,
+                lineup=o.lineup,
+                row_index=o.row_index,
+                seed=o.seed,
+                conversation=conversation,
+            )
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 def ledger_token_rows(out_dir: str | Path, *, per: str = "turn") -> Iterator[dict[str, Any]]:
@@ -321,7 +336,7 @@ def ledger_token_rows(out_dir: str | Path, *, per: str = "turn") -> Iterator[dic
                 lineup=job.lineup,
                 row_index=job.row_index,
                 seed=job.seed,
-                conversation=result["conversation"] if result else None,
+                conversation=with_records(reader, job.job_id, result["conversation"] if result else None),
             )
 
 

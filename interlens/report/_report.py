@@ -38,6 +38,7 @@ class RunResult:
 
     _outcome: JobOutcome
     _recipe: Conversation | None
+    _out_dir: Path | None = None  # the ledger a message's token record is read from (issue 40)
 
     @property
     def job_id(self) -> str:
@@ -87,13 +88,25 @@ class RunResult:
         if self._state is None or self._recipe is None:
             return None
         conv = self._recipe.data(None).for_row(self._state.get("row"), index=self.row_index, seed=self.seed)
-        return conv.with_state(self._state)
+        conv = conv.with_state(self._state)
+        self._attach(list(conv.transcript))
+        return conv
 
     @property
     def transcript(self) -> Transcript | None:
         if self._state is None:
             return None
-        return Transcript.from_json(self._state.get("transcript", []))
+        transcript = Transcript.from_json(self._state.get("transcript", []))
+        self._attach(list(transcript))
+        return transcript
+
+    def _attach(self, messages: list[Any]) -> None:
+        """Messages whose token record is in the ledger's table read it when asked (``Message.tokens``)."""
+        stored = self._state.get("transcript") if self._state is not None else None
+        if self._out_dir is not None and isinstance(stored, list) and len(stored) == len(messages):
+            from ._ledger_tokens import attach
+
+            attach(messages, stored, out_dir=self._out_dir, job_id=self.job_id)
 
     def __repr__(self) -> str:
         status = "ok" if self.error is None else f"error={self.error.type}"
@@ -134,7 +147,7 @@ class RunReport:
         self.results: Mapping[str, RunResult] = _Results(self)
 
     def _result(self, outcome: JobOutcome) -> RunResult:
-        return RunResult(_outcome=outcome, _recipe=self._lineups.get(outcome.lineup))
+        return RunResult(_outcome=outcome, _recipe=self._lineups.get(outcome.lineup), _out_dir=self.out_dir)
 
     @property
     def failed(self) -> list[str]:
@@ -233,7 +246,7 @@ class RunReport:
         if tokens is False:
             return _export.to_pandas(_export.outcome_rows(self._outcome.outcomes()))
         per = _token_rows_per(tokens)
-        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per)
+        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per, out_dir=self.out_dir)
         return _export.to_pandas(rows, base=_export.token_columns(per))
 
     def to_dataset(self, *, tokens: bool | str = False) -> datasets.Dataset:
@@ -242,7 +255,7 @@ class RunReport:
         if tokens is False:
             return _export.to_dataset(_export.outcome_rows(self._outcome.outcomes()))
         per = _token_rows_per(tokens)
-        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per)
+        rows = _export.outcome_token_rows(self._outcome.outcomes(), per=per, out_dir=self.out_dir)
         return _export.to_dataset(rows, base=_export.token_columns(per))
 
     def _repr_html_(self) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from .._core import ConfigurationError, ConfigurationTypeError
+from .._core import TOKENS_KEY, ConfigurationError, ConfigurationTypeError
 
 __all__ = [
     "SAMPLES_KEY",
@@ -47,7 +47,7 @@ SAMPLES_KEY: Final = "sample_metadata"
 
 def recorded_metadata(reader: Any) -> Iterator[Mapping[str, Any]]:
     """The metadata of every message a ledger (a ``LedgerReader``) holds: turns, then analyzers' samples."""
-    yield from reader.turn_values("$.metadata")
+    yield from reader.turn_values("$.metadata", without=(f"$.{TOKENS_KEY}",))  # no total needs a record
     for samples in reader.result_values(f"$.{SAMPLES_KEY}"):
         yield from (meta for meta in samples if isinstance(meta, Mapping))
 

@@ -83,7 +83,7 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
     before = _everything(path)
     assert before["pair/row_2"][2]["conversation"]["transcript"] == [{"role": "a", "content": "done"}]
 
-    async with await Ledger.open(tmp_path) as ledger:  # 1 → 2 → 3 → 4, in one transaction
+    async with await Ledger.open(tmp_path) as ledger:  # 1 → 2 → 3 → 4 → 5, in one transaction
         await ledger.begin_run({"pair": "fp"}, versions={})
         assert await ledger.committed_turns("pair/row_0") == [{"role": "a", "content": "hello"}]
         [batch] = await ledger.open_batches()
@@ -95,7 +95,7 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
         assert reader.summary()["schema_version"] == SCHEMA_VERSION
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
         assert conn.execute("SELECT count(*) FROM superseded_results").fetchone()[0] == 0
         assert "input_fp" in _columns(conn, "jobs")
         assert "request_hash" in _columns(conn, "batch_requests")
@@ -300,7 +300,7 @@ async def test_a_version_3_ledger_gains_the_table_of_replaced_results_and_keeps_
     before = _everything(path)
     assert before["kept"][2] == {"conversation": kept, "analysis": None, "tokens_generated": 0}
 
-    async with await Ledger.open(tmp_path) as ledger:  # 3 → 4 at open
+    async with await Ledger.open(tmp_path) as ledger:  # 3 → 4 → 5 at open
         await ledger.begin_run({"pair": "fp"}, versions={})
         assert await ledger.committed_turns("kept") == [T0]
         assert _everything(path) == before
@@ -322,7 +322,7 @@ async def test_a_version_3_ledger_gains_the_table_of_replaced_results_and_keeps_
         assert sorted(v[0]["calls"] for v in reader.result_values("$.spent")) == [1, 2, 3]
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()

@@ -1,0 +1,237 @@
+"""Turns' token records in their own table (``turn_tokens``, schema 5), read only by what asks for tokens.
+
+A generated turn's token record (interlens' ``TokenRecord``: ids, two float32 log-probabilities per id and
+the prompt ids, or a hosted turn's token texts and its provider's log-probabilities) is several times the
+turn's text. Kept in the turn's JSON (base64 in ``metadata["tokens"]``, as schemas 1-4 did) it cost every
+reader of the turn — ``status``, ``show``, reports, the resume scan, a plain export — its decoding and a
+third more bytes than the binary. So the writer takes it out where the turn is written (:func:`split`, in
+the same transaction as its turns row: no turn without its record, no record without its turn) into a
+``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
+
+    {"stored": "turn_tokens", "n": 256, "digest": "1f2e3d4c"}  (+ "reported_by" for a hosted turn)
+
+``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints; ``digest`` (32 bits of a hash of the
+row's bytes) keeps two turns that differ only in their records from reading as equal where a result's
+messages are matched to committed turns by text, and lets a reader tell a damaged row (truncated, wrong
+length, overwritten) from a whole one. The marker is kept this small on purpose: every reader of turns
+parses it (``benchmarks/bench_token_reads.py``: status and a plain export pay for its bytes, ~4 % of a
+256-token turn's JSON, where the first, 70-byte marker cost them ~10 %).
+The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
+previous recorded turn (``keep`` leading ids, then its own), the rest in the ``prompt_ids`` BLOB.
+
+:func:`join` is the inverse: the record's JSON exactly as it was written (the same base64 of the same
+bytes), so everything above the store (``expand_turns``, ``TokenRecord.from_json``) reads it unchanged. The
+store knows the record only by its JSON form (it imports nothing of interlens); a record it does not know
+(another format, damaged base64) stays in the JSON as it was.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeGuard
+
+__all__ = [
+    "MARKER_KEY",
+    "TOKENS_KEY",
+    "TOKENS_TABLE",
+    "TokenRow",
+    "TokenRowError",
+    "is_marker",
+    "join",
+    "marked",
+    "restore",
+    "split",
+    "split_text",
+]
+
+TOKENS_KEY: Final = "tokens"  # the message metadata key a record rides under (interlens' TOKENS_KEY)
+TOKENS_TABLE: Final = "turn_tokens"
+MARKER_KEY: Final = "stored"  # a marker's key, its value the table's name
+_CERTAIN, _MODEL, _ARRAY = "certain", "model", "array"
+
+
+class TokenRowError(ValueError):
+    """A ``turn_tokens`` row that does not decode to the record its marker names."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """One ``turn_tokens`` row's values (job and idx are the caller's)."""
+
+    facts_json: str  # format, id_bytes, how sampling is stored, the prompt's keep; a hosted turn's texts
+    ids: bytes | None
+    model_logprobs: bytes
+    sampling_logprobs: bytes | None
+    prompt_ids: bytes | None
+
+    def values(self) -> tuple[Any, ...]:
+        return (self.facts_json, self.ids, self.model_logprobs, self.sampling_logprobs, self.prompt_ids)
+
+    def digest(self) -> str:
+        h = hashlib.blake2b(digest_size=4)
+        for part in self.values():
+            data = part.encode() if isinstance(part, str) else (part or b"")
+            h.update(len(data).to_bytes(8, "little") + data)
+        return h.hexdigest()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _bytes(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise TypeError("not base64 text")
+    return base64.b64decode(text, validate=True)
+
+
+def _b64(data: bytes | None) -> str:
+    return base64.b64encode(data or b"").decode("ascii")
+
+
+def _row(record: Mapping[str, Any]) -> TokenRow | None:
+    """The row for a record's JSON, or None for one the store does not know (it then stays in the JSON)."""
+    try:
+        form = record.get("format")
+        if form == 2:
+            texts = record["texts"]
+            if not isinstance(texts, list) or not isinstance(record["reported_by"], str):
+                return None
+            facts = {"format": 2, "reported_by": record["reported_by"], "texts": texts}
+            return TokenRow(_dumps(facts), None, _bytes(record["model_logprobs"]), None, None)
+        if form != 1 or record["id_bytes"] not in (2, 4):
+            return None
+        facts = {"format": 1, "id_bytes": record["id_bytes"]}
+        sampling_text = record["sampling_logprobs"]
+        sampling = None
+        if sampling_text in (_CERTAIN, _MODEL):
+            facts["sampling"] = sampling_text
+        else:
+            facts["sampling"], sampling = _ARRAY, _bytes(sampling_text)
+        prompt = record["prompt_ids"]
+        if isinstance(prompt, Mapping):  # a difference from its speaker's previous turn
+            if not isinstance(prompt.get("keep"), int) or set(prompt) != {"keep", "ids"}:
+                return None
+            facts["keep"], prompt = prompt["keep"], prompt["ids"]
+        extra = set(record) - {
+            "format",
+            "id_bytes",
+            "ids",
+            "model_logprobs",
+            "sampling_logprobs",
+            "prompt_ids",
+        }
+        if extra:
+            return None
+        return TokenRow(
+            _dumps(facts), _bytes(record["ids"]), _bytes(record["model_logprobs"]), sampling, _bytes(prompt)
+        )
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        return None
+
+
+def marked(row: TokenRow) -> dict[str, Any]:
+    """The marker a turn's JSON keeps in place of the record ``row`` holds."""
+    facts = json.loads(row.facts_json)
+    marker: dict[str, Any] = {
+        MARKER_KEY: TOKENS_TABLE,
+        "n": len(row.model_logprobs) // 4,
+        "digest": row.digest(),
+    }
+    if facts["format"] == 2:
+        marker["reported_by"] = facts["reported_by"]
+    return marker
+
+
+def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
+    """``turn`` (a message's JSON) with its record replaced by a marker, and the record's row; ``turn``
+    itself and None when it holds no record the store knows."""
+    metadata = turn.get("metadata") if isinstance(turn, Mapping) else None
+    record = metadata.get(TOKENS_KEY) if isinstance(metadata, Mapping) else None
+    if not isinstance(record, Mapping) or record.get(MARKER_KEY) == TOKENS_TABLE:
+        return turn, None
+    row = _row(record)
+    if row is None:
+        return turn, None
+    return {**turn, "metadata": {**metadata, TOKENS_KEY: marked(row)}}, row  # type: ignore[dict-item]
+
+
+def split_text(text: str) -> tuple[str, TokenRow | None]:
+    """:func:`split` of a turn's JSON text (the migration's, and what ``split`` would write)."""
+    try:
+        turn = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return text, None  # a damaged record stays as it is, for the readers to name
+    out, row = split(turn)
+    return (text, None) if row is None else (_dumps(out), row)
+
+
+def join(marker: Mapping[str, Any], values: Sequence[Any]) -> dict[str, Any]:
+    """The record's JSON as it was written, from its marker and its row's values (``TokenRow.values()``
+    order); :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short)."""
+    try:
+        row = TokenRow(*values)
+        if row.digest() != marker.get("digest"):
+            raise TokenRowError("its bytes are not the ones written (digest differs)")
+        facts = json.loads(row.facts_json)
+        n = len(row.model_logprobs) // 4
+        if len(row.model_logprobs) % 4 or n != marker.get("n"):
+            raise TokenRowError(f"{len(row.model_logprobs)} bytes of log-probabilities for {marker.get('n')}")
+        if facts["format"] == 2:
+            return {
+                "format": 2,
+                "reported_by": facts["reported_by"],
+                "texts": facts["texts"],
+                "model_logprobs": _b64(row.model_logprobs),
+            }
+        width = facts["id_bytes"]
+        if len(row.ids or b"") != n * width or len(row.prompt_ids or b"") % width:
+            raise TokenRowError(f"ids of {len(row.ids or b'')} bytes for {n} tokens of {width} bytes")
+        if facts["sampling"] == _ARRAY:
+            if len(row.sampling_logprobs or b"") != 4 * n:
+                raise TokenRowError(
+                    f"{len(row.sampling_logprobs or b'')} bytes of sampling log-probabilities"
+                )
+            sampling: str = _b64(row.sampling_logprobs)
+        else:
+            sampling = facts["sampling"]
+        prompt: Any = _b64(row.prompt_ids)
+        if "keep" in facts:
+            prompt = {"keep": facts["keep"], "ids": prompt}
+        return {
+            "format": 1,
+            "ids": _b64(row.ids),
+            "id_bytes": width,
+            "model_logprobs": _b64(row.model_logprobs),
+            "sampling_logprobs": sampling,
+            "prompt_ids": prompt,
+        }
+    except TokenRowError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
+
+
+def is_marker(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """Whether a metadata value is a marker (its record is in ``turn_tokens``)."""
+    return isinstance(value, Mapping) and value.get(MARKER_KEY) == TOKENS_TABLE
+
+
+def restore(
+    messages: Iterable[Mapping[str, Any]], records: Iterable[Mapping[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """``messages`` with each marker replaced by its record's JSON (``records``: one per message, aligned;
+    None where the message has none or it was not read)."""
+    out: list[dict[str, Any]] = []
+    for message, record in zip(messages, records, strict=True):
+        metadata = message.get("metadata") or {}
+        if record is not None and is_marker(metadata.get(TOKENS_KEY)):
+            out.append({**message, "metadata": {**metadata, TOKENS_KEY: dict(record)}})
+        else:
+            out.append(dict(message))
+    return out
