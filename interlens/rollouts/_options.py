@@ -44,7 +44,15 @@ if TYPE_CHECKING:
 
     from ._api_budget import APIBudget
 
-__all__ = ["OPTION_DEFAULTS", "Options", "RunOptions", "check_n", "parse_options", "prepare_out_dir"]
+__all__ = [
+    "OPTION_DEFAULTS",
+    "SEED_LIMIT",
+    "Options",
+    "RunOptions",
+    "check_n",
+    "parse_options",
+    "prepare_out_dir",
+]
 
 
 class RunOptions(TypedDict, total=False):
@@ -103,7 +111,7 @@ _INSTEAD: Mapping[str, str] = {
     "deterministic": "pass mode=ExecutionMode.DETERMINISTIC (or batched=False)",
 }
 
-_SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
+SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
     seed = check_int(
         given["seed"], what=f"{where}: seed", low=0, fix="per-rollout seeds are seed, seed+1, ... e.g. seed=0"
     )
-    if seed >= _SEED_LIMIT:
+    if seed >= SEED_LIMIT:
         raise ConfigurationError(f"{where}: seed must be below 2**63 (a 64-bit integer), got {seed}")
     values = {name: given[name] for name in _RUN_OPTIONS}
     run = RunConfig(**{**values, "mode": _mode(where, given["mode"], given["batched"])})

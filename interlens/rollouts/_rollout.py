@@ -45,7 +45,7 @@ from .._core import (
 from ..report import SAMPLES_KEY, RunReport
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
 from ._inputs import explain_change, input_fingerprint
-from ._options import Options, RunOptions, check_n, parse_options, prepare_out_dir
+from ._options import SEED_LIMIT, Options, RunOptions, check_n, parse_options, prepare_out_dir
 
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
@@ -205,24 +205,14 @@ def _template_columns(conv: Conversation) -> set[str]:
     return columns
 
 
-_SEED_LIMIT = 2**63  # the ledger stores seeds as SQLite INTEGER (signed 64-bit)
-
-
 def _check_job_seed(lineup: str, seed: int, i: int) -> None:
     """Job ``i`` draws from ``seed + i``; refuse a seed that would pass the ledger's 64-bit integers."""
-    if seed + i >= _SEED_LIMIT:
+    if seed + i >= SEED_LIMIT:
         raise ConfigurationError(
             f"lineup {lineup!r}: job {i} would draw from seed {seed} + {i} = {seed + i}, past 2**63 - 1 (the "
             f"ledger stores seeds as 64-bit integers; job i draws from seed + i). Pass a seed of at most "
-            f"{_SEED_LIMIT - 1 - i}."
+            f"{SEED_LIMIT - 1 - i}."
         )
-
-
-def _length(data: Any) -> int | None:
-    try:
-        return len(data) if data is not None and not isinstance(data, str) else None
-    except TypeError:
-        return None
 
 
 def lineup_spec(
@@ -279,10 +269,6 @@ def lineup_spec(
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
 
-    rows_known = n if n is not None else _length(conv.data_source)
-    if rows_known:
-        _check_job_seed(lineup, seed, rows_known - 1)
-
     def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
         _check_job_seed(lineup, seed, i)  # data of unknown length: checked as the jobs are pulled
         expanded: Conversation | None = None
@@ -305,6 +291,8 @@ def lineup_spec(
                 f"{missing[0]!r}; available columns: {sorted(columns or [])}"
             )
         rows = conv.read_rows(n, lineup=lineup)
+        if rows.total:  # data of unknown length: checked as its jobs are pulled
+            _check_job_seed(lineup, seed, rows.total - 1)
         base = conv.data(None)
 
         def jobs() -> Iterator[JobSpec]:
@@ -338,6 +326,8 @@ def lineup_spec(
     count = 1 if n is None else n
     if not isinstance(count, int) or count < 0:
         raise ConfigurationError(f"n must be a non-negative int, got {n!r}")
+    if count:
+        _check_job_seed(lineup, seed, count - 1)
 
     def samples() -> Iterator[JobSpec]:
         for i in range(count):
