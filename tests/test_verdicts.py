@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from verdict_testkit import CountingEngine, counted_requests
 
 from interlens.engine._batch_invariance import probe_definition
-from interlens.engine._decode import ModelRunner
-from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
+from interlens.engine._generation import GenerationRequest, LocalEngine
 from interlens.engine._verdicts import VERDICT_FORMAT, VerdictKey, verdict_dir
 from interlens.scheduler import ExecutionMode
 from interlens.testing import tiny_model
@@ -29,31 +29,6 @@ from interlens.testing import tiny_model
 DET = ExecutionMode.DETERMINISTIC
 CHILD = Path(__file__).parent / "scripts" / "verdict_child.py"
 _FIELDS = ("invariant", "fixed_linear_rows")
-
-
-class CountingRunner(ModelRunner):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps = 0
-
-    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.steps += 1
-        return super().step(*args, **kwargs)
-
-
-class CountingEngine(LocalEngine):
-    """A LocalEngine whose runner counts its decode steps."""
-
-    _runner_type = CountingRunner
-
-    def steps_of(self, requests: list[GenerationRequest]) -> tuple[int, list[list[int]]]:
-        runner = self._runner
-        assert isinstance(runner, CountingRunner)
-        before = runner.steps
-        results = self.generate_batch(requests, mode=DET)
-        ok = [r for r in results if isinstance(r, GenerationResult)]
-        assert len(ok) == len(results), results
-        return runner.steps - before, [list(r.token_ids) for r in ok]
 
 
 @pytest.fixture(autouse=True)
@@ -68,16 +43,6 @@ def _engine(dtype: str) -> CountingEngine:
     return CountingEngine(model, AutoTokenizer.from_pretrained(path), device="cpu")
 
 
-def _requests(rows: int) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(
-            [(11 * i + 3 * j + 5) % 200 + 1 for j in range(3 + i % 7)],
-            sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=90 + i),
-        )
-        for i in range(rows)
-    ]
-
-
 def _files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
@@ -87,7 +52,7 @@ def test_a_fresh_engine_reads_its_verdicts_and_runs_no_self_test_nor_size_probe(
 ) -> None:
     """20 rows: the self-test (at most 12 rows) and the probe at 20 rows both run once, are kept, and a new
     engine over a newly loaded model takes only its own batch's steps, with the same tokens."""
-    requests = _requests(20)
+    requests = counted_requests(20)
     first = _engine(co_step_dtype)
     cold, tokens = first.steps_of(requests)
     warm, again = first.steps_of(requests)  # the verdicts in memory: the batch's own steps only
@@ -144,14 +109,14 @@ def kept(co_step_dtype: str, tmp_path_factory: pytest.TempPathFactory) -> Kept:
     folder = tmp_path_factory.mktemp("kept")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("INTERLENS_CACHE_DIR", str(folder))
-        return Kept(co_step_dtype, _requests(5), folder / "batch-invariance")
+        return Kept(co_step_dtype, counted_requests(5), folder / "batch-invariance")
 
 
 @pytest.mark.parametrize("change", ["dtype", "threads", "weights", "layout"])
 def test_a_verdict_kept_for_another_key_is_not_used(
     change: str, co_step_dtype: str, verdicts_here: Path, monkeypatch: pytest.MonkeyPatch, kept: Kept
 ) -> None:
-    requests = _requests(5)
+    requests = counted_requests(5)
     kept.put(verdicts_here)
     assert _engine(co_step_dtype).steps_of(requests) == (kept.warm, kept.tokens)  # the kept one serves
     dtype = co_step_dtype
@@ -190,7 +155,7 @@ def test_the_kept_verdict_decides_and_one_whose_stored_key_differs_anywhere_is_i
 ) -> None:
     """A verdict on disk is authoritative for its exact key (planted False: the rows run alone, no self-test),
     and ignored when the key it stores differs in any part, even in a file of the right name."""
-    requests = _requests(5)
+    requests = counted_requests(5)
     engine = _engine(co_step_dtype)
     _plant(engine, {"invariant": False, "fixed_linear_rows": False})
     assert engine.batch_invariant is False
@@ -207,7 +172,7 @@ def test_the_kept_verdict_decides_and_one_whose_stored_key_differs_anywhere_is_i
 def test_a_corrupt_or_foreign_file_is_a_miss_and_is_written_anew(
     damage: str, co_step_dtype: str, verdicts_here: Path, kept: Kept
 ) -> None:
-    requests = _requests(5)
+    requests = counted_requests(5)
     cold, warm, tokens, whole = kept.cold, kept.warm, kept.tokens, kept.text
     path = kept.put(verdicts_here)
     if damage == "garbage":

@@ -7,28 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens.engine._decode import ModelRunner
-from interlens.engine._generation import GenerationRequest, LocalEngine, SamplingSettings
 from interlens.scheduler import ExecutionMode
 
-
-class CountingRunner(ModelRunner):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps = 0
-
-    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.steps += 1
-        return super().step(*args, **kwargs)
-
-
-class CountingEngine(LocalEngine):
-    _runner_type = CountingRunner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the testkit the tests use too
+from verdict_testkit import CountingEngine, CountingRunner, counted_requests
 
 
 def main() -> None:
@@ -37,13 +24,7 @@ def main() -> None:
     engine = CountingEngine(model, AutoTokenizer.from_pretrained(path), device="cpu")
     runner = engine._runner
     assert isinstance(runner, CountingRunner)
-    requests = [
-        GenerationRequest(
-            [(11 * i + 3 * j + 5) % 200 + 1 for j in range(3 + i % 7)],
-            sampling=SamplingSettings(max_new_tokens=6, temperature=0.9, seed=90 + i),
-        )
-        for i in range(rows)
-    ]
+    requests = counted_requests(rows)
     steps = []
     tokens = []
     for _ in range(2):
