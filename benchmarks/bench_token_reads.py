@@ -14,11 +14,11 @@ moved back into the turns' JSON (schema 4's base64) is timed too.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import sqlite3
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +31,6 @@ from interlens import Message, TokenRecord, Transcript
 from interlens.cli._runs import run_status
 from interlens.report import ledger_rows
 from interlens.store import JobRecord, Ledger, LedgerReader
-from interlens.store._token_rows import join
 
 WORDS = "the a model answer because tabs spaces indentation code review team style".split()
 
@@ -77,25 +76,15 @@ async def _write(out: Path, jobs: int, turns: int, tokens: int, record: bool) ->
 
 
 def _as_v4(src: Path, dst: Path) -> None:
-    """``src``'s ledger with its records back in the turns' JSON, as schema 4 stored them."""
+    """``src``'s ledger with its records back in the turns' JSON, as schema 4 stored them (the tests'
+    downgrade, ``tests/ledger_testkit.as_schema``), compacted as a written ledger would be."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ledger_testkit import as_schema
+
     dst.mkdir()
     shutil.copy(src / "ledger.sqlite", dst / "ledger.sqlite")
+    as_schema(dst / "ledger.sqlite", 4)
     conn = sqlite3.connect(dst / "ledger.sqlite", isolation_level=None)
-    conn.execute("BEGIN")
-    rows = conn.execute(
-        "SELECT t.job_id, t.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
-        "k.prompt_ids FROM turn_tokens k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx"
-    ).fetchall()
-    for job, idx, text, *values in rows:
-        turn = json.loads(text)
-        turn["metadata"]["tokens"] = join(turn["metadata"]["tokens"], values)
-        conn.execute(
-            "UPDATE turns SET turn_json = ? WHERE job_id = ? AND idx = ?",
-            (json.dumps(turn, ensure_ascii=False, separators=(",", ":")), job, idx),
-        )
-    conn.execute("DROP TABLE turn_tokens")
-    conn.execute("PRAGMA user_version = 4")
-    conn.execute("COMMIT")
     conn.execute("VACUUM")
     conn.close()
 
