@@ -74,6 +74,8 @@ class StaticDecode(Protocol):
 
     def serves(self, rows: list[Row], cache: Any, static: bool) -> bool: ...
 
+    def release(self) -> None: ...
+
     def decode(
         self,
         rows: list[Row],

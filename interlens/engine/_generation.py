@@ -110,7 +110,7 @@ class LocalEngine:
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
-        runner.static_decode = self._static = static_decoder_for(runner)  # None: the eager loop (CPU)
+        runner.static_decode = static_decoder_for(runner)  # None: the eager loop (the CPU's default)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -397,8 +397,8 @@ class LocalEngine:
         import torch
 
         self.clear_reuse()
-        if self._static is not None:
-            self._static.release()  # the decode steps' KV pool, steps and graphs
+        if self._runner.static_decode is not None:
+            self._runner.static_decode.release()  # the decode steps' KV pool, steps and graphs
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             for member in self._memory_devices.split(","):  # every GPU of a group
