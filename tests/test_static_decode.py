@@ -1,12 +1,13 @@
-"""The engine's decode through static-shape steps (``engine/_static_decode.py``) against its eager loop, on the
-CPU, through ``LocalEngine.generate_batch``: what a CUDA run replays as graphs.
+"""The engine's decode through static-shape steps (``engine/_static_decode.py``) against its eager loop,
+on the CPU, through ``LocalEngine.generate_batch``: what a CUDA run replays as graphs.
 
-Two engines over one tiny float32 model, the static decoder switched on in one (as ``INTERLENS_STATIC_DECODE=1``
-does; here set on the runner, with a small length bucket and the address-checking stand-in for a CUDA graph)
-and off in the other: the same tokens, finish reasons and recorded log-probabilities for plain batches of
-mixed settings, shared prefixes, identical prompts, kept KV across turns, rows ending at different steps (a
-hand-over at each row bucket edge), stop strings, end-of-turn ids and a row whose logits go non-finite. No
-static buffer moves across a whole multi-turn rollout, and a step reads the device once.
+Two engines over one tiny float32 model, the static decoder switched on in one (as
+``INTERLENS_STATIC_DECODE=1`` does; here set on the runner, with a small length bucket and the address-
+checking stand-in for a CUDA graph) and off in the other: the same tokens, finish reasons and recorded log-
+probabilities for plain batches of mixed settings, shared prefixes, identical prompts, kept KV across turns,
+rows ending at different steps (a hand-over at each row bucket edge), stop strings, end-of-turn ids and a row
+whose logits go non-finite. No static buffer moves across a whole multi-turn rollout, and a step reads the
+device once.
 """
 
 from __future__ import annotations
