@@ -41,16 +41,26 @@ class GraphRunner:
 
     ``device``: the engine's device (graphs only on CUDA); ``graph_type``: None for ``torch.cuda.CUDAGraph``
     on CUDA (eager elsewhere), or a stand-in class built as ``graph_type(step)`` with ``capture()`` and
-    ``replay()``. :attr:`stats` counts captures, capture failures and evictions."""
+    ``replay()``; ``capture`` False: every step eager (said as such). :attr:`stats` counts captures, capture
+    failures and evictions."""
 
-    def __init__(self, *, device: str, cap: int = MAX_GRAPHS, graph_type: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        *,
+        device: str,
+        cap: int = MAX_GRAPHS,
+        graph_type: Callable[..., Any] | None = None,
+        capture: bool = True,
+    ):
         self.device = device
         self.cap = cap
         self.graph_type = graph_type
         self.stats: Counter[str] = Counter()
         self._graphs: OrderedDict[Hashable, Any] = OrderedDict()
         self._pool: Any = None  # CUDA's graph memory pool, shared by every graph
-        self.failed: str | None = None  # why capture was given up (every later step runs eagerly)
+        #: why capture was given up (every later step runs eagerly); ``capture=False``: from the start (a
+        #: benchmark's eager side)
+        self.failed: str | None = None if capture else "capture off"
 
     def mode(self, key: Hashable, step: StaticDecodeStep) -> str:
         """Make ``step`` (built for ``key``) run as a graph if it can: ``"graph"``, else ``"eager: why"``.
