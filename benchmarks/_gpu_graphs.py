@@ -454,10 +454,9 @@ def graphs_bench(
     replayed; the loop against ``generate`` at ``loop_rows`` rows (one of ``batches``); the reduction check.
     ``figures`` gets them as they come, ``flush`` is called after each piece."""
     import torch
+    from transformers import AutoTokenizer
 
     from interlens.engine._buckets import length_bucket
-
-    from transformers import AutoTokenizer
 
     cuda = device.startswith("cuda")
     started = time.perf_counter()
