@@ -100,14 +100,14 @@ def test_plain_batches_of_mixed_settings_give_the_eager_loops_tokens(loaded: tup
     got = static.generate_batch(requests(prompts, new=new))
     same(got, expected)
     assert [r.n_tokens for r in got if isinstance(r, GenerationResult)] == new
-    assert decoder.stats["hand-overs"] == 4 and decoder.stats["steps: graph"] == 29
+    assert decoder.stats["hand-overs"] == 4 and decoder.stats["steps: graph"] == 29  # none ignored
     assert not any(key.startswith("steps: eager") for key in decoder.stats)
 
 
 def test_end_of_turn_stop_strings_and_unrecorded_rows(loaded: tuple[Any, Any]) -> None:
     """An end-of-turn id and a stop string taken from the eager run's own output end rows early, the same
     way in both; a batch without recording runs the unrecorded steps."""
-    eager, static, _ = engines(loaded)
+    eager, static, decoder = engines(loaded)
     tokenizer = loaded[1]
     prompts = [ids(tokenizer, f"say {w}") for w in ("one", "two", "three", "four")]
     plain = eager.generate_batch(requests(prompts, new=[20] * 4, record=False))
@@ -119,9 +119,16 @@ def test_end_of_turn_stop_strings_and_unrecorded_rows(loaded: tuple[Any, Any]) -
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     for record in (False, True):
         expected = eager.generate_batch(requests(prompts, new=[20] * 4, record=record, stop=(stop,)))
-        same(static.generate_batch(requests(prompts, new=[20] * 4, record=record, stop=(stop,))), expected)
+        launched = decoder.stats["steps: graph"]
+        got = static.generate_batch(requests(prompts, new=[20] * 4, record=record, stop=(stop,)))
+        same(got, expected)
         reasons = [r.finish_reason for r in expected if isinstance(r, GenerationResult)]
         assert reasons[1] == "eos" and reasons[2] == "stop", reasons
+        # pipelined: a step runs ahead while the host checks the one before; the batch's last rows ending
+        # at an end-of-turn id or a stop string leave that one step ignored, rows at their cap none
+        longest = max(r.n_tokens for r in got if isinstance(r, GenerationResult))
+        ignored = 0 if "length" in reasons and longest == 20 else 1
+        assert decoder.stats["steps: graph"] - launched == longest - 1 + ignored
 
 
 def test_shared_prefixes_and_identical_prompts(loaded: tuple[Any, Any]) -> None:

@@ -8,11 +8,15 @@ recording), kept between batches, whose caches are views of the engine's one :cl
 
 * ``begin`` lays the prefilled batch cache (any prefill path: plain, shared prefix, grouped, kept KV laid
   out) into the pool's front rows and draws the first tokens from the prefill's logits;
-* each step runs the step's function (a replayed graph on CUDA: ``_decode_graphs``), then the host reads
-  the chosen tokens ONCE (-1 for a row whose logits went non-finite) and makes the eager loop's checks (end
-  of turn, stop strings, token caps); recorded log-probabilities stay on the device until the end;
+* each step runs the step's function (a replayed graph on CUDA: ``_decode_graphs``) and queues the copy of
+  its chosen tokens (-1 for a row whose logits went non-finite) to pinned host memory; the loop is
+  pipelined: step n+1 is launched before the host waits for step n's tokens (its one wait a step, on that
+  copy's event only) and makes the eager loop's checks (end of turn, stop strings, token caps), so the
+  host's checks overlap the device's next step. A row ended at step n costs step n+1, ignored; no step is
+  launched ahead where every live row takes its last token in the one in flight. Recorded
+  log-probabilities are copied on the device and read once at the end;
 * finished rows stay in the batch (fed ignored tokens) until the live ones fit a smaller row bucket; there
-  the kept-KV collector (``on_leave``) reads the leaving rows first, then the live rows move to the pool's
+  the step in flight is drained (read and checked) first, then the kept-KV collector (``on_leave``) reads the leaving rows first, then the live rows move to the pool's
   front rows (``hand_over``) and the smaller bucket's step carries on. The length bucket is chosen once per
   batch (its longest prompt plus its largest token cap), so no step runs out of slots.
 
@@ -32,6 +36,7 @@ import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._buckets import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
@@ -79,6 +84,8 @@ class StaticDecoder:
         self.stats: Counter[str] = Counter()
         self._steps: OrderedDict[tuple[int, int, str, bool], StaticDecodeStep] = OrderedDict()
         self._generation = self.pool.generation
+        self._host: list[torch.Tensor] | None = None  # two host buffers the launched steps' tokens go to
+        self._flip = 0
 
     def serves(self, rows: list[Row], cache: Any, static: bool) -> bool:
         """Whether this batch can decode here: a static cache of plain layers, rows within the largest
@@ -129,23 +136,28 @@ class StaticDecoder:
             settings, kv=cache, prompt_mask=prompt_mask.to(step.device), logits=logits, positions=positions
         )
         del cache, logits
-        chosen = torch.where(choice.finite, choice.tokens, -1).tolist()
-        lps = choice.logprobs
+        first = torch.where(choice.finite, choice.tokens, -1).tolist()
         active = list(rows)
         recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]] = []
-        while True:
+
+        def take(chosen: list[int], lps: torch.Tensor | None) -> None:
             took = runner.take_tokens(active, chosen)
             if lps is not None and took:
                 recorded.append((took, lps))
-            if all(row.done for row in active):
-                hand_out(recorded)
-                if on_leave is not None:
-                    on_leave(list(range(len(active))), active, step.cache, kv_len)
-                return
+
+        take(first, choice.logprobs)
+        del choice
+        pending: _Launched | None = None  # a step launched whose tokens the host has not read yet
+        while not all(row.done for row in active):
             raise_if_cancelled(cancelled)
             live = [j for j, row in enumerate(active) if not row.done]
             smaller = row_bucket(len(live))
-            if smaller < step.rows:  # a bucket edge: the collector reads the leavers, then the rows move
+            if smaller < step.rows:  # a bucket edge
+                if pending is not None:  # drain: the step in flight may end more rows
+                    take(*self._read(pending))
+                    pending = None
+                    continue
+                # the collector reads the leavers, then the live rows move to the pool's front rows
                 if on_leave is not None:
                     gone = [j for j, row in enumerate(active) if row.done]
                     on_leave(gone, [active[j] for j in gone], step.cache, kv_len)
@@ -153,11 +165,50 @@ class StaticDecoder:
                 step.hand_over(live, to)
                 step, active = to, [active[j] for j in live]
                 self.stats["hand-overs"] += 1
-            step.step()
-            self.stats[f"steps: {mode}"] += 1
-            n = len(active)
-            chosen = step.tokens[:n].tolist()  # the step's one host read
-            lps = step.logprobs[:n].clone() if record else None
+            if pending is None:
+                pending = self._launch(step, len(active), mode)
+            # the next step runs on the device while the host checks this one (a row this one ends costs
+            # that step, ignored); none where every live row takes its last token in the one in flight
+            ahead = None
+            if step.slots_left > 0 and any(
+                not row.done and len(row.tokens) + 1 < row.request.sampling.max_new_tokens for row in active
+            ):
+                ahead = self._launch(step, len(active), mode)
+            take(*self._read(pending))
+            pending = ahead
+        if pending is not None:
+            self.stats["ignored steps"] += 1
+        hand_out(recorded)
+        if on_leave is not None:
+            on_leave(list(range(len(active))), active, step.cache, kv_len)
+
+    def _launch(self, step: StaticDecodeStep, n: int, mode: str) -> _Launched:
+        """Run one step and queue the copy of its first ``n`` rows' tokens to the host (pinned memory on
+        CUDA, without waiting) and of their log-probabilities (on the device), before a next step can
+        overwrite them."""
+        import torch
+
+        step.step()
+        self.stats[f"steps: {mode}"] += 1
+        if self._host is None:
+            cuda = step.device.startswith("cuda")
+            self._host = [torch.empty(ROW_BUCKETS[-1], dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip ^= 1
+        host = self._host[self._flip][:n]
+        host.copy_(step.tokens[:n], non_blocking=True)
+        event = None
+        if step.device.startswith("cuda"):
+            event = torch.cuda.Event()
+            event.record()
+        lps = step.logprobs[:n].clone() if step.record else None
+        return _Launched(host, event, lps)
+
+    def _read(self, launched: _Launched) -> tuple[list[int], torch.Tensor | None]:
+        """A launched step's tokens (-1: non-finite), read on the host: the loop's one wait a step (for
+        that step's copy only, not for a step queued after it)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        return launched.host.tolist(), launched.logprobs
 
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[StaticDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""
@@ -185,6 +236,16 @@ class StaticDecoder:
                 self.graphs.forget(old)
         self._steps.move_to_end(key)
         return step, self.graphs.mode(key, step)
+
+
+@dataclass
+class _Launched:
+    """A step launched: where its tokens arrive on the host, the event that says they have (CUDA), and
+    its log-probabilities (a device copy; None without recording)."""
+
+    host: torch.Tensor
+    event: Any
+    logprobs: torch.Tensor | None
 
 
 def _hooked(model: Any) -> bool:
