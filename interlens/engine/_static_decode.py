@@ -16,9 +16,10 @@ recording), kept between batches, whose caches are views of the engine's one :cl
   launched ahead where every live row takes its last token in the one in flight. Recorded
   log-probabilities are copied on the device and read once at the end;
 * finished rows stay in the batch (fed ignored tokens) until the live ones fit a smaller row bucket; there
-  the step in flight is drained (read and checked) first, then the kept-KV collector (``on_leave``) reads the leaving rows first, then the live rows move to the pool's
-  front rows (``hand_over``) and the smaller bucket's step carries on. The length bucket is chosen once per
-  batch (its longest prompt plus its largest token cap), so no step runs out of slots.
+  the step in flight is drained (read and checked) first, the kept-KV collector (``on_leave``) reads the
+  leaving rows, then the live rows move to the pool's front rows (``hand_over``) and the smaller bucket's
+  step carries on. The length bucket is chosen once per batch (its longest prompt plus its largest token
+  cap), so no step runs out of slots.
 
 Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
 eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
