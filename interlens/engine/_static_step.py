@@ -9,10 +9,13 @@ allocated once:
 
 * inputs: the tokens fed (rows, 1), their positions (rows, 1), the 2-D attention mask over the length
   bucket's full width (rows, length), and per row its uniform, temperature, top-p and greedy flag;
-* outputs: the chosen tokens, whether each row's logits were usable (``finite``), and with recording the
-  chosen tokens' log-probabilities under the model's and the sampling distribution (rows, 2);
-* its static KV cache (transformers' ``StaticCache``, initialised to rows x length up front), whose layers
-  keep their write position in a tensor (``cumulative_length``) advanced in place by the forward itself.
+* outputs: the chosen tokens (-1 where a row's logits were not usable, so one host read brings both),
+  whether each row's logits were usable (``finite``), and with recording the chosen tokens'
+  log-probabilities under the model's and the sampling distribution (rows, 2);
+* its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every bucket's view lays a
+  row's slots at the same address), or a ``StaticCache`` of its own initialised to rows x length up front;
+  its layers keep their write position in a tensor (``cumulative_length``) advanced in place by the
+  forward itself.
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
@@ -33,12 +36,9 @@ them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
 At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
 a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
 
-What the engine still has to build around it: one persistent KV pool that every prefill path writes into
-(here :meth:`StaticDecodeStep.begin` copies a prefilled cache in, and each step owns its cache, so a
-hand-over copies rather than re-points views of one pool), the choice of when to hand over (after the
-kept-KV collector has read the rows that leave), the graphs themselves (``torch.cuda.CUDAGraph`` over
-:attr:`StaticDecodeStep.run`, keyed by bucket, in one memory pool), and the pipelined loop (the host's checks
-of step n beside the device's step n+1: the outputs double-buffered or copied out before the next replay).
+The engine drives it from ``_static_decode.StaticDecoder`` (steps kept per key over one pool, the
+pipelined loop, when to hand over) and captures :attr:`StaticDecodeStep.run` as a CUDA graph in
+``_decode_graphs``.
 """
 
 from __future__ import annotations
