@@ -176,7 +176,7 @@ def test_kept_kv_across_turns_and_no_static_buffer_moves(loaded: tuple[Any, Any]
     for key in static._kept:
         assert static._kept[key].ids == eager._kept[key].ids
     assert decoder.pool.generation == generation
-    replays = [graph.replays for graph in decoder.graphs._graphs.values()]
+    replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
     assert decoder.stats["steps: graph"] == sum(replays) > 0
     assert decoder.graphs.stats["captures"] == len(replays) >= 2  # the 8-row step and smaller ones
 
@@ -242,3 +242,24 @@ def test_a_static_step_reads_the_device_once(
     assert steps["to_device"] <= 1 / 8
     monkeypatch.setenv(ENV_SWITCH, "")
     assert LocalEngine(*loaded, device="cpu")._runner.static_decode is None
+
+
+def test_graphs_past_the_cap_are_dropped_and_captured_again(loaded: tuple[Any, Any]) -> None:
+    """With room for one graph, batches of 2, 4 and again 2 rows: each new key's capture evicts the last
+    one, whose step then runs eagerly until it is captured again; the tokens never change."""
+    eager, static, decoder = engines(loaded)
+    decoder.graphs.cap = 1
+    decoder.pool.reserve(4, 32)  # no reallocation (which drops every graph) between the batches
+    prompts = [ids(loaded[1], f"capped {i}") for i in range(4)]
+    for n in (2, 4, 2):
+        batch = prompts[:n]
+        same(
+            static.generate_batch(requests(batch, new=[6] * n)),
+            eager.generate_batch(requests(batch, new=[6] * n)),
+        )
+    assert decoder.graphs.stats["captures"] == 3 and decoder.graphs.stats["evictions"] == 2
+    (key,) = decoder.graphs._graphs
+    assert key[0] == 2
+    four = next(step for k, step in decoder._steps.items() if k[0] == 4)
+    assert four.run == four._forward_and_sample  # evicted: no longer replays its dropped graph
+    assert decoder.stats["steps: graph"] == 3 * 5

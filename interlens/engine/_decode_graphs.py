@@ -56,7 +56,7 @@ class GraphRunner:
         self.cap = cap
         self.graph_type = graph_type
         self.stats: Counter[str] = Counter()
-        self._graphs: OrderedDict[Hashable, Any] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, tuple[Any, StaticDecodeStep]] = OrderedDict()
         self._pool: Any = None  # CUDA's graph memory pool, shared by every graph
         #: why capture was given up (every later step runs eagerly); ``capture=False``: from the start (a
         #: benchmark's eager side)
@@ -83,20 +83,28 @@ class GraphRunner:
             step.run = step._forward_and_sample
             return f"eager: {self.failed}"
         self.stats["captures"] += 1
-        self._graphs[key] = graph
+        self._graphs[key] = (graph, step)
         step.run = graph.replay
         while len(self._graphs) > self.cap:
-            self._graphs.popitem(last=False)
+            self.forget(next(iter(self._graphs)))
             self.stats["evictions"] += 1
         return "graph"
 
     def forget(self, key: Hashable) -> None:
-        """Drop ``key``'s graph (its step is gone)."""
-        self._graphs.pop(key, None)
+        """Drop ``key``'s graph (its step runs eagerly until :meth:`mode` captures it again)."""
+        entry = self._graphs.pop(key, None)
+        if entry is not None:
+            entry[1].run = entry[1]._forward_and_sample  # the step's reference was the graph's last
 
     def clear(self) -> None:
         """Drop every graph (the KV pool was reallocated: their addresses are stale)."""
-        self._graphs.clear()
+        for key in list(self._graphs):
+            self.forget(key)
+
+    def graph(self, key: Hashable) -> Any:
+        """``key``'s graph (None: none captured)."""
+        entry = self._graphs.get(key)
+        return entry[0] if entry is not None else None
 
     def __contains__(self, key: object) -> bool:
         return key in self._graphs
