@@ -320,10 +320,12 @@ def _engine_vs_generate(
     model: Any, tokenizer: Any, ids: Any, new: int, cuda: bool, *, repeats: int = 3
 ) -> dict[str, Any]:
     """The engine's real ``generate_batch`` over ``ids``' rows (T = 0.9, top-p 0.95, seeded rows, ``new``
-    tokens each, no end of turn): its decode as replayed graphs (``StaticDecoder``, the CUDA default), as
-    the same static steps run eagerly, and as the eager loop it had before; against HF ``generate`` with the
-    same sampling. One warm-up of each (the graphs are captured there), then ``repeats`` timed runs of each,
-    interleaved; medians and spreads of tokens a second. On the CPU the graphs are the stand-in."""
+    tokens each, no end of turn): its decode as replayed graphs (``StaticDecoder``, the CUDA default, with
+    its grouped-query decode attention), the same graphs over transformers' ``sdpa`` (``graphs_sdpa``), the
+    same static steps run eagerly, and the eager loop it had before; against HF ``generate`` with the same
+    sampling (``sdpa``). One warm-up of each graph side (the graphs are captured there; the eager kernels
+    ran in the pieces before), then ``repeats`` timed runs of each, interleaved; medians and spreads of
+    tokens a second. On the CPU the graphs are the stand-in and every run has the CPU's attention."""
     import statistics
 
     import torch
@@ -343,7 +345,11 @@ def _engine_vs_generate(
         for i in range(rows)
     ]
     engines: dict[str, Any] = {}
-    for name in ("graphs", "static_eager", "eager_loop"):
+    attention: dict[str, str] = {}  # on CUDA, the attention each run's model calls (eager ones read it live)
+    sdpa = str(model.config._attn_implementation)
+    for name in ("graphs", "graphs_sdpa", "static_eager", "eager_loop"):
+        if cuda:
+            model.set_attn_implementation(sdpa)
         engine = LocalEngine(model, tokenizer, device=device, kv_reuse_capacity=0)
         engine._runner.eos_ids = frozenset()  # every row runs its whole length
         if name == "eager_loop":
@@ -352,10 +358,14 @@ def _engine_vs_generate(
             graphs = GraphRunner(
                 device=device,
                 graph_type=None if cuda else _StandInGraph,
-                capture=name == "graphs",
+                capture=name != "static_eager",
             )
-            engine._runner.static_decode = StaticDecoder(engine._runner, graphs=graphs)
+            engine._runner.static_decode = StaticDecoder(
+                engine._runner, graphs=graphs, grouped_attention=cuda and name != "graphs_sdpa"
+            )
+        attention[name] = str(model.config._attn_implementation)
         engines[name] = engine
+    attention["generate"] = sdpa
 
     def run(engine: Any) -> tuple[float, list[Any]]:
         if cuda:
@@ -389,13 +399,25 @@ def _engine_vs_generate(
         name: (lambda engine=engine: run(engine)) for name, engine in engines.items()
     }
     runners["generate"] = generate
+    if cuda:  # each run under its own attention (a graph keeps the one it was captured with)
+        plain = runners
+
+        def under(name: str) -> Callable[[], tuple[float, list[Any]]]:
+            def go() -> tuple[float, list[Any]]:
+                model.set_attn_implementation(attention[name])
+                return plain[name]()
+
+            return go
+
+        runners = {name: under(name) for name in plain}
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     tokens: dict[str, list[Any]] = {}
-    for name, runner in runners.items():  # warm-up: lazy set-up, the graphs' captures
-        tokens[name] = runner()[1]
+    for name, runner in runners.items():  # warm-up: the graphs' captures (the eager kernels ran before)
+        if name.startswith("graphs"):
+            runner()
     for _ in range(repeats):
         for name, runner in runners.items():
-            seconds[name].append(runner()[0])
+            seconds[name], tokens[name] = [*seconds[name], (ran := runner())[0]], ran[1]
     total = rows * new
     fig: dict[str, Any] = {"rows": rows, "new": new, "repeats": repeats}
     for name, times in seconds.items():
@@ -406,7 +428,10 @@ def _engine_vs_generate(
     fig["graphs_over_generate"] = round(median["generate"] / median["graphs"], 2)
     fig["graphs_over_eager_loop"] = round(median["eager_loop"] / median["graphs"], 2)
     fig["graphs_over_static_eager"] = round(median["static_eager"] / median["graphs"], 2)
+    fig["grouped_over_sdpa_graphs"] = round(median["graphs_sdpa"] / median["graphs"], 2)
+    fig["attention"] = attention
     fig["tokens_graphs_equal_static_eager"] = tokens["graphs"] == tokens["static_eager"]
+    fig["tokens_grouped_equal_sdpa"] = tokens["graphs"] == tokens["graphs_sdpa"]
     fig["tokens_graphs_equal_eager_loop"] = tokens["graphs"] == tokens["eager_loop"]
     decoder = engines["graphs"]._runner.static_decode
     fig["graphs_stats"] = {**decoder.stats, **decoder.graphs.stats}
@@ -448,10 +473,12 @@ def graphs_bench(
     figures: dict[str, Any],
     flush: Callable[[], None],
     budget_s: float = 330.0,
+    engine_repeats: int = 3,
 ) -> None:
     """Part 9 (module docstring): for each shape of ``shapes`` (built as part 0c builds them) and each row
     count of ``batches``, random ``prompt``-token prompts prefilled once, then each variant's step eager and
-    replayed; the loop against ``generate`` at ``loop_rows`` rows (one of ``batches``); the reduction check.
+    replayed; the loop against ``generate`` at ``loop_rows`` rows (one of ``batches``), and the engine's own
+    ``generate_batch`` against it (``engine_repeats`` timed runs of each); the reduction check.
     ``figures`` gets them as they come, ``flush`` is called after each piece."""
     import torch
     from transformers import AutoTokenizer
@@ -527,7 +554,9 @@ def graphs_bench(
         try:
             if loop_step is None:
                 raise RuntimeError(f"no prompts of {loop_rows} rows were made")
-            fig["engine"] = _engine_vs_generate(model, tokenizer, loop_step[1], loop_new, cuda)
+            fig["engine"] = _engine_vs_generate(
+                model, tokenizer, loop_step[1], loop_new, cuda, repeats=engine_repeats
+            )
         except Exception as exc:
             fig["engine"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(f"  {name}, engine: {fig['engine']}", flush=True)

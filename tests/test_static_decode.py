@@ -263,3 +263,27 @@ def test_graphs_past_the_cap_are_dropped_and_captured_again(loaded: tuple[Any, A
     four = next(step for k, step in decoder._steps.items() if k[0] == 4)
     assert four.run == four._forward_and_sample  # evicted: no longer replays its dropped graph
     assert decoder.stats["steps: graph"] == 3 * 5
+
+
+def test_grouped_query_decode_attention_gives_sdpas_tokens(qwen2_path: str) -> None:
+    """The attention the decoder installs on CUDA (``GROUPED_DECODE_ATTENTION``: grouped-query products
+    over the pool's views, no ``repeat_kv``), forced here on the CPU at 2 and 5 rows (below the CPU
+    variant's row floor): the tokens of transformers' ``sdpa`` through the same static steps."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
+    results = {}
+    for grouped in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
+        assert model.config._attn_implementation == "sdpa"
+        engine = LocalEngine(model, tokenizer, device="cpu", decode_attention=False)
+        decoder = StaticDecoder(engine._runner, quantum=32, grouped_attention=grouped)
+        engine._runner.static_decode = decoder
+        assert decoder.attention == ("interlens_grouped_decode" if grouped else "sdpa")
+        assert model.config._attn_implementation == decoder.attention
+        results[grouped] = [
+            engine.generate_batch(
+                requests([ids(tokenizer, f"group {i} " * (i + 1)) for i in range(n)], new=[12] * n)
+            )
+            for n in (2, 5)
+        ]
+    for plain, grouped in zip(results[False], results[True], strict=True):
+        same(grouped, plain)

@@ -29,6 +29,11 @@ Used on CUDA by default; on the CPU only where asked (``INTERLENS_STATIC_DECODE=
 built, or a test setting ``ModelRunner.static_decode``): CI proves on the CPU what the GPU replays. Not for
 batches whose cache is not plain static layers (sliding windows, a dynamic cache, deterministic slot rows),
 nor while forward hooks are on the model (capture and steering, ``interp``): those run the eager loop.
+
+On CUDA the decoder gives a model on transformers' ``sdpa`` the grouped-query decode attention of
+``_cpu_attention`` (``GROUPED_DECODE_ATTENTION``: two batched products and a float32 softmax over the
+pool's views, where ``sdpa`` with a mask copies each layer's K/V ``repeat_kv`` times a step); a prefill
+still runs ``sdpa``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._buckets import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
+from ._cpu_attention import GROUPED_DECODE_ATTENTION, use_grouped_decode_attention
 from ._decode import ModelRunner, Row, hand_out, raise_if_cancelled
 from ._decode_graphs import GraphRunner
 from ._kv_pool import KVPool
@@ -75,9 +81,21 @@ class StaticDecoder:
     (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph)."""
 
     def __init__(
-        self, runner: ModelRunner, *, quantum: int = LENGTH_QUANTUM, graphs: GraphRunner | None = None
+        self,
+        runner: ModelRunner,
+        *,
+        quantum: int = LENGTH_QUANTUM,
+        graphs: GraphRunner | None = None,
+        grouped_attention: bool | None = None,
     ) -> None:
         self.runner = runner
+        if grouped_attention is None:
+            grouped_attention = runner.device.startswith("cuda")
+        #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
+        #: CUDA, where the model ran transformers' ``sdpa``: no ``repeat_kv`` copy of K/V a step)
+        self.attention = str(getattr(runner.model.config, "_attn_implementation", ""))
+        if grouped_attention and use_grouped_decode_attention(runner.model):
+            self.attention = GROUPED_DECODE_ATTENTION
         self.quantum = quantum
         self.pool = KVPool(runner.model)
         self.graphs = graphs if graphs is not None else GraphRunner(device=runner.device)
