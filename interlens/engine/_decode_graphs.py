@@ -125,17 +125,18 @@ class GraphRunner:
             return graph
         import torch
 
-        side = torch.cuda.Stream(device=step.device)
-        side.wait_stream(torch.cuda.current_stream(step.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                at_last_slot()
+        with torch.cuda.device(step.device):  # a worker thread's current device may be another
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    at_last_slot()
+                    step._forward_and_sample()
+            torch.cuda.current_stream().wait_stream(side)
+            at_last_slot()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 step._forward_and_sample()
-        torch.cuda.current_stream(step.device).wait_stream(side)
-        at_last_slot()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            step._forward_and_sample()
         return graph

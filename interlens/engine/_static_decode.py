@@ -69,10 +69,12 @@ MAX_STEPS = 32
 
 def static_decoder_for(runner: ModelRunner) -> StaticDecoder | None:
     """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
-    ``INTERLENS_STATIC_DECODE=1``."""
+    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices."""
     switch = os.environ.get(ENV_SWITCH, "")
     if switch == "0" or (switch != "1" and not runner.device.startswith("cuda")):
         return None
+    if len({p.device for p in runner.model.parameters()}) > 1:
+        return None  # a model split over devices: each layer's KV lives on its own device, not in one pool
     return StaticDecoder(runner)
 
 
@@ -218,7 +220,7 @@ class StaticDecoder:
         event = None
         if step.device.startswith("cuda"):
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(step.device))  # the step's device, not the thread's
         lps = step.logprobs[:n].clone() if step.record else None
         return _Launched(host, event, lps)
 
