@@ -316,6 +316,129 @@ def _loop_vs_generate(model: Any, step: Any, ids: Any, new: int, cuda: bool) -> 
     }
 
 
+def _engine_vs_generate(
+    model: Any, tokenizer: Any, ids: Any, new: int, cuda: bool, *, repeats: int = 3
+) -> dict[str, Any]:
+    """The engine's real ``generate_batch`` over ``ids``' rows (T = 0.9, top-p 0.95, seeded rows, ``new``
+    tokens each, no end of turn): its decode as replayed graphs (``StaticDecoder``, the CUDA default, with
+    its grouped-query decode attention), the same graphs over transformers' ``sdpa`` (``graphs_sdpa``), the
+    same static steps run eagerly, and the eager loop it had before; against HF ``generate`` with the same
+    sampling (``sdpa``). One warm-up of each graph side (the graphs are captured there; the eager kernels
+    ran in the pieces before), then ``repeats`` timed runs of each, interleaved; medians and spreads of
+    tokens a second. On the CPU the graphs are the stand-in and every run has the CPU's attention."""
+    import statistics
+
+    import torch
+
+    from interlens.engine._decode_graphs import GraphRunner
+    from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._sampling import SamplingSettings
+    from interlens.engine._static_decode import StaticDecoder
+
+    device = str(ids.device)
+    rows = ids.shape[0]
+    requests = [
+        GenerationRequest(
+            prompt_ids=tuple(ids[i].tolist()),
+            sampling=SamplingSettings(max_new_tokens=new, temperature=0.9, top_p=0.95, seed=i),
+        )
+        for i in range(rows)
+    ]
+    engines: dict[str, Any] = {}
+    attention: dict[str, str] = {}  # on CUDA, the attention each run's model calls (eager ones read it live)
+    sdpa = str(model.config._attn_implementation)
+    for name in ("graphs", "graphs_sdpa", "static_eager", "eager_loop"):
+        if cuda:
+            model.set_attn_implementation(sdpa)
+        engine = LocalEngine(model, tokenizer, device=device, kv_reuse_capacity=0)
+        engine._runner.eos_ids = frozenset()  # every row runs its whole length
+        if name == "eager_loop":
+            engine._runner.static_decode = None
+        else:
+            graphs = GraphRunner(
+                device=device,
+                graph_type=None if cuda else _StandInGraph,
+                capture=name != "static_eager",
+            )
+            engine._runner.static_decode = StaticDecoder(
+                engine._runner, graphs=graphs, grouped_attention=cuda and name != "graphs_sdpa"
+            )
+        attention[name] = str(model.config._attn_implementation)
+        engines[name] = engine
+    attention["generate"] = sdpa
+
+    def run(engine: Any) -> tuple[float, list[Any]]:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = engine.generate_batch(requests)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, [r.token_ids for r in results]
+
+    def generate() -> tuple[float, list[Any]]:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=0.9,
+                top_p=0.95,
+                top_k=0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+            )
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, []
+
+    runners: dict[str, Callable[[], tuple[float, list[Any]]]] = {
+        name: (lambda engine=engine: run(engine)) for name, engine in engines.items()
+    }
+    runners["generate"] = generate
+    if cuda:  # each run under its own attention (a graph keeps the one it was captured with)
+        plain = runners
+
+        def under(name: str) -> Callable[[], tuple[float, list[Any]]]:
+            def go() -> tuple[float, list[Any]]:
+                model.set_attn_implementation(attention[name])
+                return plain[name]()
+
+            return go
+
+        runners = {name: under(name) for name in plain}
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    tokens: dict[str, list[Any]] = {}
+    for name, runner in runners.items():  # warm-up: the graphs' captures (the eager kernels ran before)
+        if name.startswith("graphs"):
+            runner()
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            seconds[name], tokens[name] = [*seconds[name], (ran := runner())[0]], ran[1]
+    total = rows * new
+    fig: dict[str, Any] = {"rows": rows, "new": new, "repeats": repeats}
+    for name, times in seconds.items():
+        rates = [total / t for t in times]
+        fig[f"{name}_tok_s"] = round(statistics.median(rates), 1)
+        fig[f"{name}_tok_s_spread"] = [round(min(rates), 1), round(max(rates), 1)]
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    fig["graphs_over_generate"] = round(median["generate"] / median["graphs"], 2)
+    fig["graphs_over_eager_loop"] = round(median["eager_loop"] / median["graphs"], 2)
+    fig["graphs_over_static_eager"] = round(median["static_eager"] / median["graphs"], 2)
+    fig["grouped_over_sdpa_graphs"] = round(median["graphs_sdpa"] / median["graphs"], 2)
+    fig["attention"] = attention
+    fig["tokens_graphs_equal_static_eager"] = tokens["graphs"] == tokens["static_eager"]
+    fig["tokens_grouped_equal_sdpa"] = tokens["graphs"] == tokens["graphs_sdpa"]
+    fig["tokens_graphs_equal_eager_loop"] = tokens["graphs"] == tokens["eager_loop"]
+    decoder = engines["graphs"]._runner.static_decode
+    fig["graphs_stats"] = {**decoder.stats, **decoder.graphs.stats}
+    fig["pool_mib"] = round(decoder.pool.nbytes() / 2**20, 1)
+    return fig
+
+
 def reduction_check(norm: Any, width: int, device: str, dtype: Any) -> dict[str, dict[str, bool]]:
     """Bitwise batch invariance of a norm's reduction: 16 rows of ``width`` random values in ``dtype``,
     ``x.float().pow(2).mean(-1)`` and ``norm`` (the model's own RMSNorm, fed decode's (rows, 1, width))
@@ -350,17 +473,21 @@ def graphs_bench(
     figures: dict[str, Any],
     flush: Callable[[], None],
     budget_s: float = 330.0,
+    engine_repeats: int = 3,
 ) -> None:
     """Part 9 (module docstring): for each shape of ``shapes`` (built as part 0c builds them) and each row
     count of ``batches``, random ``prompt``-token prompts prefilled once, then each variant's step eager and
-    replayed; the loop against ``generate`` at ``loop_rows`` rows (one of ``batches``); the reduction check.
+    replayed; the loop against ``generate`` at ``loop_rows`` rows (one of ``batches``), and the engine's own
+    ``generate_batch`` against it (``engine_repeats`` timed runs of each); the reduction check.
     ``figures`` gets them as they come, ``flush`` is called after each piece."""
     import torch
+    from transformers import AutoTokenizer
 
     from interlens.engine._buckets import length_bucket
 
     cuda = device.startswith("cuda")
     started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     figures["pool"] = "one CUDA graph memory pool per shape, shared by its graphs" if cuda else "stand-in"
     figures["steps"] = {"warm": warm, "timed": timed, "check": check}
     for name, shape in shapes.items():
@@ -423,6 +550,16 @@ def graphs_bench(
         except Exception as exc:
             fig["loop"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(f"  {name}, loop: {fig['loop']}", flush=True)
+        flush()
+        try:
+            if loop_step is None:
+                raise RuntimeError(f"no prompts of {loop_rows} rows were made")
+            fig["engine"] = _engine_vs_generate(
+                model, tokenizer, loop_step[1], loop_new, cuda, repeats=engine_repeats
+            )
+        except Exception as exc:
+            fig["engine"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"  {name}, engine: {fig['engine']}", flush=True)
         flush()
         try:
             width = int(model.config.hidden_size)

@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/bench_decode_step.py [--model real] [--rows 1 16 64] [--new 32] [--repeats 3]
                                              [--dtype auto] [--device cpu] [--threads N] [--attention]
-                                             [--context N]
+                                             [--context N] [--static]
 
 ``LocalEngine.generate_batch`` on the real model (``--model bench``: the toy random-weight Qwen2), seeded
 sampling at T=0.9, end-of-turn ids disabled so every row runs to its own ``max_new_tokens``, at each
@@ -23,7 +23,9 @@ the engine uses, at the uniform case's mean context, logits included) is the lim
 question, ~30 tokens). ``--attention`` instead times the engine's model step (rows' prompts cut by 0-6
 tokens: padded rows, a mask) on transformers' own SDPA attention and on the decode-step attention a CPU
 engine installs (``interlens/engine/_cpu_attention.py``), interleaved, and prints SDPA / interlens per
-batch size.
+batch size. ``--static`` instead times whole ``generate_batch`` calls through the eager decode loop and
+through the static-step decoder (``interlens/engine/_static_decode.py``; graphs on CUDA, eager steps over
+whole length buckets on the CPU), interleaved, and prints eager / static.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--attention", action="store_true", help="SDPA vs interlens' CPU decode attention")
     parser.add_argument("--context", type=int, default=0, help="prompt tokens, at least")
+    parser.add_argument("--static", action="store_true", help="the eager loop vs the static-step decoder")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
@@ -86,6 +89,9 @@ def main() -> None:
     print(f"prompt: {len(prompt)} tokens")
     if args.attention:
         compare_attention(engine, timer, prompt, args)
+        return
+    if args.static:
+        compare_static(engine, timer, prompt, args)
         return
     for rows in args.rows:
         cases = {"uniform": [args.new] * rows}
@@ -160,6 +166,48 @@ def compare_attention(engine: Any, timer: Any, prompt: tuple[int, ...], args: ar
             f"  B={rows:3d}: model step on sdpa {stock:6.2f} ms, on {CPU_DECODE_ATTENTION} {ours:6.2f} ms: "
             f"sdpa / interlens = {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
         )
+
+
+def compare_static(engine: Any, timer: Any, prompt: tuple[int, ...], args: argparse.Namespace) -> None:
+    """Whole ``generate_batch`` calls through the eager decode loop and through the static-step decoder
+    (``engine/_static_decode.py``: graphs on CUDA, its steps eager on the CPU), interleaved, uniform and
+    staggered token caps; per batch size the median seconds of each and eager / static with its spread."""
+    from interlens.engine._generation import GenerationRequest, SamplingSettings
+    from interlens.engine._static_decode import StaticDecoder
+
+    decoder = StaticDecoder(timer)
+    for rows in args.rows:
+        cases = {"uniform": [args.new] * rows}
+        if rows > 1:
+            cases["staggered"] = [1 + i * args.new // rows for i in range(rows)]
+        for case, caps in cases.items():
+            requests = [
+                GenerationRequest(
+                    prompt_ids=(prompt[0], 100 + i, *prompt[1:]),
+                    sampling=SamplingSettings(max_new_tokens=cap, temperature=0.9, seed=i),
+                )
+                for i, cap in enumerate(caps)
+            ]
+            seconds: dict[str, list[float]] = {"eager": [], "static": []}
+            tokens: dict[str, list[Any]] = {}
+            for repeat in range(args.repeats + 1):  # the first round is the warm-up
+                order = list(seconds) if repeat % 2 else list(seconds)[::-1]
+                for name in order:
+                    timer.static_decode = decoder if name == "static" else None
+                    start = time.perf_counter()
+                    results = engine.generate_batch(requests)
+                    _sync(args.device)
+                    if repeat:
+                        seconds[name].append(time.perf_counter() - start)
+                    tokens[name] = [r.token_ids for r in results]
+            ratios = [a / b for a, b in zip(seconds["eager"], seconds["static"], strict=True)]
+            eager, static = (statistics.median(seconds[n]) for n in seconds)
+            print(
+                f"  B={rows:3d} {case:9s}: eager loop {eager:6.3f} s, static steps {static:6.3f} s: "
+                f"eager / static = {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}); "
+                f"tokens equal: {tokens['eager'] == tokens['static']}"
+            )
+    timer.static_decode = None
 
 
 def timed_engine(model: Any, tokenizer: Any, *, device: str) -> tuple[Any, Any]:

@@ -265,7 +265,7 @@ def main() -> None:
             else:  # the rehearsal: part 0c's small shape and batches, a stand-in graph
                 graphs_bench(
                     path, first, REHEARSAL_SHAPE, [1, 4], prompt=16, warm=2, timed=4, check=8,
-                    loop_rows=4, loop_new=8, figures=fig, flush=write_figures,
+                    loop_rows=4, loop_new=8, figures=fig, flush=write_figures, engine_repeats=1,
                 )  # fmt: skip
 
     if wanted("0"):

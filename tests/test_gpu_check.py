@@ -58,7 +58,8 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
 def _check_graphs_part(graphs: dict[str, Any]) -> None:
     """Part 9's rehearsal (issue 37): every row bucket and variant timed eager and replayed through the
     stand-in graph, which saw no buffer move and no host read in the captured function; the replayed tokens
-    (and recorded log-probabilities) equal the eager ones; the loop's figures and the reduction verdicts."""
+    (and recorded log-probabilities) equal the eager ones; the loop's figures, the engine's own
+    ``generate_batch`` with graphs, eager and against HF ``generate``, and the reduction verdicts."""
     shape = graphs["3 layers"]
     assert shape["length_bucket"] == 256 and shape["prompt"] == 16
     for rows in ("1", "4"):
@@ -73,6 +74,18 @@ def _check_graphs_part(graphs: dict[str, Any]) -> None:
     loop = shape["loop"]
     assert loop["tokens_equal"] is True and loop["rows"] == 4
     assert loop["graph_tok_s"] > 0 and loop["eager_tok_s"] > 0 and loop["generate_tok_s"] > 0
+    # the engine's own generate_batch: static steps through the stand-in graphs, the same steps eager, the
+    # eager loop and HF generate, the graph sides run once to warm up (capture), then each once timed (the
+    # GPU run: 3 times; here the graphs' 2 runs of 7 steps each)
+    engine = shape["engine"]
+    assert "error" not in engine, engine
+    assert engine["rows"] == 4 and engine["repeats"] == 1
+    assert engine["tokens_graphs_equal_static_eager"] is True
+    assert engine["tokens_graphs_equal_eager_loop"] is True
+    assert engine["graphs_stats"]["captures"] == 1 and engine["graphs_stats"]["steps: graph"] == 14
+    assert engine["tokens_grouped_equal_sdpa"] is True
+    names = ("graphs", "graphs_sdpa", "static_eager", "eager_loop", "generate")
+    assert all(engine[f"{name}_tok_s"] > 0 for name in names)
     # a row's mean of squares and norm do not depend on its batch on this CPU
     assert shape["reduction"] == {
         "width": 64,

@@ -31,10 +31,23 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CPU_DECODE_ATTENTION", "FEWEST_ROWS", "at_any_row_count", "use_cpu_decode_attention"]
+__all__ = [
+    "CPU_DECODE_ATTENTION",
+    "FEWEST_ROWS",
+    "GROUPED_DECODE_ATTENTION",
+    "at_any_row_count",
+    "use_cpu_decode_attention",
+    "use_grouped_decode_attention",
+]
 
 #: The attention implementation's registered name (``model.config._attn_implementation``).
 CPU_DECODE_ATTENTION = "interlens_cpu_decode"
+
+#: The same products for a one-token step on any device and at any row count: what the static decode step
+#: uses on CUDA (``_static_decode``), where transformers' ``sdpa`` with a mask copies every layer's keys and
+#: values ``repeat_kv`` times a step for a grouped-query model; the products read them in place (a pool
+#: view's rows fold into one batch dimension without a copy).
+GROUPED_DECODE_ATTENTION = "interlens_grouped_decode"
 
 #: Steps of fewer rows keep SDPA: at one row this path ran at 0.94x of SDPA's step (SmolLM2-135M, bf16, AMD
 #: EPYC, 2 cores), where two extra small products and a softmax cost more than SDPA's setup. Not within
@@ -72,14 +85,41 @@ def use_cpu_decode_attention(model: Any) -> bool:
     return True
 
 
+def use_grouped_decode_attention(model: Any) -> bool:
+    """Give ``model`` :data:`GROUPED_DECODE_ATTENTION` where it runs transformers' ``sdpa`` (on any device);
+    returns whether it now does. A prefill, dropout, a position bias, softcap or sinks still take ``sdpa``."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == GROUPED_DECODE_ATTENTION:
+        return True
+    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    _register()
+    model.set_attn_implementation(GROUPED_DECODE_ATTENTION)
+    return True
+
+
 @functools.cache
 def _register() -> None:
-    """Register the function and its mask (transformers builds no mask for an unknown name) once."""
+    """Register the functions and their mask (transformers builds no mask for an unknown name) once."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(CPU_DECODE_ATTENTION, _attention)
     AttentionMaskInterface.register(CPU_DECODE_ATTENTION, sdpa_mask)
+    AttentionInterface.register(GROUPED_DECODE_ATTENTION, _grouped_attention)
+    AttentionMaskInterface.register(GROUPED_DECODE_ATTENTION, sdpa_mask)
+
+
+def _grouped_attention(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> Any:
+    """:data:`GROUPED_DECODE_ATTENTION`: :func:`_attention` at every row count and on every device."""
+    token = _ANY_ROW_COUNT.set(True)
+    try:
+        return _attention(module, query, key, value, attention_mask, any_device=True, **kwargs)
+    finally:
+        _ANY_ROW_COUNT.reset(token)
 
 
 def _attention(
@@ -92,6 +132,7 @@ def _attention(
     scaling: float | None = None,
     is_causal: bool | None = None,
     position_bias: Any = None,
+    any_device: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """transformers' attention-function contract: ``query`` (batch, heads, q_len, dim), ``key``/``value``
@@ -101,7 +142,7 @@ def _attention(
     if (
         query.shape[2] != 1
         or (query.shape[0] < FEWEST_ROWS and not _ANY_ROW_COUNT.get())
-        or query.device.type != "cpu"
+        or (query.device.type != "cpu" and not any_device)
         or dropout
         or position_bias is not None
         or kwargs.get("softcap") is not None

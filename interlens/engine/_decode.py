@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from interlens.scheduler import BatchCancelled
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["ModelRunner", "Row", "left_pad", "raise_if_cancelled", "stop_window"]
+__all__ = ["ModelRunner", "Row", "StaticDecode", "hand_out", "left_pad", "raise_if_cancelled", "stop_window"]
 
 #: Finished rows stay in the batch (fed an ignored token) until they are at least 1/_COMPACT_SHARE of it:
 #: dropping them copies the whole KV cache (every layer, every position), which at a row leaving on most
@@ -67,6 +67,29 @@ class Row:
         return self.finish is not None or self.failure is not None
 
 
+class StaticDecode(Protocol):
+    """What :meth:`ModelRunner.decode` hands a batch to when it serves it (``_static_decode.StaticDecoder``:
+    the loop of static-shape steps, replayed as graphs on CUDA); kept abstract here so this module does not
+    import it."""
+
+    def serves(self, rows: list[Row], cache: Any, static: bool) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def decode(
+        self,
+        rows: list[Row],
+        logits: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        kv_len: int,
+        cancelled: threading.Event | None,
+        *,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
+    ) -> None: ...
+
+
 class ModelRunner:
     """A loaded causal LM and its tokenizer on one device, with the special ids decoding needs.
 
@@ -89,6 +112,9 @@ class ModelRunner:
         self.eos_ids: frozenset[int] = eos_ids(model, tokenizer)
         self.pad_id: int = pad_id(model, tokenizer, self.eos_ids)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        #: decode through static-shape steps (graphs on CUDA: ``_static_decode``) where it serves a batch;
+        #: None: the eager loop for every batch. The engine sets it (``static_decoder_for``).
+        self.static_decode: StaticDecode | None = None
 
     # ------------------------------------------------------------------ model calls
 
@@ -192,41 +218,28 @@ class ModelRunner:
         """
         import torch
 
-        eos = self.eos_ids
+        static_decode = self.static_decode
+        if static_decode is not None and static_decode.serves(rows, cache, static):
+            static_decode.decode(rows, logits, cache, positions, attn, kv_len, cancelled, on_leave=on_leave)
+            return
         gen_start = kv_len
         active = list(rows)
         record = any(r.request.record_logprobs for r in rows)
         sampler = Sampler([r.request.sampling for r in active], self.device, record=record)
         # the recorded log-probabilities stay on the device until the rows are done: one read at the end
         recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]] = []
-        dead = 0  # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
         while True:
             # the sampler's row maxima say which rows' logits went NaN / +inf, on the device, no sync of
             # their own and no extra pass over rows × vocab
             choice = sampler.choose(logits)
             chosen = torch.where(choice.finite, choice.tokens, -1)
-            took: list[tuple[int, Row]] = []  # the rows that took this step's token, by their index in it
-            for k, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
-                if row.done:  # finished on an earlier step, still in the batch: its draw is ignored
-                    continue
-                if token < 0:
-                    row.failure = self._non_finite(row)
-                    dead += 1
-                    continue
-                row.tokens.append(token)
-                took.append((k, row))
-                if token in eos:
-                    row.finish = "eos"
-                elif row.stop_window and self._hit_stop(row):
-                    row.finish = "stop"
-                elif len(row.tokens) >= row.request.sampling.max_new_tokens:
-                    row.finish = "length"
-                if row.finish is not None:
-                    dead += 1
+            took = self.take_tokens(active, chosen.tolist())
+            # rows of ``active`` that are finished (or failed) but not yet dropped from the batch
+            dead = sum(row.done for row in active)
             if choice.logprobs is not None and took:
                 recorded.append((took, choice.logprobs))
             if dead == len(active):
-                _hand_out(recorded)
+                hand_out(recorded)
                 if on_leave is not None:
                     on_leave(list(range(len(active))), active, cache, gen_start)
                 return
@@ -246,12 +259,34 @@ class ModelRunner:
                         attn = None  # the padded rows are gone: let attention skip the mask
                 active = [active[j] for j in keep]
                 sampler = sampler.select(keep)
-                dead = 0
             elif dead:
                 chosen = chosen.clamp(min=0)  # a failed row still in the batch is fed a valid (ignored) id
             kv_len += 1
             logits = self.step(chosen.unsqueeze(1), positions, attn, cache, kv_len, static)
             positions = positions + 1
+
+    def take_tokens(self, active: list[Row], chosen: list[int]) -> list[tuple[int, Row]]:
+        """The host's checks of one step: each unfinished row of ``active`` takes its token of ``chosen``
+        (-1: its logits went non-finite, the row fails) and ends at an end-of-turn id, a stop string or its
+        token cap. Returns the rows that took a token, by their index in the step. Finished rows still in
+        the batch are skipped (their draws are ignored)."""
+        eos = self.eos_ids
+        took: list[tuple[int, Row]] = []
+        for k, (row, token) in enumerate(zip(active, chosen, strict=True)):
+            if row.done:
+                continue
+            if token < 0:
+                row.failure = self._non_finite(row)
+                continue
+            row.tokens.append(token)
+            took.append((k, row))
+            if token in eos:
+                row.finish = "eos"
+            elif row.stop_window and self._hit_stop(row):
+                row.finish = "stop"
+            elif len(row.tokens) >= row.request.sampling.max_new_tokens:
+                row.finish = "length"
+        return took
 
     def _non_finite(self, row: Row) -> GenerationError:
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
@@ -297,7 +332,7 @@ class ModelRunner:
         )
 
 
-def _hand_out(recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]]) -> None:
+def hand_out(recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]]) -> None:
     """Give each row its tokens' log-probabilities, read from the device in one go: per step, the rows
     that took a token there, by their index in that step's (rows, 2) tensor."""
     import torch

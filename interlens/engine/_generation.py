@@ -48,6 +48,7 @@ from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
 from ._slot_rows import ROW_BLOCK, SlotLayout
+from ._static_decode import static_decoder_for
 from ._verdicts import Verdicts
 
 log = logging.getLogger("interlens")
@@ -109,6 +110,7 @@ class LocalEngine:
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
+        runner.static_decode = static_decoder_for(runner)  # None: the eager loop (the CPU's default)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -395,6 +397,8 @@ class LocalEngine:
         import torch
 
         self.clear_reuse()
+        if self._runner.static_decode is not None:
+            self._runner.static_decode.release()  # the decode steps' KV pool, steps and graphs
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             for member in self._memory_devices.split(","):  # every GPU of a group

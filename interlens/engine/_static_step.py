@@ -9,10 +9,13 @@ allocated once:
 
 * inputs: the tokens fed (rows, 1), their positions (rows, 1), the 2-D attention mask over the length
   bucket's full width (rows, length), and per row its uniform, temperature, top-p and greedy flag;
-* outputs: the chosen tokens, whether each row's logits were usable (``finite``), and with recording the
-  chosen tokens' log-probabilities under the model's and the sampling distribution (rows, 2);
-* its static KV cache (transformers' ``StaticCache``, initialised to rows x length up front), whose layers
-  keep their write position in a tensor (``cumulative_length``) advanced in place by the forward itself.
+* outputs: the chosen tokens (-1 where a row's logits were not usable, so one host read brings both),
+  whether each row's logits were usable (``finite``), and with recording the chosen tokens'
+  log-probabilities under the model's and the sampling distribution (rows, 2);
+* its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every bucket's view lays a
+  row's slots at the same address), or a ``StaticCache`` of its own initialised to rows x length up front;
+  its layers keep their write position in a tensor (``cumulative_length``) advanced in place by the
+  forward itself.
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
@@ -33,12 +36,9 @@ them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
 At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
 a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
 
-What the engine still has to build around it: one persistent KV pool that every prefill path writes into
-(here :meth:`StaticDecodeStep.begin` copies a prefilled cache in, and each step owns its cache, so a
-hand-over copies rather than re-points views of one pool), the choice of when to hand over (after the
-kept-KV collector has read the rows that leave), the graphs themselves (``torch.cuda.CUDAGraph`` over
-:attr:`StaticDecodeStep.run`, keyed by bucket, in one memory pool), and the pipelined loop (the host's checks
-of step n beside the device's step n+1: the outputs double-buffered or copied out before the next replay).
+The engine drives it from ``_static_decode.StaticDecoder`` (steps kept per key over one pool, the
+pipelined loop, when to hand over) and captures :attr:`StaticDecodeStep.run` as a CUDA graph in
+``_decode_graphs``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from ._static_sampler import VARIANTS, sample_rows, variant_for
 
 if TYPE_CHECKING:
     import torch
+
+    from ._kv_pool import KVPool
 
 __all__ = ["StaticDecodeStep", "static_cache"]
 
@@ -87,7 +89,15 @@ class StaticDecodeStep:
     """
 
     def __init__(
-        self, model: Any, *, rows: int, length: int, variant: str, record: bool, pad_id: int = 0
+        self,
+        model: Any,
+        *,
+        rows: int,
+        length: int,
+        variant: str,
+        record: bool,
+        pad_id: int = 0,
+        pool: KVPool | None = None,
     ) -> None:
         import torch
 
@@ -104,7 +114,14 @@ class StaticDecodeStep:
         self.pad_id = pad_id
         device = next(model.parameters()).device
         self.device = str(device)
-        self.cache = static_cache(model, rows=rows, length=length)
+        #: the pool this step's cache is a view of (None: the step owns its cache)
+        self.pool = pool
+        self.generation = pool.generation if pool is not None else 0
+        self.cache = (
+            pool.views(rows, length) if pool is not None else static_cache(model, rows=rows, length=length)
+        )
+        if pool is not None:
+            self.generation = pool.generation  # after views(), which may have grown the pool
         vocab = int(model.get_input_embeddings().weight.shape[0])
         self.vocab = vocab
         # inputs (the host fills them in begin() and the uniforms per step; the step advances the rest)
@@ -165,6 +182,7 @@ class StaticDecodeStep:
         kv: Any,
         prompt_mask: torch.Tensor,
         logits: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> Choice:
         """Start a batch of ``len(settings)`` real rows (at most :attr:`rows`): ``kv`` a cache prefilled
         with their left-padded prompts (any transformers cache whose layers have ``keys`` / ``values`` of
@@ -178,13 +196,14 @@ class StaticDecodeStep:
         self._check(settings, n, width)
         with torch.no_grad():
             for src, dst in zip(kv.layers, self.cache.layers, strict=True):
-                dst.keys[:n, :, :width].copy_(src.keys[:, :, :width])
-                dst.values[:n, :, :width].copy_(src.values[:, :, :width])
+                if src.keys.data_ptr() != dst.keys.data_ptr():  # not prefilled in place already
+                    dst.keys[:n, :, :width].copy_(src.keys[:n, :, :width])
+                    dst.values[:n, :, :width].copy_(src.values[:n, :, :width])
                 dst.cumulative_length.fill_(width)
             self.mask.fill_(1)
             self.mask[:n, :width].copy_(prompt_mask)
             self.positions.zero_()
-            self.positions[:n, 0].copy_(prompt_mask.sum(dim=-1))
+            self.positions[:n, 0].copy_(prompt_mask.sum(dim=-1) if positions is None else positions)
             self.input_ids.fill_(self.pad_id)
             self.uniforms.fill_(0.5)
             greedy = [s.temperature <= 0 for s in settings]
@@ -256,19 +275,35 @@ class StaticDecodeStep:
         k, slot = len(keep), self._slot
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         with torch.no_grad():
-            # gathered first (index_select copies), so a step handing over to itself reads before it writes
-            kv = [
-                (src.keys.index_select(0, index)[:, :, :slot], src.values.index_select(0, index)[:, :, :slot])
-                for src in self.cache.layers
-            ]
+            # Rows already where they go (the front rows of one pool's storage: every bucket's view lays a
+            # row's slots at the same address) do not move; others are gathered first (index_select
+            # copies), so a step handing over within its own storage reads before it writes, then
+            # index_copy_'d into the front rows.
+            in_place = list(keep) == list(range(k)) and all(
+                a.keys.data_ptr() == b.keys.data_ptr() and a.keys.stride() == b.keys.stride()
+                for a, b in zip(self.cache.layers, to.cache.layers, strict=True)
+            )
+            front = torch.arange(k, dtype=torch.long, device=self.device)
+            kv = (
+                []
+                if in_place
+                else [
+                    (
+                        src.keys[:, :, :slot].index_select(0, index),
+                        src.values[:, :, :slot].index_select(0, index),
+                    )
+                    for src in self.cache.layers
+                ]
+            )
             state = {
                 name: getattr(self, name).index_select(0, index)
                 for name in ("positions", "input_ids", "temperature", "top_p", "greedy")
             }
             mask = self.mask.index_select(0, index)[:, :slot]
-            for (keys, values), dst in zip(kv, to.cache.layers, strict=True):
-                dst.keys[:k, :, :slot].copy_(keys)
-                dst.values[:k, :, :slot].copy_(values)
+            for (keys, values), dst in zip(kv, to.cache.layers, strict=False):
+                dst.keys[:, :, :slot].index_copy_(0, front, keys)
+                dst.values[:, :, :slot].index_copy_(0, front, values)
+            for dst in to.cache.layers:
                 dst.cumulative_length.fill_(slot)
             to.mask.fill_(1)
             to.mask[:k, :slot].copy_(mask)
@@ -336,7 +371,8 @@ class StaticDecodeStep:
                 variant=self.variant,
                 record=self.record,
             )
-            self.tokens.copy_(tokens)
+            # -1 where a row's logits went bad: the host's one read of the tokens brings the verdict along
+            self.tokens.copy_(torch.where(finite, tokens, -1))
             self.finite.copy_(finite)
             if logprobs is not None:
                 self.logprobs.copy_(logprobs)

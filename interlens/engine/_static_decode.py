@@ -1,0 +1,278 @@
+"""The engine's decode loop over static-shape steps: what ``ModelRunner.decode`` runs on CUDA (as graphs).
+
+The eager loop (``_decode.ModelRunner.decode``) allocates as it goes and changes shapes every step (a
+narrowed window, compaction into new tensors, a sampler whose tensors follow the batch's mix), so it cannot
+be replayed. :class:`StaticDecoder` decodes the same batch through a
+:class:`~._static_step.StaticDecodeStep` per bucket key (row bucket, length bucket, sampler variant,
+recording), kept between batches, whose caches are views of the engine's one :class:`~._kv_pool.KVPool`:
+
+* ``begin`` lays the prefilled batch cache (any prefill path: plain, shared prefix, grouped, kept KV laid
+  out) into the pool's front rows and draws the first tokens from the prefill's logits;
+* each step runs the step's function (a replayed graph on CUDA: ``_decode_graphs``) and queues the copy of
+  its chosen tokens (-1 for a row whose logits went non-finite) to pinned host memory; the loop is
+  pipelined: step n+1 is launched before the host waits for step n's tokens (its one wait a step, on that
+  copy's event only) and makes the eager loop's checks (end of turn, stop strings, token caps), so the
+  host's checks overlap the device's next step. A row ended at step n costs step n+1, ignored; no step is
+  launched ahead where every live row takes its last token in the one in flight. Recorded
+  log-probabilities are copied on the device and read once at the end;
+* finished rows stay in the batch (fed ignored tokens) until the live ones fit a smaller row bucket; there
+  the step in flight is drained (read and checked) first, the kept-KV collector (``on_leave``) reads the
+  leaving rows, then the live rows move to the pool's front rows (``hand_over``) and the smaller bucket's
+  step carries on. The length bucket is chosen once per batch (its longest prompt plus its largest token
+  cap), so no step runs out of slots.
+
+Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
+eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
+in :attr:`StaticDecoder.stats`.
+
+Used on CUDA by default; on the CPU only where asked (``INTERLENS_STATIC_DECODE=1`` when the engine is
+built, or a test setting ``ModelRunner.static_decode``): CI proves on the CPU what the GPU replays. Not for
+batches whose cache is not plain static layers (sliding windows, a dynamic cache, deterministic slot rows),
+nor while forward hooks are on the model (capture and steering, ``interp``): those run the eager loop.
+
+On CUDA the decoder gives a model on transformers' ``sdpa`` the grouped-query decode attention of
+``_cpu_attention`` (``GROUPED_DECODE_ATTENTION``: two batched products and a float32 softmax over the
+pool's views, where ``sdpa`` with a mask copies each layer's K/V ``repeat_kv`` times a step); a prefill
+still runs ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._buckets import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
+from ._cpu_attention import GROUPED_DECODE_ATTENTION, use_grouped_decode_attention
+from ._decode import ModelRunner, Row, hand_out, raise_if_cancelled
+from ._decode_graphs import GraphRunner
+from ._kv_pool import KVPool
+from ._prefill import plain_static
+from ._static_sampler import variant_for
+from ._static_step import StaticDecodeStep
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ENV_SWITCH", "StaticDecoder", "static_decoder_for"]
+
+#: Set to "1" to decode through static steps on the CPU too (CI's proof of the GPU's path); "0" turns them
+#: off on CUDA.
+ENV_SWITCH = "INTERLENS_STATIC_DECODE"
+
+#: Most steps (bucket keys) kept between batches; their graphs are capped by the graph runner.
+MAX_STEPS = 32
+
+
+def static_decoder_for(runner: ModelRunner) -> StaticDecoder | None:
+    """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
+    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices."""
+    switch = os.environ.get(ENV_SWITCH, "")
+    if switch == "0" or (switch != "1" and not runner.device.startswith("cuda")):
+        return None
+    if len({p.device for p in runner.model.parameters()}) > 1:
+        return None  # a model split over devices: each layer's KV lives on its own device, not in one pool
+    return StaticDecoder(runner)
+
+
+class StaticDecoder:
+    """Static-shape decoding for one runner (module docstring). ``quantum``: the length bucket's step
+    (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        quantum: int = LENGTH_QUANTUM,
+        graphs: GraphRunner | None = None,
+        grouped_attention: bool | None = None,
+    ) -> None:
+        self.runner = runner
+        if grouped_attention is None:
+            grouped_attention = runner.device.startswith("cuda")
+        #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
+        #: CUDA, where the model ran transformers' ``sdpa``: no ``repeat_kv`` copy of K/V a step)
+        self.attention = str(getattr(runner.model.config, "_attn_implementation", ""))
+        if grouped_attention and use_grouped_decode_attention(runner.model):
+            self.attention = GROUPED_DECODE_ATTENTION
+        self.quantum = quantum
+        self.pool = KVPool(runner.model)
+        self.graphs = graphs if graphs is not None else GraphRunner(device=runner.device)
+        #: batches, steps by how they ran ("graph", "eager: why"), batches left to the eager loop (why)
+        self.stats: Counter[str] = Counter()
+        self._steps: OrderedDict[tuple[int, int, str, bool], StaticDecodeStep] = OrderedDict()
+        self._generation = self.pool.generation
+        self._host: list[torch.Tensor] | None = None  # two host buffers the launched steps' tokens go to
+        self._flip = 0
+
+    def serves(self, rows: list[Row], cache: Any, static: bool) -> bool:
+        """Whether this batch can decode here: a static cache of plain layers, rows within the largest
+        bucket, no forward hooks on the model (counted in :attr:`stats` when not)."""
+        if not static or getattr(cache, "feed", None) is not None or len(rows) > ROW_BUCKETS[-1]:
+            return False
+        if not plain_static(cache):
+            self.stats["eager batches: cache layers"] += 1
+            return False
+        if _hooked(self.runner.model):
+            self.stats["eager batches: forward hooks"] += 1
+            return False
+        return True
+
+    def release(self) -> None:
+        """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
+        self._steps.clear()
+        self.graphs.clear()
+        self.pool.release()
+
+    def decode(
+        self,
+        rows: list[Row],
+        logits: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attn: torch.Tensor | None,
+        kv_len: int,
+        cancelled: threading.Event | None,
+        *,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None = None,
+    ) -> None:
+        """``ModelRunner.decode``'s contract (same arguments, same effects on ``rows``; ``on_leave`` gets
+        the step's pool-view cache), through static steps."""
+        import torch
+
+        runner = self.runner
+        settings = [r.request.sampling for r in rows]
+        record = any(r.request.record_logprobs for r in rows)
+        variant = variant_for(settings)
+        length = length_bucket(kv_len + max(s.max_new_tokens for s in settings), quantum=self.quantum)
+        self.stats["batches"] += 1
+        step, mode = self._step(row_bucket(len(rows)), length, variant, record)
+        prompt_mask = (
+            attn[:, :kv_len] if attn is not None else torch.ones(len(rows), kv_len, dtype=torch.long)
+        )
+        choice = step.begin(
+            settings, kv=cache, prompt_mask=prompt_mask.to(step.device), logits=logits, positions=positions
+        )
+        del cache, logits
+        first = torch.where(choice.finite, choice.tokens, -1).tolist()
+        active = list(rows)
+        recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]] = []
+
+        def take(chosen: list[int], lps: torch.Tensor | None) -> None:
+            took = runner.take_tokens(active, chosen)
+            if lps is not None and took:
+                recorded.append((took, lps))
+
+        take(first, choice.logprobs)
+        del choice
+        pending: _Launched | None = None  # a step launched whose tokens the host has not read yet
+        while not all(row.done for row in active):
+            raise_if_cancelled(cancelled)
+            live = [j for j, row in enumerate(active) if not row.done]
+            smaller = row_bucket(len(live))
+            if smaller < step.rows:  # a bucket edge
+                if pending is not None:  # drain: the step in flight may end more rows
+                    take(*self._read(pending))
+                    pending = None
+                    continue
+                # the collector reads the leavers, then the live rows move to the pool's front rows
+                if on_leave is not None:
+                    gone = [j for j, row in enumerate(active) if row.done]
+                    on_leave(gone, [active[j] for j in gone], step.cache, kv_len)
+                to, mode = self._step(smaller, length, variant, record)
+                step.hand_over(live, to)
+                step, active = to, [active[j] for j in live]
+                self.stats["hand-overs"] += 1
+            if pending is None:
+                pending = self._launch(step, len(active), mode)
+            # the next step runs on the device while the host checks this one (a row this one ends costs
+            # that step, ignored); none where every live row takes its last token in the one in flight
+            ahead = None
+            if step.slots_left > 0 and any(
+                not row.done and len(row.tokens) + 1 < row.request.sampling.max_new_tokens for row in active
+            ):
+                ahead = self._launch(step, len(active), mode)
+            take(*self._read(pending))
+            pending = ahead
+        if pending is not None:
+            self.stats["ignored steps"] += 1
+        hand_out(recorded)
+        if on_leave is not None:
+            on_leave(list(range(len(active))), active, step.cache, kv_len)
+
+    def _launch(self, step: StaticDecodeStep, n: int, mode: str) -> _Launched:
+        """Run one step and queue the copy of its first ``n`` rows' tokens to the host (pinned memory on
+        CUDA, without waiting) and of their log-probabilities (on the device), before a next step can
+        overwrite them."""
+        import torch
+
+        step.step()
+        self.stats[f"steps: {mode}"] += 1
+        if self._host is None:
+            cuda = step.device.startswith("cuda")
+            self._host = [torch.empty(ROW_BUCKETS[-1], dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip ^= 1
+        host = self._host[self._flip][:n]
+        host.copy_(step.tokens[:n], non_blocking=True)
+        event = None
+        if step.device.startswith("cuda"):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(step.device))  # the step's device, not the thread's
+        lps = step.logprobs[:n].clone() if step.record else None
+        return _Launched(host, event, lps)
+
+    def _read(self, launched: _Launched) -> tuple[list[int], torch.Tensor | None]:
+        """A launched step's tokens (-1: non-finite), read on the host: the loop's one wait a step (for
+        that step's copy only, not for a step queued after it)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        return launched.host.tolist(), launched.logprobs
+
+    def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[StaticDecodeStep, str]:
+        """The step for this key (built on first use, its graph captured then) and how it runs."""
+        if self._generation != self.pool.generation or self.pool.rows < rows or self.pool.length < length:
+            # the pool grows (or was released): every view, step and graph built on it is stale
+            self._steps.clear()
+            self.graphs.clear()
+            self.pool.reserve(max(rows, self.pool.rows), max(length, self.pool.length))
+            self._generation = self.pool.generation
+        key = (rows, length, variant, record)
+        step = self._steps.get(key)
+        if step is None:
+            step = StaticDecodeStep(
+                self.runner.model,
+                rows=rows,
+                length=length,
+                variant=variant,
+                record=record,
+                pad_id=self.runner.pad_id,
+                pool=self.pool,
+            )
+            self._steps[key] = step
+            while len(self._steps) > MAX_STEPS:
+                old, _ = self._steps.popitem(last=False)
+                self.graphs.forget(old)
+        self._steps.move_to_end(key)
+        return step, self.graphs.mode(key, step)
+
+
+@dataclass
+class _Launched:
+    """A step launched: where its tokens arrive on the host, the event that says they have (CUDA), and
+    its log-probabilities (a device copy; None without recording)."""
+
+    host: torch.Tensor
+    event: Any
+    logprobs: torch.Tensor | None
+
+
+def _hooked(model: Any) -> bool:
+    """Whether any forward hook is on the model (a graph would replay without calling it)."""
+    import torch
+
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

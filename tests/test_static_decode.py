@@ -1,0 +1,289 @@
+"""The engine's decode through static-shape steps (``engine/_static_decode.py``) against its eager loop,
+on the CPU, through ``LocalEngine.generate_batch``: what a CUDA run replays as graphs.
+
+Two engines over one tiny float32 model, the static decoder switched on in one (as
+``INTERLENS_STATIC_DECODE=1`` does; here set on the runner, with a small length bucket and the address-
+checking stand-in for a CUDA graph) and off in the other: the same tokens, finish reasons and recorded log-
+probabilities for plain batches of mixed settings, shared prefixes, identical prompts, kept KV across turns,
+rows ending at different steps (a hand-over at each row bucket edge), stop strings, end-of-turn ids and a row
+whose logits go non-finite. No static buffer moves across a whole multi-turn rollout, and a step reads the
+device once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from test_engine_syncs import per_step
+from test_static_step import AddressCheckingGraph
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from interlens import GenerationError
+from interlens.engine._decode_graphs import GraphRunner
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
+from interlens.engine._static_decode import ENV_SWITCH, StaticDecoder
+from interlens.scheduler import ExecutionMode
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen2_path: str) -> tuple[Any, Any]:
+    return AutoModelForCausalLM.from_pretrained(qwen2_path).eval(), AutoTokenizer.from_pretrained(qwen2_path)
+
+
+def engines(loaded: tuple[Any, Any], **settings: Any) -> tuple[LocalEngine, LocalEngine, StaticDecoder]:
+    """(eager, static, its decoder) over the one model: graphs stood in for by the address-checking graph."""
+    model, tokenizer = loaded
+    eager = LocalEngine(model, tokenizer, device="cpu", **settings)
+    static = LocalEngine(model, tokenizer, device="cpu", **settings)
+    eager._runner.static_decode = None
+    decoder = StaticDecoder(
+        static._runner, quantum=32, graphs=GraphRunner(device="cpu", graph_type=AddressCheckingGraph)
+    )
+    static._runner.static_decode = decoder
+    return eager, static, decoder
+
+
+def ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer(text).input_ids)
+
+
+#: a greedy row, a seeded tempered row, a seeded nucleus row, a seeded tempered nucleus row, an unseeded one
+MIX = (
+    {"temperature": 0.0},
+    {"temperature": 0.8, "seed": 11},
+    {"temperature": 1.0, "top_p": 0.7, "seed": -5},
+    {"temperature": 1.3, "top_p": 0.9, "seed": 2},
+    {"temperature": 0.0, "top_p": 0.5},
+)
+
+
+def requests(
+    prompts: Sequence[tuple[int, ...]], *, new: Sequence[int], record: bool = True, **extra: Any
+) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt_ids=p,
+            sampling=SamplingSettings(max_new_tokens=n, **MIX[i % len(MIX)], **extra),
+            record_logprobs=record,
+        )
+        for i, (p, n) in enumerate(zip(prompts, new, strict=True))
+    ]
+
+
+def same(a: Sequence[GenerationResult | Exception], b: Sequence[GenerationResult | Exception]) -> None:
+    """Row by row: equal tokens, finish reasons and prefill accounting; log-probabilities to float32
+    rounding (the static step attends over its whole length bucket, the eager one over a narrowed window)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, Exception) or isinstance(y, Exception):
+            assert type(x) is type(y) and str(x) == str(y)
+            continue
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert (x.shared_prefix_tokens, x.kv_reused_tokens) == (y.shared_prefix_tokens, y.kv_reused_tokens)
+        if x.model_logprobs is not None:
+            assert x.model_logprobs == pytest.approx(y.model_logprobs, abs=1e-4)
+            assert x.sampling_logprobs == pytest.approx(y.sampling_logprobs, abs=1e-4)
+
+
+def test_plain_batches_of_mixed_settings_give_the_eager_loops_tokens(loaded: tuple[Any, Any]) -> None:
+    """Ten rows of every kind of setting, prompts of different lengths, token caps from 3 to 30: rows end at
+    different steps, so the batch is handed over at the row bucket edges 16 -> 8 -> 4 -> 2 -> 1, each time
+    after the leavers were read; every step ran as a (stand-in) graph."""
+    eager, static, decoder = engines(loaded)
+    tokenizer = loaded[1]
+    prompts = [ids(tokenizer, f"row {i}: " + "tabs " * (i % 4)) for i in range(10)]
+    new = [3, 30, 5, 8, 12, 4, 16, 6, 9, 28]
+    expected = eager.generate_batch(requests(prompts, new=new))
+    got = static.generate_batch(requests(prompts, new=new))
+    same(got, expected)
+    assert [r.n_tokens for r in got if isinstance(r, GenerationResult)] == new
+    assert decoder.stats["hand-overs"] == 4 and decoder.stats["steps: graph"] == 29  # none ignored
+    assert not any(key.startswith("steps: eager") for key in decoder.stats)
+
+
+def test_end_of_turn_stop_strings_and_unrecorded_rows(loaded: tuple[Any, Any]) -> None:
+    """An end-of-turn id and a stop string taken from the eager run's own output end rows early, the same
+    way in both; a batch without recording runs the unrecorded steps."""
+    eager, static, decoder = engines(loaded)
+    tokenizer = loaded[1]
+    prompts = [ids(tokenizer, f"say {w}") for w in ("one", "two", "three", "four")]
+    plain = eager.generate_batch(requests(prompts, new=[20] * 4, record=False))
+    first = plain[1]
+    assert isinstance(first, GenerationResult)
+    for engine in (eager, static):
+        engine._runner.eos_ids = frozenset({first.token_ids[6]})
+    text = plain[2].text  # type: ignore[union-attr]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for record in (False, True):
+        expected = eager.generate_batch(requests(prompts, new=[20] * 4, record=record, stop=(stop,)))
+        launched = decoder.stats["steps: graph"]
+        got = static.generate_batch(requests(prompts, new=[20] * 4, record=record, stop=(stop,)))
+        same(got, expected)
+        reasons = [r.finish_reason for r in expected if isinstance(r, GenerationResult)]
+        assert reasons[1] == "eos" and reasons[2] == "stop", reasons
+        # pipelined: a step runs ahead while the host checks the one before; the batch's last rows ending
+        # at an end-of-turn id or a stop string leave that one step ignored, rows at their cap none
+        longest = max(r.n_tokens for r in got if isinstance(r, GenerationResult))
+        ignored = 0 if "length" in reasons and longest == 20 else 1
+        assert decoder.stats["steps: graph"] - launched == longest - 1 + ignored
+
+
+def test_shared_prefixes_and_identical_prompts(loaded: tuple[Any, Any]) -> None:
+    """Rows sharing a long prefix (prefilled once, with holes before each suffix) next to others, and
+    identical prompts (prefilled once, expanded): the layouts the prefill leaves are decoded alike."""
+    eager, static, _ = engines(loaded)
+    tokenizer = loaded[1]
+    head = ids(tokenizer, "A long shared system block. " * 6)
+    prompts = [(*head, *ids(tokenizer, "x " * i)) for i in range(1, 5)] + [ids(tokenizer, "alone")]
+    expected = eager.generate_batch(requests(prompts, new=[10, 14, 6, 12, 9]))
+    assert any(r.shared_prefix_tokens > 0 for r in expected if isinstance(r, GenerationResult))
+    same(static.generate_batch(requests(prompts, new=[10, 14, 6, 12, 9])), expected)
+    twins = [ids(tokenizer, "the same prompt")] * 4
+    expected = eager.generate_batch(requests(twins, new=[8, 11, 5, 8]))
+    assert any(r.shared_prefix_tokens > 0 for r in expected if isinstance(r, GenerationResult))
+    same(static.generate_batch(requests(twins, new=[8, 11, 5, 8])), expected)
+
+
+def test_kept_kv_across_turns_and_no_static_buffer_moves(loaded: tuple[Any, Any]) -> None:
+    """A three-turn rollout of five streams (one row without a stream): the kept caches the static loop's
+    collector reads (before each hand-over) give the next turns the eager engine's reuse and tokens. The
+    pool, reserved up front, is never reallocated, and every replay of every captured step found its
+    buffers where they were at capture (the stand-in graph checks each one)."""
+    eager, static, decoder = engines(loaded)
+    decoder.pool.reserve(8, 256)
+    generation = decoder.pool.generation
+    tokenizer = loaded[1]
+    keys = ["s0", "s1", "s2", None, "s4"]
+    prompts = [ids(tokenizer, f"stream {i} opens " + "with words " * i) for i in range(5)]
+    for turn in range(3):
+        batch = [
+            GenerationRequest(prompt_ids=p, sampling=r.sampling, reuse_key=k, record_logprobs=True)
+            for p, r, k in zip(
+                prompts, requests(prompts, new=[6 + 3 * i for i in range(5)]), keys, strict=True
+            )
+        ]
+        expected = eager.generate_batch(batch)
+        got = static.generate_batch(batch)
+        same(got, expected)
+        if turn:
+            assert sum(r.kv_reused_tokens for r in got if isinstance(r, GenerationResult)) > 0
+        words = ids(tokenizer, " and then")
+        prompts = [(*p, *r.token_ids[:-1], *words) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
+    assert set(static._kept) == set(eager._kept) == {"s0", "s1", "s2", "s4"}
+    for key in static._kept:
+        assert static._kept[key].ids == eager._kept[key].ids
+    assert decoder.pool.generation == generation
+    replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
+    assert decoder.stats["steps: graph"] == sum(replays) > 0
+    assert decoder.graphs.stats["captures"] == len(replays) >= 2  # the 8-row step and smaller ones
+
+
+def test_a_row_whose_logits_go_non_finite_fails_alone(loaded: tuple[Any, Any], qwen2_path: str) -> None:
+    """A token's embedding set to NaN: the row that generates it gets NaN logits on the next step and fails
+    with the eager loop's error; the other rows carry on to the same tokens."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
+    tokenizer = loaded[1]
+    eager, static, _ = engines((model, tokenizer))
+    prompts = [ids(tokenizer, f"row {i} speaks") for i in range(4)]
+    before = eager.generate_batch(requests(prompts, new=[12] * 4))
+    poisoned = before[2].token_ids[4]  # type: ignore[union-attr]
+    others = [r.token_ids for r in before if isinstance(r, GenerationResult)]
+    assert sum(poisoned in t[:-1] for t in others) >= 1
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poisoned] = float("nan")
+    expected = eager.generate_batch(requests(prompts, new=[12] * 4))
+    assert isinstance(expected[2], GenerationError)
+    same(static.generate_batch(requests(prompts, new=[12] * 4)), expected)
+
+
+def test_a_hooked_model_decodes_eagerly_and_says_so(loaded: tuple[Any, Any]) -> None:
+    """A forward hook on the model (capture and steering put them there) would not run inside a replayed
+    graph: the batch goes to the eager loop, counted in the decoder's stats."""
+    eager, static, decoder = engines(loaded)
+    tokenizer = loaded[1]
+    prompts = [ids(tokenizer, "hooked"), ids(tokenizer, "rows")]
+    expected = eager.generate_batch(requests(prompts, new=[6, 6]))
+    handle = static.model.model.layers[0].register_forward_hook(lambda *args: None)
+    try:
+        same(static.generate_batch(requests(prompts, new=[6, 6])), expected)
+    finally:
+        handle.remove()
+    assert decoder.stats["eager batches: forward hooks"] == 1 and decoder.stats["batches"] == 0
+    same(static.generate_batch(requests(prompts, new=[6, 6])), expected)
+    assert decoder.stats["batches"] == 1
+
+
+def test_release_memory_drops_the_pool_and_the_next_batch_rebuilds_it(loaded: tuple[Any, Any]) -> None:
+    eager, static, decoder = engines(loaded)
+    prompts = [ids(loaded[1], "one"), ids(loaded[1], "two two")]
+    static.generate_batch(requests(prompts, new=[5, 5]))
+    assert decoder.pool.nbytes() > 0 and decoder.graphs.stats["captures"] == 1
+    static.release_memory()
+    assert decoder.pool.nbytes() == 0 and not decoder._steps
+    same(
+        static.generate_batch(requests(prompts, new=[5, 5])),
+        eager.generate_batch(requests(prompts, new=[5, 5])),
+    )
+    assert decoder.graphs.stats["captures"] == 2
+
+
+def test_a_static_step_reads_the_device_once(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tests/test_engine_syncs.py``'s count with the switch on (the engine builds its static decoder):
+    one host read a step (the chosen tokens), the seeded uniforms' block copies at most."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert LocalEngine(*loaded, device="cpu")._runner.static_decode is not None
+    steps = per_step(loaded, ExecutionMode.BATCHED)
+    assert steps["host_read"] == 1.0
+    assert steps["to_device"] <= 1 / 8
+    monkeypatch.setenv(ENV_SWITCH, "")
+    assert LocalEngine(*loaded, device="cpu")._runner.static_decode is None
+
+
+def test_graphs_past_the_cap_are_dropped_and_captured_again(loaded: tuple[Any, Any]) -> None:
+    """With room for one graph, batches of 2, 4 and again 2 rows: each new key's capture evicts the last
+    one, whose step then runs eagerly until it is captured again; the tokens never change."""
+    eager, static, decoder = engines(loaded)
+    decoder.graphs.cap = 1
+    decoder.pool.reserve(4, 32)  # no reallocation (which drops every graph) between the batches
+    prompts = [ids(loaded[1], f"capped {i}") for i in range(4)]
+    for n in (2, 4, 2):
+        batch = prompts[:n]
+        same(
+            static.generate_batch(requests(batch, new=[6] * n)),
+            eager.generate_batch(requests(batch, new=[6] * n)),
+        )
+    assert decoder.graphs.stats["captures"] == 3 and decoder.graphs.stats["evictions"] == 2
+    (key,) = decoder.graphs._graphs
+    assert key[0] == 2
+    four = next(step for k, step in decoder._steps.items() if k[0] == 4)
+    assert four.run == four._forward_and_sample  # evicted: no longer replays its dropped graph
+    assert decoder.stats["steps: graph"] == 3 * 5
+
+
+def test_grouped_query_decode_attention_gives_sdpas_tokens(qwen2_path: str) -> None:
+    """The attention the decoder installs on CUDA (``GROUPED_DECODE_ATTENTION``: grouped-query products
+    over the pool's views, no ``repeat_kv``), forced here on the CPU at 2 and 5 rows (below the CPU
+    variant's row floor): the tokens of transformers' ``sdpa`` through the same static steps."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_path)
+    results = {}
+    for grouped in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
+        assert model.config._attn_implementation == "sdpa"
+        engine = LocalEngine(model, tokenizer, device="cpu", decode_attention=False)
+        decoder = StaticDecoder(engine._runner, quantum=32, grouped_attention=grouped)
+        engine._runner.static_decode = decoder
+        assert decoder.attention == ("interlens_grouped_decode" if grouped else "sdpa")
+        assert model.config._attn_implementation == decoder.attention
+        results[grouped] = [
+            engine.generate_batch(
+                requests([ids(tokenizer, f"group {i} " * (i + 1)) for i in range(n)], new=[12] * n)
+            )
+            for n in (2, 5)
+        ]
+    for plain, grouped in zip(results[False], results[True], strict=True):
+        same(grouped, plain)
