@@ -12,6 +12,7 @@ from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, availab
 
 from ._core import (
     AnalyzerError,
+    BranchError,
     ConfigurationError,
     ConfigurationTypeError,
     DataSourceError,
@@ -62,6 +63,7 @@ __all__ = [
     "ActivationCache",
     "ActivationRecord",
     "AnalyzerError",
+    "BranchError",
     "AutoModelParticipant",
     "BatchPolicy",
     "ConfigurationError",

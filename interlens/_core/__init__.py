@@ -14,6 +14,7 @@ from ._context import (
 )
 from ._exceptions import (
     AnalyzerError,
+    BranchError,
     ConfigurationError,
     ConfigurationTypeError,
     DataSourceError,
@@ -85,6 +86,7 @@ __all__ = [
     "TOKENS_KEY",
     "TOKENS_TABLE",
     "AnalyzerError",
+    "BranchError",
     "ConfigurationError",
     "ConfigurationTypeError",
     "DataSourceError",

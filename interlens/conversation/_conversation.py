@@ -30,6 +30,7 @@ import anyio.lowlevel
 
 from .._core import (
     MODERATOR,
+    BranchError,
     ConfigurationError,
     GenerationOptions,
     MaxTurns,
@@ -108,6 +109,7 @@ class Conversation(InterpCalls):
         self._stream_id = uuid.uuid4().hex
         self._samples_taken = 0  # numbers each sample()'s random stream (see turn_seed)
         self._capture: ActivationCache | None = None  # the open conv.capture() block, if any
+        self._upto: int | None = None  # upto(k)'s k: the turns a rollout continues from (see upto)
         self._seed_transcript()
 
     # ------------------------------------------------------------------ recipe fields (read-only)
@@ -157,6 +159,7 @@ class Conversation(InterpCalls):
         clone._stream_id = uuid.uuid4().hex
         clone._samples_taken = 0
         clone._capture = None  # a capture block records the conversation it was opened on, not its copies
+        clone._upto = self._upto
         if "shared_context" in changes:
             clone._seed_transcript()
         return clone
@@ -212,6 +215,52 @@ class Conversation(InterpCalls):
         if "stop" in fields:
             fields["stop"] = stop_tuple(fields["stop"])
         return self._copy(**fields)
+
+    def recipe(self) -> Conversation:
+        """The unrun recipe of this conversation, whatever it ran: its participants, framing, modifiers
+        and data, with a transcript holding only the shared context.
+
+        A conversation that belongs to one data row (a rollout's result, ``report.results[j].conversation``)
+        keeps it: its recipe carries the row as its data (``.data([row])``), so that rolling it out resolves
+        the same prompts (one job, ``row_00000``).
+        """
+        clone = self._copy()
+        clone.transcript = Transcript()
+        clone._upto = None
+        if clone.row is not None and self._recipe.data is None:
+            clone = clone.data([clone.row])
+        clone._seed_transcript()
+        return clone
+
+    def upto(self, k: int) -> Conversation:
+        """The conversation as it stood after its first ``k`` turns: the recipe plus those turns, a branch
+        point. ``k`` counts generated turns as ``generated_turns`` does (the shared context is no turn; a
+        moderator's note before turn ``k`` is kept); ``upto(0)`` is the recipe with its shared context.
+
+        Rolling it out continues every copy from those turns (they are part of what a resume compares); each
+        copy draws from the rollout's seeds (``seed + i``), so to regenerate a recorded job's own later turns
+        branch its report instead: ``report.branch(at_turn=k)``.
+        """
+        length = self.generated_turns
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise BranchError(
+                f"upto(k): k must be a non-negative int (a count of generated turns), got {k!r}"
+            )
+        if k > length:
+            raise BranchError(
+                f"upto({k}): this conversation has {length} generated turn(s), so k can be 0 to {length}; "
+                f"pass upto({length}) to continue after its last turn"
+            )
+        clone = self.recipe()
+        clone.transcript = Transcript(_first_turns(self.transcript, k))
+        clone._upto = k
+        return clone
+
+    @property
+    def upto_turn(self) -> int | None:
+        """``k`` for a conversation made by :meth:`upto` (a branch point a rollout continues from), else
+        None."""
+        return self._upto if self._upto == self.generated_turns else None
 
     # ------------------------------------------------------------------ state
     @property
@@ -514,3 +563,19 @@ class Conversation(InterpCalls):
             f"<Conversation{label} [{names}] turns={self._recipe.turns} "
             f"transcript={len(self.transcript)} messages>"
         )
+
+
+def _first_turns(transcript: Transcript, k: int) -> list[Message]:
+    """The messages of ``transcript`` up to and including its ``k``-th generated turn (the shared context
+    and moderator's notes before it included)."""
+    out: list[Message] = []
+    seen = 0
+    for message in transcript:
+        if message.author != MODERATOR:
+            if seen == k:
+                break
+            seen += 1
+        elif seen == k and k > 0:
+            break  # a note after the k-th turn belongs to what came after it
+        out.append(message)
+    return out

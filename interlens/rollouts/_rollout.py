@@ -240,13 +240,12 @@ def lineup_spec(
                 p if p.name in unrecorded else p.replace(record_tokens=True) for p in conv.participants
             ]
         )
-    if conv.generated_turns:
-        log.warning(
-            "lineup %r: this conversation has already run (%d generated turn(s)), so every copy starts from "
-            "its turns (they are part of what a resume compares). To roll out from the shared context, roll "
-            "out a conversation that has not run.",
-            lineup,
-            conv.generated_turns,
+    if conv.generated_turns and conv.upto_turn is None:
+        k = conv.generated_turns
+        raise ConfigurationError(
+            f"lineup {lineup!r}: this conversation has already run ({k} generated turn(s), e.g. a preview "
+            "with conv.run()), so it is unclear what to roll out. Roll out conv.recipe() to start every copy "
+            f"from the shared context, or conv.upto({k}) to continue every copy from its {k} turn(s)"
         )
     ambient = ambient_conditions()
     if ambient:
