@@ -3,6 +3,7 @@ conditions, data rows, the speaker's view and the running job's context. Imports
 """
 
 from ._blocking import NO_TIME_LIMITS, TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
+from ._branch_points import BranchPoint, BranchPoints, first_turns, recipe_from_json, register_recipe_loader
 from ._context import (
     CURRENT_JOB,
     collecting_samples,
@@ -87,6 +88,8 @@ __all__ = [
     "TOKENS_TABLE",
     "AnalyzerError",
     "BranchError",
+    "BranchPoint",
+    "BranchPoints",
     "ConfigurationError",
     "ConfigurationTypeError",
     "DataSourceError",
@@ -143,12 +146,15 @@ __all__ = [
     "escape_controls",
     "expand_turns",
     "first_tokens",
+    "first_turns",
     "import_callable",
     "in_job",
     "invalid_text",
     "is_missing",
     "is_templated",
+    "recipe_from_json",
     "record_sample",
+    "register_recipe_loader",
     "resolve",
     "row_reader",
     "run_in_loop",

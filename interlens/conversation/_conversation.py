@@ -31,6 +31,7 @@ import anyio.lowlevel
 from .._core import (
     MODERATOR,
     BranchError,
+    BranchPoints,
     ConfigurationError,
     GenerationOptions,
     MaxTurns,
@@ -47,6 +48,7 @@ from .._core import (
     ViewMessage,
     ambient_conditions,
     expand_turns,
+    first_turns,
     is_templated,
     record_sample,
     resolve,
@@ -252,9 +254,16 @@ class Conversation(InterpCalls):
                 f"pass upto({length}) to continue after its last turn"
             )
         clone = self.recipe()
-        clone.transcript = Transcript(_first_turns(self.transcript, k))
+        clone.transcript = Transcript(first_turns(list(self.transcript), k, author=lambda m: m.author))
         clone._upto = k
         return clone
+
+    @property
+    def branch_points(self) -> BranchPoints | None:
+        """The branch points of a branch recipe (``report.branch(...)``), which a rollout expands into
+        continuations; None for any other data."""
+        data = self._recipe.data
+        return data if isinstance(data, BranchPoints) else None
 
     @property
     def upto_turn(self) -> int | None:
@@ -563,19 +572,3 @@ class Conversation(InterpCalls):
             f"<Conversation{label} [{names}] turns={self._recipe.turns} "
             f"transcript={len(self.transcript)} messages>"
         )
-
-
-def _first_turns(transcript: Transcript, k: int) -> list[Message]:
-    """The messages of ``transcript`` up to and including its ``k``-th generated turn (the shared context
-    and moderator's notes before it included)."""
-    out: list[Message] = []
-    seen = 0
-    for message in transcript:
-        if message.author != MODERATOR:
-            if seen == k:
-                break
-            seen += 1
-        elif seen == k and k > 0:
-            break  # a note after the k-th turn belongs to what came after it
-        out.append(message)
-    return out
