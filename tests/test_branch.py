@@ -35,8 +35,8 @@ def test_recipe_is_the_unrun_recipe_whatever_the_conversation_ran() -> None:
     assert _contents(recipe) == ["Q"] and recipe.generated_turns == 0
     assert recipe.turns() == 4 and [p.name for p in recipe.participants] == ["a", "b"]
     assert _contents(conv) == ["Q", "a1", "b2", "a3", "b4"]  # a copy: the run conversation is untouched
-    report = recipe.rollout(n=2, progress=False)
-    assert [m.content for m in report.results["rollout_0001"].transcript] == ["Q", "a1", "b2", "a3", "b4"]
+    transcript = recipe.rollout(n=2, progress=False).results["rollout_0001"].transcript
+    assert transcript is not None and [m.content for m in transcript] == ["Q", "a1", "b2", "a3", "b4"]
 
 
 def test_a_preview_is_never_rolled_out_by_mistake() -> None:
@@ -76,7 +76,7 @@ def test_upto_past_the_end_names_the_length() -> None:
     with pytest.raises(BranchError, match="non-negative int"):
         conv.upto(-1)
     with pytest.raises(BranchError, match="non-negative int"):
-        conv.upto(True)  # type: ignore[arg-type]
+        conv.upto(True)
 
 
 def test_the_recipe_of_a_rows_result_resolves_the_same_prompts(tmp_path: Path) -> None:
