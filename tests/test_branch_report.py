@@ -5,7 +5,11 @@ here (what a branch carries and records); exact replay on real models is in ``te
 from __future__ import annotations
 
 import json
+import os
+import re
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,9 +195,27 @@ def test_two_lineups_of_one_run_pair_their_continuations(parent: RunReport) -> N
     assert _texts(report, "other/rollout_0000@2/s0000")[3:] == ["a-two", "saw 4"]
 
 
-def test_lineage_is_in_exports(parent: RunReport, tmp_path: Path) -> None:
+def test_lineage_is_shown_by_export_show_and_the_html_report(parent: RunReport, tmp_path: Path) -> None:
     pytest.importorskip("pandas")
     report = parent.branch(at_turn=2, jobs=["rollout_0000"]).rollout(out_dir=tmp_path / "b", progress=False)
+    where = f"rollout_0000@2 in {tmp_path / 'parent'}"
     frame = report.to_pandas()
-    assert frame["parent"].tolist() == [f"rollout_0000@2 in {tmp_path / 'parent'}"]
+    assert frame["parent"].tolist() == [where]
     assert json.loads(frame["transcript"][0])[1]["content"] == "a-one"
+    assert parent.to_pandas()["parent"].tolist() == [None, None, None]
+    env = {**os.environ, "COLUMNS": "300"}
+    env.pop("FORCE_COLOR", None)
+    shown = subprocess.run(
+        [sys.executable, "-m", "interlens", "show", str(tmp_path / "b"), "rollout_0000@2/s0000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"branched from {where}: its first 2 turn(s) are the parent's" in shown
+    page = report.to_html(tmp_path / "report.html").read_text(encoding="utf-8")
+    match = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    assert match is not None
+    assert [job["parent"] for job in json.loads(match[1])["jobs"]] == [where]
+    assert '"branched from " + job.parent' in page

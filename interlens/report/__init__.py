@@ -2,7 +2,7 @@
 report.
 """
 
-from ._branching import PARENT_KEY
+from ._branching import PARENT_KEY, describe_parent, parent_of
 from ._export import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, token_columns, write_export
 from ._html_report import write_report
 from ._report import RunReport, RunResult
@@ -15,8 +15,10 @@ __all__ = [
     "RunReport",
     "RunResult",
     "check_prices",
+    "describe_parent",
     "ledger_rows",
     "ledger_token_rows",
+    "parent_of",
     "recorded_metadata",
     "summarize",
     "token_columns",
