@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from interlens import AutoModelParticipant, Conversation, RunReport, SteeringSpec
-from interlens.testing import REAL_MODEL_INSTALL, real_model
+from interlens import APIParticipant, AutoModelParticipant, Conversation, RunReport, SteeringSpec
+from interlens.testing import REAL_MODEL_INSTALL, FakeProviderServer, real_model
 
 
 def _debate(path: str, **settings: Any) -> Conversation:
@@ -61,6 +61,42 @@ def test_a_branch_that_changes_nothing_regenerates_the_recorded_turns_tiny(
     assert any(_replays(parent, branches, at=2))  # another seed samples otherwise (random weights, T = 1)
     for job_id, result in branches.results.items():  # the recorded turns are the parent's, not its
         assert result.tokens_generated == sum(len(ids) for *_, ids in _turns(branches, job_id)[2:])
+
+
+def test_hosted_turns_are_replayed_never_bought_and_analysing_again_generates_nothing(
+    server: FakeProviderServer, qwen2_path: str, tmp_path: Path
+) -> None:
+    local = AutoModelParticipant.from_pretrained(qwen2_path, name="local", max_new_tokens=6)
+    hosted = APIParticipant(name="hosted", provider="openai", model_id="gpt-test")
+    conv = Conversation([local, hosted], shared_context="Debate: tabs vs spaces.").turns(4)
+    parent = conv.rollout(n=2, batched=False, devices=["cpu"], out_dir=tmp_path / "p", progress=False)
+    assert parent.failed == [] and len(server.requests) == 4  # 2 jobs x 2 hosted turns
+    assert parent.usage().api[0].requests == 4
+    # at turn 3: hosted turn 2 is replayed from the ledger, hosted turn 4 is a new call
+    server.reset_meters()
+    branches = parent.branch(at_turn=3).rollout(batched=False, devices=["cpu"], out_dir=tmp_path / "b")
+    assert branches.failed == [] and len(server.requests) == 2
+    assert branches.usage().api[0].requests == 2  # what this run bought, not its parent's turns again
+    for job_id in parent.results:
+        recorded = parent.results[job_id].transcript
+        again = branches.results[f"{job_id}@3/s0000"].transcript
+        assert recorded is not None and again is not None
+        assert again[2].content == recorded[2].content and again[2].metadata["provider"] == "openai"
+        assert again[2].metadata["replayed_from"] == job_id
+
+    def score(conv: Conversation) -> dict[str, Any]:
+        return {"turns": conv.generated_turns, "chars": sum(len(m.content) for m in conv.transcript[1:])}
+
+    server.reset_meters()
+    ended = parent.branch(at_turn="end").analyzer(score)
+    again = ended.rollout(batched=False, devices=["cpu"], out_dir=tmp_path / "end", progress=False)
+    assert server.requests == []  # zero provider calls
+    assert [r.tokens_generated for r in again.results.values()] == [0, 0]  # zero generated tokens
+    assert again.usage().api == [] and again.usage().local == []
+    for job_id, result in parent.results.items():
+        assert result.transcript is not None
+        chars = sum(len(m.content) for m in result.transcript[1:])
+        assert again.results[f"{job_id}@4/s0000"].analysis == {"turns": 4, "chars": chars}
 
 
 PATH = real_model()

@@ -3,7 +3,14 @@ conditions, data rows, the speaker's view and the running job's context. Imports
 """
 
 from ._blocking import NO_TIME_LIMITS, TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
-from ._branch_points import BranchPoint, BranchPoints, first_turns, recipe_from_json, register_recipe_loader
+from ._branch_points import (
+    REPLAYED_KEY,
+    BranchPoint,
+    BranchPoints,
+    first_turns,
+    recipe_from_json,
+    register_recipe_loader,
+)
 from ._context import (
     CURRENT_JOB,
     collecting_samples,
@@ -83,6 +90,7 @@ __all__ = [
     "CURRENT_JOB",
     "MODERATOR",
     "NO_TIME_LIMITS",
+    "REPLAYED_KEY",
     "TIME_LIMITS",
     "TOKENS_KEY",
     "TOKENS_TABLE",

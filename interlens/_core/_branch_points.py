@@ -27,6 +27,7 @@ from ._exceptions import ConfigurationError
 from ._message import MODERATOR, Message
 
 __all__ = [
+    "REPLAYED_KEY",
     "BranchPoint",
     "BranchPoints",
     "first_turns",
@@ -35,6 +36,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+REPLAYED_KEY = "replayed_from"
+"""Metadata of a branch's recorded turns: the parent job they were replayed from. They were generated (and
+paid for) there, so a ledger's spend (``report.usage()``, an ``APIBudget``) does not count them again."""
 _LOADERS: list[Callable[[Mapping[str, Any], str], Any]] = []
 
 
@@ -62,7 +67,10 @@ class BranchPoint:
         point (``upto``) that a rollout job continues."""
         clone = conv.set()
         for turn in self.turns:
-            clone.transcript.append(Message.from_json(dict(turn)))
+            metadata = dict(turn.get("metadata") or {})
+            if turn.get("author") != MODERATOR:
+                metadata[REPLAYED_KEY] = self.parent_job
+            clone.transcript.append(Message.from_json({**turn, "metadata": metadata}))
         return clone.upto(clone.generated_turns)
 
     def job_id(self, prefix: str, sample: int) -> str:
