@@ -119,6 +119,7 @@ def main() -> None:
 
     base = parent.branch(at_turn=AT_TURN).analyzer(b_after_branch)
     a, b = base.participants
+    assert isinstance(b, ModelParticipant)
     steered = base.set(participants=[a, b.set(steering=steering)])
     report = interlens.run(
         [base.name("base"), steered.name("steered")], out_dir=out / "branches", batched=False, progress=False

@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 
-from interlens import APIParticipant, AutoModelParticipant, Conversation, RunReport, SteeringSpec
+from interlens import (
+    APIParticipant,
+    AutoModelParticipant,
+    Conversation,
+    ModelParticipant,
+    RunReport,
+    SteeringSpec,
+)
 from interlens.testing import REAL_MODEL_INSTALL, FakeProviderServer, real_model
 
 
@@ -131,6 +138,7 @@ def test_a_steered_branch_diverges_from_its_unsteered_twin(tmp_path: Path) -> No
     direction = [1.0] * AutoConfig.from_pretrained(PATH).hidden_size
     base = parent.branch(at_turn=2)
     a, b = base.participants
+    assert isinstance(b, ModelParticipant)
     spec = SteeringSpec(direction, layers=[15], coef=8.0)
     steered = base.set(participants=[a, b.set(steering=spec)])
     report = interlens.run(
