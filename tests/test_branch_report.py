@@ -18,6 +18,7 @@ import pytest
 import interlens
 from interlens import (
     BranchError,
+    ConfigurationError,
     Conversation,
     FingerprintMismatchError,
     RunReport,
@@ -219,3 +220,20 @@ def test_lineage_is_shown_by_export_show_and_the_html_report(parent: RunReport, 
     assert match is not None
     assert [job["parent"] for job in json.loads(match[1])["jobs"]] == [where]
     assert '"branched from " + job.parent' in page
+
+
+def test_a_recipe_json_cannot_bring_back_is_asked_for_by_name(tmp_path: Path) -> None:
+    def closure_analyzer(conv: Conversation) -> int:
+        return conv.generated_turns
+
+    recipe = _debate().analyzer(closure_analyzer)
+    recipe.rollout(n=1, out_dir=tmp_path, progress=False)
+    loaded = RunReport.load(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"lineup 'rollout'.*conversations=\{'rollout': conv\}"):
+        loaded.branch(at_turn=1)
+    again = (
+        RunReport.load(tmp_path, conversations={"rollout": recipe}).branch(at_turn=1).rollout(progress=False)
+    )
+    assert again.analyses() == {"rollout_0000@1/s0000": 4}
+    with pytest.raises(ConfigurationError, match="has no lineup 'other'"):
+        RunReport.load(tmp_path, conversations={"other": recipe})
