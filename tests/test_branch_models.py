@@ -124,7 +124,7 @@ def test_a_branch_that_changes_nothing_regenerates_the_recorded_turns_real(tmp_p
 
 
 @real
-def test_a_steered_branch_diverges_from_its_unsteered_twin(tmp_path: Path) -> None:
+def test_a_steered_branch_diverges_from_its_unsteered_twin_real(tmp_path: Path) -> None:
     """Two lineups of one run over the same branch points draw the same random numbers; the only
     difference is speaker b's steering, so the unsteered twin replays the record and the steered one
     does not."""
