@@ -12,6 +12,7 @@ from interlens.scheduler import BatchPolicy, ExecutionMode, RetryPolicy, availab
 
 from ._core import (
     AnalyzerError,
+    BranchError,
     ConfigurationError,
     ConfigurationTypeError,
     DataSourceError,
@@ -64,6 +65,7 @@ __all__ = [
     "AnalyzerError",
     "AutoModelParticipant",
     "BatchPolicy",
+    "BranchError",
     "ConfigurationError",
     "ConfigurationTypeError",
     "Conversation",

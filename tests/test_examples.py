@@ -84,6 +84,16 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
             r"^openrouter with batch=True is refused: x: OpenRouter has no batch API",
         ],
     ),
+    "counterfactual_branches.py": (
+        ["--model", "tiny", "-n", "3", "--turns", "4", "--max-new-tokens", "6"],
+        [
+            r"^parent: 3 debates of 4 turns \(failed 0\)$",
+            r"^unchanged branch replays its parent's recorded turns: 3/3$",
+            r"^probe on b after turn 2, steered - base: [+-]\d+\.\d+ ± \d+\.\d+ \(95% CI, 3 pairs\)$",
+            r"^pairs that diverge at all: [0-3]/3$",
+            r"^failed: 0$",
+        ],
+    ),
     "deterministic_mode.py": (
         ["-n", "2", "--turns", "2", "--max-new-tokens", "5"],
         [

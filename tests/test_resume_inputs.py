@@ -9,7 +9,6 @@ is refused before any job starts, saying which jobs changed and how, and how to 
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -370,13 +369,11 @@ def test_an_analyzer_with_a_comprehension_fingerprints_the_same_in_every_process
     assert len(prints) == 1, prints
 
 
-def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A conversation that has run (``step``/``run``) rolls out from its turns: every copy starts there. Those
-    turns shape the answer, so a rerun from another start (the unrun recipe, another first turn) is refused,
-    saying so, and the same start resumes. The unrun recipe's fingerprint has no such part (ledgers written
-    before it existed still resume)."""
+def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(tmp_path: Path) -> None:
+    """A branch point (``upto(k)`` of a conversation that has run) rolls out from its turns: every copy
+    starts there. Those turns shape the answer, so a rerun from another start (the unrun recipe, another
+    first turn) is refused, saying so, and the same start resumes. The unrun recipe's fingerprint has no
+    such part (ledgers written before it existed still resume)."""
     answerer = Answerer()
 
     def debate() -> Conversation:
@@ -387,9 +384,8 @@ def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(
 
     started = debate()
     started.step("solver")  # the live turn every copy starts from
-    with caplog.at_level(logging.WARNING, logger="interlens"):
-        first = started.rollout(n=2, out_dir=tmp_path, progress=False)
-    assert any("has already run (1 generated turn(s))" in r.getMessage() for r in caplog.records)
+    started = started.upto(1)
+    first = started.rollout(n=2, out_dir=tmp_path, progress=False)
     assert [m.author for m in first.results["rollout_0000"].transcript] == [
         "moderator",
         "solver",
@@ -402,9 +398,7 @@ def test_the_turns_a_run_conversation_starts_from_are_part_of_what_is_compared(
         debate().rollout(n=2, out_dir=tmp_path, progress=False)  # the unrun recipe: another question
     assert "the turns the conversation started from changed" in _refusal(excinfo)
     assert _snapshot(tmp_path) == before
-    caplog.clear()
     fresh = debate().rollout(n=1, out_dir=tmp_path / "fresh", progress=False)
-    assert not any("has already run" in r.getMessage() for r in caplog.records)
     with LedgerReader(tmp_path / "fresh") as reader:
         assert '"start"' not in reader.job("rollout_0000").input_fp  # a recipe's fingerprint: as before
     assert fresh.results["rollout_0000"].transcript[1].content == "answer to Q"

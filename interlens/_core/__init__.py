@@ -3,6 +3,14 @@ conditions, data rows, the speaker's view and the running job's context. Imports
 """
 
 from ._blocking import NO_TIME_LIMITS, TIME_LIMITS, TimeLimits, call_blocking, run_in_loop, within
+from ._branch_points import (
+    REPLAYED_KEY,
+    BranchPoint,
+    BranchPoints,
+    first_turns,
+    recipe_from_json,
+    register_recipe_loader,
+)
 from ._context import (
     CURRENT_JOB,
     collecting_samples,
@@ -14,6 +22,7 @@ from ._context import (
 )
 from ._exceptions import (
     AnalyzerError,
+    BranchError,
     ConfigurationError,
     ConfigurationTypeError,
     DataSourceError,
@@ -81,10 +90,14 @@ __all__ = [
     "CURRENT_JOB",
     "MODERATOR",
     "NO_TIME_LIMITS",
+    "REPLAYED_KEY",
     "TIME_LIMITS",
     "TOKENS_KEY",
     "TOKENS_TABLE",
     "AnalyzerError",
+    "BranchError",
+    "BranchPoint",
+    "BranchPoints",
     "ConfigurationError",
     "ConfigurationTypeError",
     "DataSourceError",
@@ -141,12 +154,15 @@ __all__ = [
     "escape_controls",
     "expand_turns",
     "first_tokens",
+    "first_turns",
     "import_callable",
     "in_job",
     "invalid_text",
     "is_missing",
     "is_templated",
+    "recipe_from_json",
     "record_sample",
+    "register_recipe_loader",
     "resolve",
     "row_reader",
     "run_in_loop",

@@ -10,6 +10,8 @@ The hierarchy::
     │   ├── UnknownParticipantError     a speaker name that is not in the conversation
     │   ├── UnknownAnalyzerError        .analyzer("name") that nobody registered
     │   ├── InterpModeError             capture/steering where it cannot run (batched path, hosted API)
+    │   ├── BranchError                 a branch point that cannot be taken (a turn past a job's end, a job
+    │   │                               that failed before it or does not exist, a ledger of another recipe)
     │   └── DeviceError                 a device string that does not exist here
     ├── DataSourceError                 reading the rows given to .data() failed mid-stream (row named)
     ├── UnrunConversationError          sample() on a recipe that has not generated a turn
@@ -44,6 +46,7 @@ import interlens.store as _store_errors
 
 __all__ = [
     "AnalyzerError",
+    "BranchError",
     "ConfigurationError",
     "ConfigurationTypeError",
     "DataSourceError",
@@ -110,6 +113,11 @@ class UnknownAnalyzerError(ConfigurationError, KeyError):
 class InterpModeError(ConfigurationError):
     """Capture or steering asked for where it cannot run: on the batched path (a hook would touch every
     row of a shared batch; pass ``batched=False``) or on a hosted-API participant (no weights to hook)."""
+
+
+class BranchError(ConfigurationError):
+    """A branch point that cannot be taken: ``conv.upto(k)`` or ``report.branch(at_turn=k)`` past a job's
+    length, a job that failed before turn k or does not exist, a ledger written by another recipe."""
 
 
 class DeviceError(ConfigurationError, _scheduler_errors.DeviceError):

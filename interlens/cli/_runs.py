@@ -28,7 +28,7 @@ import interlens.store as store
 from interlens.store import LEDGER_FILENAME, LedgerReader
 
 from .._core import TOKENS_KEY, ConfigurationError, as_interlens_errors, escape_controls
-from ..report import recorded_metadata, summarize
+from ..report import describe_parent, parent_of, recorded_metadata, summarize
 
 __all__ = ["open_reader", "render_messages", "render_show", "render_status", "run_status"]
 
@@ -346,6 +346,15 @@ def render_show(console: Console, reader: LedgerReader, job_id: str, *, metadata
         if conversation.get("row") is not None:
             console.print(
                 Text("row: " + clean(json.dumps(conversation["row"], ensure_ascii=False)), style="dim")
+            )
+        parent = parent_of(conversation)
+        if parent is not None:  # a branch (report.branch): its first turns are its parent's
+            console.print(
+                Text(
+                    f"branched from {clean(describe_parent(parent) or '')}: its first {parent.get('turn')} "
+                    "turn(s) are the parent's, recorded there",
+                    style="dim",
+                )
             )
     else:
         messages = [r.turn for r in reader.turn_records(job_id)]

@@ -16,22 +16,22 @@ does not import this package, so it closes no cycle). The JSON form lives in ``_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio.lowlevel
 
 from .._core import (
-    CURRENT_JOB,
     MODERATOR,
+    BranchError,
+    BranchPoints,
     ConfigurationError,
     GenerationOptions,
     MaxTurns,
@@ -48,23 +48,22 @@ from .._core import (
     ViewMessage,
     ambient_conditions,
     expand_turns,
+    first_turns,
     is_templated,
     record_sample,
     resolve,
     row_reader,
-    run_in_loop,
     turn_cap,
     turn_seed,
     turns_on_this_seed_rule,
 )
-from ..interp import ActivationCache, CaptureSpec, CaptureTarget, steering_from
+from ..interp import ActivationCache, CaptureTarget, steering_from
 from ..participants import Participant
-from ._lens import score_text, turn_activations
+from ._interp_calls import InterpCalls, run_sync
 from ._persist import SCHEMA_VERSION, check_schema, json_safe, load, recipe_json, save, storable_row
 from ._recipe import FIELDS, Recipe, participants_tuple, stop_tuple, validate
 
 if TYPE_CHECKING:
-    from ..interp import Logprobs
     from ..report import RunReport
     from ..rollouts import RunOptions
 
@@ -73,7 +72,7 @@ __all__ = ["SCHEMA_VERSION", "Conversation"]
 _UNSET: Any = object()
 
 
-class Conversation:
+class Conversation(InterpCalls):
     """A multi-agent conversation recipe that can also be run live and rolled out many times.
 
     ``shared_context`` seeds the transcript as its first message, authored ``"moderator"`` and seen by
@@ -112,6 +111,7 @@ class Conversation:
         self._stream_id = uuid.uuid4().hex
         self._samples_taken = 0  # numbers each sample()'s random stream (see turn_seed)
         self._capture: ActivationCache | None = None  # the open conv.capture() block, if any
+        self._upto: int | None = None  # upto(k)'s k: the turns a rollout continues from (see upto)
         self._seed_transcript()
 
     # ------------------------------------------------------------------ recipe fields (read-only)
@@ -161,6 +161,7 @@ class Conversation:
         clone._stream_id = uuid.uuid4().hex
         clone._samples_taken = 0
         clone._capture = None  # a capture block records the conversation it was opened on, not its copies
+        clone._upto = self._upto
         if "shared_context" in changes:
             clone._seed_transcript()
         return clone
@@ -216,6 +217,59 @@ class Conversation:
         if "stop" in fields:
             fields["stop"] = stop_tuple(fields["stop"])
         return self._copy(**fields)
+
+    def recipe(self) -> Conversation:
+        """The unrun recipe of this conversation, whatever it ran: its participants, framing, modifiers
+        and data, with a transcript holding only the shared context.
+
+        A conversation that belongs to one data row (a rollout's result, ``report.results[j].conversation``)
+        keeps it: its recipe carries the row as its data (``.data([row])``), so that rolling it out resolves
+        the same prompts (one job, ``row_00000``).
+        """
+        clone = self._copy()
+        clone.transcript = Transcript()
+        clone._upto = None
+        if clone.row is not None and self._recipe.data is None:
+            clone = clone.data([clone.row])
+        clone._seed_transcript()
+        return clone
+
+    def upto(self, k: int) -> Conversation:
+        """The conversation as it stood after its first ``k`` turns: the recipe plus those turns, a branch
+        point. ``k`` counts generated turns as ``generated_turns`` does (the shared context is no turn; a
+        moderator's note before turn ``k`` is kept); ``upto(0)`` is the recipe with its shared context.
+
+        Rolling it out continues every copy from those turns (they are part of what a resume compares); each
+        copy draws from the rollout's seeds (``seed + i``), so to regenerate a recorded job's own later turns
+        branch its report instead: ``report.branch(at_turn=k)``.
+        """
+        length = self.generated_turns
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise BranchError(
+                f"upto(k): k must be a non-negative int (a count of generated turns), got {k!r}"
+            )
+        if k > length:
+            raise BranchError(
+                f"upto({k}): this conversation has {length} generated turn(s), so k can be 0 to {length}; "
+                f"pass upto({length}) to continue after its last turn"
+            )
+        clone = self.recipe()
+        clone.transcript = Transcript(first_turns(list(self.transcript), k, author=lambda m: m.author))
+        clone._upto = k
+        return clone
+
+    @property
+    def branch_points(self) -> BranchPoints | None:
+        """The branch points of a branch recipe (``report.branch(...)``), which a rollout expands into
+        continuations; None for any other data."""
+        data = self._recipe.data
+        return data if isinstance(data, BranchPoints) else None
+
+    @property
+    def upto_turn(self) -> int | None:
+        """``k`` for a conversation made by :meth:`upto` (a branch point a rollout continues from), else
+        None."""
+        return self._upto if self._upto == self.generated_turns else None
 
     # ------------------------------------------------------------------ state
     @property
@@ -369,7 +423,7 @@ class Conversation:
 
     def step(self, speaker: str | None = None, *, steering: Any = None) -> Message:
         """Sync twin of :meth:`astep`."""
-        return _run_sync(functools.partial(self.astep, speaker, steering=steering))
+        return run_sync(functools.partial(self.astep, speaker, steering=steering))
 
     async def arun(self, turns: int | None = None) -> Transcript:
         """Generate ``turns`` more turns (default: until the recipe's turn count or a stop condition).
@@ -391,7 +445,7 @@ class Conversation:
 
     def run(self, turns: int | None = None) -> Transcript:
         """Sync twin of :meth:`arun`; works in scripts and inside a running event loop (Jupyter)."""
-        return _run_sync(self.arun, turns)
+        return run_sync(self.arun, turns)
 
     async def advance(
         self,
@@ -441,72 +495,7 @@ class Conversation:
 
     def sample(self, speaker: str, prompt: str | None = None, *, steering: Any = None) -> Message:
         """Sync twin of :meth:`asample`."""
-        return _run_sync(functools.partial(self.asample, speaker, prompt, steering=steering))
-
-    # ------------------------------------------------------------------ interp (see _lens)
-    @contextlib.contextmanager
-    def capture(
-        self,
-        sites: str | Sequence[str] = ("residual",),
-        layers: int | Sequence[int] | None = None,
-        *,
-        prompt: bool = False,
-        offload: str | None = "cpu",
-    ) -> Iterator[ActivationCache]:
-        """Record the activations of every local ``step`` / ``run`` / ``sample`` / ``logprobs`` in the block.
-
-        ``with conv.capture(sites=("residual",), layers=None) as cache: conv.run(2)`` fills ``cache`` with
-        one :class:`ActivationRecord` per turn, layer and site, tagged with the participant and the message
-        index (``cache.query(...)``, ``cache.at(...)``). Sites: ``"residual"``, ``"attn"``, ``"mlp"``;
-        ``layers=None``: all; ``prompt=True`` also keeps the prompt's positions. Local participants only (a
-        hosted participant's turn in the block raises :class:`InterpModeError`); inside a rollout it needs
-        ``batched=False``. Memory: see ``interlens.interp._capture``.
-        """
-        cache = ActivationCache(CaptureSpec.build(sites=sites, layers=layers, prompt=prompt, offload=offload))
-        outer, self._capture = self._capture, cache
-        try:
-            yield cache
-        finally:
-            self._capture = outer
-
-    async def alogprobs(self, speaker: str, text: str, *, steering: Any = None) -> Logprobs:
-        """The log-probability of ``text`` as ``speaker``'s next message (per token; ``.total``)."""
-        return await score_text(self, speaker, text, steering=steering)
-
-    def logprobs(self, speaker: str, text: str, *, steering: Any = None) -> Logprobs:
-        """Sync twin of :meth:`alogprobs`."""
-        return _run_sync(functools.partial(self.alogprobs, speaker, text, steering=steering))
-
-    async def aturn_activations(
-        self,
-        speaker: str | None = None,
-        *,
-        sites: str | Sequence[str] = ("residual",),
-        layers: int | Sequence[int] | None = None,
-        prompt: bool = False,
-        offload: str | None = "cpu",
-    ) -> ActivationCache:
-        """The activations of the transcript's turns by local participants (or by ``speaker`` only),
-        re-read teacher-forced: one forward pass per turn over the view its speaker had then plus the
-        message, under the speaker's own steering. For probes on a finished conversation (a rollout's
-        analyzer, a result), where no capture block was open while the turns were generated."""
-        spec = CaptureSpec.build(sites=sites, layers=layers, prompt=prompt, offload=offload)
-        return await turn_activations(self, speaker, spec)
-
-    def turn_activations(
-        self,
-        speaker: str | None = None,
-        *,
-        sites: str | Sequence[str] = ("residual",),
-        layers: int | Sequence[int] | None = None,
-        prompt: bool = False,
-        offload: str | None = "cpu",
-    ) -> ActivationCache:
-        """Sync twin of :meth:`aturn_activations`."""
-        call = functools.partial(
-            self.aturn_activations, speaker, sites=sites, layers=layers, prompt=prompt, offload=offload
-        )
-        return _run_sync(call)
+        return run_sync(functools.partial(self.asample, speaker, prompt, steering=steering))
 
     # ------------------------------------------------------------------ rollouts (see _rollout)
     def rollout(self, n: int | None = None, **options: Unpack[RunOptions]) -> RunReport:
@@ -583,16 +572,3 @@ class Conversation:
             f"<Conversation{label} [{names}] turns={self._recipe.turns} "
             f"transcript={len(self.transcript)} messages>"
         )
-
-
-def _run_sync(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run an async method from sync code: a script, a notebook, or an analyzer's worker thread.
-
-    An analyzer runs in a worker thread of the job's event loop; its ``conv.sample(...)`` must go back to THAT
-    loop (where the batcher and the job's device live) instead of starting a new one.
-    """
-    if CURRENT_JOB.get() is not None:
-        return run_in_loop(fn, *args)
-    from interlens.scheduler import run_sync
-
-    return run_sync(fn, *args)

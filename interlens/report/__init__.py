@@ -2,19 +2,23 @@
 report.
 """
 
+from ._branching import PARENT_KEY, describe_parent, parent_of
 from ._export import TOKEN_COLUMNS, ledger_rows, ledger_token_rows, token_columns, write_export
 from ._html_report import write_report
 from ._report import RunReport, RunResult
 from ._usage import SAMPLES_KEY, check_prices, recorded_metadata, summarize, turn_cost
 
 __all__ = [
+    "PARENT_KEY",
     "SAMPLES_KEY",
     "TOKEN_COLUMNS",
     "RunReport",
     "RunResult",
     "check_prices",
+    "describe_parent",
     "ledger_rows",
     "ledger_token_rows",
+    "parent_of",
     "recorded_metadata",
     "summarize",
     "token_columns",

@@ -31,6 +31,7 @@ from .._core import (
     expand_turns,
     type_name,
 )
+from ._branching import describe_parent, parent_of
 from ._ledger_tokens import with_records
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ BASE_COLUMNS: tuple[str, ...] = (
     "final_message",
     "transcript",
     "row",
+    "parent",
 )
 
 EXPORT_FORMATS: tuple[str, ...] = ("jsonl", "csv", "parquet")
@@ -136,6 +138,7 @@ def job_row(
         "row": None
         if conversation is None or conversation.get("row") is None
         else _json_text(conversation["row"]),
+        "parent": describe_parent(parent_of(conversation)),  # a branch's: "row_00012@3 in runs/x"
     }
     row.update(flatten_analysis(analysis))
     return row

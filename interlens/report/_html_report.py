@@ -36,6 +36,7 @@ from .._core import (
     check_int,
     type_name,
 )
+from ._branching import describe_parent, parent_of
 from ._export import output_file
 
 __all__ = ["write_report"]
@@ -264,6 +265,7 @@ def _job_entry(job: Any, result: Mapping[str, Any] | None, turns: Sequence[Any],
         "error": (job.error_message or "")[:max_chars] if job.state == "failed" else None,
         "analysis": None if analysis is None else _json_text(analysis)[:max_chars],
         "turns": out_turns,
+        "parent": describe_parent(parent_of(None if result is None else result.get("conversation"))),
     }
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._core import ConfigurationError, Transcript
+from .._core import BranchError, ConfigurationError, Transcript
 from . import _export
 from ._usage import UsageReport, conversation_metadata, recorded_metadata, summarize
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import pandas
 
     from interlens.scheduler import ErrorInfo, JobOutcome, RunOutcome
+    from interlens.store import LedgerReader
 
     from ..conversation import Conversation
 
@@ -141,10 +142,97 @@ class _Results(Mapping[str, RunResult]):
 class RunReport:
     """Results of ``rollout``/``run``: ``.results``, ``.failed``, ``.skipped`` and bulk accessors."""
 
-    def __init__(self, outcome: RunOutcome, lineups: Mapping[str, Conversation]) -> None:
+    def __init__(
+        self,
+        outcome: RunOutcome,
+        lineups: Mapping[str, Conversation],
+        *,
+        unrebuilt: Mapping[str, Exception] | None = None,
+    ) -> None:
         self._outcome = outcome
         self._lineups = dict(lineups)
+        self._unrebuilt = dict(unrebuilt or {})  # RunReport.load: lineups whose recipe could not be rebuilt
         self.results: Mapping[str, RunResult] = _Results(self)
+
+    @classmethod
+    def load(
+        cls,
+        out_dir: str | os.PathLike[str] | LedgerReader,
+        *,
+        conversations: Mapping[str, Conversation] | Conversation | None = None,
+    ) -> RunReport:
+        """The report of every finished and failed job in the ledger of ``out_dir`` (or of a
+        ``LedgerReader``'s), read on demand, as ``rollout``/``run`` would have returned it.
+
+        Each lineup's recipe is rebuilt from what the ledger recorded, or taken from ``conversations``
+        (``{lineup name: Conversation}``, or one Conversation for a one-lineup ledger: needed where the
+        recipe holds what JSON cannot bring back, such as a closure analyzer). A given Conversation that is
+        not the recipe that wrote the ledger is refused (:class:`BranchError`), naming the lineup.
+        """
+        from ._loaded import lineup_recipes, load_outcome
+
+        path = Path(getattr(out_dir, "path", None) or out_dir)  # a LedgerReader: its file's directory
+        directory = path.parent if path.is_file() else path
+        outcome = load_outcome(directory)
+        given = conversations
+        if given is not None and not isinstance(given, Mapping):  # one Conversation: the only lineup's
+            names = {outcome.outcome(job_id).lineup for job_id in outcome.job_ids}
+            if len(names) > 1:
+                raise ConfigurationError(
+                    f"RunReport.load(conversations=conv): the ledger holds the lineups {sorted(names)}; pass "
+                    "conversations={name: conv, ...}"
+                )
+            given = dict.fromkeys(names, given)
+        lineups, unrebuilt = lineup_recipes(directory, given)
+        return cls(outcome, lineups, unrebuilt=unrebuilt)
+
+    def branch(
+        self,
+        at_turn: int | str,
+        *,
+        jobs: Sequence[str] | None = None,
+        lineup: str | None = None,
+        n: int = 1,
+    ) -> Conversation:
+        """Each selected job as a branch point: its data row, its seed and its first ``at_turn`` generated
+        turns as recorded, on a copy of its lineup's recipe (``.set``, ``.turns``, ``.analyzer``... change
+        it). ``rollout(n=...)`` or ``interlens.run([...])`` expands each point into ``n`` continuations
+        (default the ``n`` given here); continuation ``s`` of job ``j`` draws from seed ``seed_j + s`` (its
+        parent's own stream for ``s = 0``: in deterministic mode, nothing changed, it regenerates the
+        recorded turns) unless ``seed=`` is passed. Job ids say where they come from
+        (``row_00012@3/s0001``); each result records its parent (out_dir, job id, turn).
+
+        ``jobs=None``: every finished job (of ``lineup``, for a report of several); ``at_turn="end"``: each
+        job whole, so that a new ``.analyzer(...)`` measures what was recorded, generating nothing. A turn
+        past a job's length, an unknown job or one that failed before the turn is refused
+        (:class:`BranchError`) before anything runs. docs/rollouts.md, "Branching a run".
+        """
+        from ._branching import branch
+
+        return branch(self, at_turn, jobs=jobs, lineup=lineup, n=n)
+
+    # what ``branch`` reads of the report (``_branching``)
+    @property
+    def _lineup_names(self) -> list[str]:
+        return sorted({*self._lineups, *self._unrebuilt})
+
+    def _lineup_of(self, job_id: str) -> str:
+        return self._outcome.outcome(job_id).lineup
+
+    def _lineup_recipe(self, name: str) -> Conversation:
+        if name in self._unrebuilt:
+            raise self._unrebuilt[name]
+        recipe = self._lineups.get(name)
+        if recipe is None:
+            raise BranchError(f"lineup {name!r}: this report holds no recipe for it")
+        return recipe
+
+    def _open_reader(self) -> LedgerReader | None:
+        if self.out_dir is None:
+            return None
+        from interlens.store import LedgerReader
+
+        return LedgerReader(self.out_dir)
 
     def _result(self, outcome: JobOutcome) -> RunResult:
         return RunResult(_outcome=outcome, _recipe=self._lineups.get(outcome.lineup), _out_dir=self.out_dir)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from .._core import TOKENS_KEY, ConfigurationError, ConfigurationTypeError
+from .._core import REPLAYED_KEY, TOKENS_KEY, ConfigurationError, ConfigurationTypeError
 
 __all__ = [
     "SAMPLES_KEY",
@@ -46,8 +46,11 @@ SAMPLES_KEY: Final = "sample_metadata"
 
 
 def recorded_metadata(reader: Any) -> Iterator[Mapping[str, Any]]:
-    """The metadata of every message a ledger (a ``LedgerReader``) holds: turns, then analyzers' samples."""
-    yield from reader.turn_values("$.metadata", without=(f"$.{TOKENS_KEY}",))  # no total needs a record
+    """The metadata of every message a ledger (a ``LedgerReader``) holds: turns, then analyzers' samples. A
+    branch's recorded turns (``REPLAYED_KEY``) were spent by its parent's run, and are not counted again."""
+    for meta in reader.turn_values("$.metadata", without=(f"$.{TOKENS_KEY}",)):  # no total needs a record
+        if not (isinstance(meta, Mapping) and REPLAYED_KEY in meta):
+            yield meta
     for samples in reader.result_values(f"$.{SAMPLES_KEY}"):
         yield from (meta for meta in samples if isinstance(meta, Mapping))
 
@@ -55,7 +58,7 @@ def recorded_metadata(reader: Any) -> Iterator[Mapping[str, Any]]:
 def conversation_metadata(conversation: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
     """The same for one finished job's conversation state held in memory."""
     for message in conversation.get("transcript", []):
-        if isinstance(message, Mapping):
+        if isinstance(message, Mapping) and REPLAYED_KEY not in (message.get("metadata") or {}):
             yield message.get("metadata") or {}
     yield from (meta for meta in conversation.get(SAMPLES_KEY, []) if isinstance(meta, Mapping))
 

@@ -133,8 +133,9 @@ def explain_change(spec: JobSpec, recorded: str) -> list[str]:
         lines.append("resolved prompts changed (shared context, shared system prompt or a system prompt)")
     if old.get("start") != new.get("start"):
         lines.append(
-            "the turns the conversation started from changed (a conversation that has run, with run() or "
-            "step(), rolls out from its turns; the recipe that has not run starts from the shared context)"
+            "the turns the conversation started from changed (a branch starts from its parent's recorded "
+            "turns: the ledger it was branched from changed since this out_dir's branches ran; a "
+            "conv.upto(k) from its turns; the recipe that has not run, from the shared context)"
         )
     for part in ("seed", "mode"):
         if old.get(part) != new.get(part):

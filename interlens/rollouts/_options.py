@@ -124,6 +124,9 @@ class Options:
     api_budget: APIBudget | None = None
     record_tokens: bool = False  # each participant that can records its turns' tokens (part of the recipe)
     limits: TimeLimits = NO_TIME_LIMITS  # how long a job waits for one turn and for its analyzer
+    seed_given: bool = (
+        False  # seed= was passed: a branch's continuations then draw from it (not the parent's)
+    )
 
 
 def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
@@ -161,6 +164,7 @@ def parse_options(caller: str, options: Mapping[str, Any]) -> Options:
         run=run,
         api_budget=_api_budget(where, given["api_budget"]),
         record_tokens=bool(record_tokens),
+        seed_given="seed" in options,
         limits=TimeLimits(
             turn=_seconds(where, "turn_timeout", given["turn_timeout"]),
             analyzer=_seconds(where, "analyzer_timeout", given["analyzer_timeout"]),

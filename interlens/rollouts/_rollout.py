@@ -42,7 +42,7 @@ from .._core import (
     is_templated,
     warn_no_rows,
 )
-from ..report import SAMPLES_KEY, RunReport
+from ..report import PARENT_KEY, SAMPLES_KEY, RunReport
 from ._analyzers import check_analyzer, check_shippable, run_analyzer, worker_hooks
 from ._inputs import explain_change, input_fingerprint
 from ._options import SEED_LIMIT, Options, RunOptions, check_n, parse_options, prepare_out_dir
@@ -50,6 +50,7 @@ from ._options import SEED_LIMIT, Options, RunOptions, check_n, parse_options, p
 if TYPE_CHECKING:
     from interlens.scheduler import ExecutionMode, JobContext, JobResult, JobSpec, LineupSpec
 
+    from .._core import BranchPoint
     from ..conversation import Conversation
 
 __all__ = ["arollout", "execute", "lineup_spec", "rollout"]
@@ -78,12 +79,14 @@ class ConversationJob:
     #: ``run(record_tokens=True)``: the speakers that cannot record, by name, and why (their turns say so)
     tokens_missing: Mapping[str, str] | None = None
     limits: TimeLimits = NO_TIME_LIMITS  # turn_timeout / analyzer_timeout: a job that hangs fails, named
+    parent: Mapping[str, Any] | None = None  # a branch's parent (out_dir, job id, turn), kept in its result
 
     async def run(self, ctx: JobContext) -> JobResult:
         from interlens.scheduler import JobResult
 
         if self.error is not None:
             raise self.error
+        start_tokens = self.conversation.tokens_generated  # a branch's recorded turns: not this job's
         conv = self.conversation.replay(ctx.committed_turns, stream_id=ctx.job_id)
 
         async def record(index: int, message: Message) -> None:
@@ -109,7 +112,7 @@ class ConversationJob:
                 # analyzer that edits the conversation it reads (a message's text, its metadata) cannot
                 # rewrite what the model said or what it spent.
                 state = copy.deepcopy(conv.to_json())
-                tokens_generated, generated = conv.tokens_generated, len(conv.transcript)
+                tokens_generated, generated = conv.tokens_generated - start_tokens, len(conv.transcript)
                 analysis, analysis_error = None, None
                 with collecting_samples() as samples:
                     if conv.analyzer_fn is not None:
@@ -129,6 +132,8 @@ class ConversationJob:
             state[SAMPLES_KEY] = samples
         if self.recipe is not None:
             state["recipe"] = self.recipe
+        if self.parent is not None:
+            state[PARENT_KEY] = dict(self.parent)
         return JobResult(
             conversation=state,
             tokens_generated=tokens_generated,
@@ -226,6 +231,7 @@ def lineup_spec(
     lineup: str,
     record_tokens: bool = False,
     limits: TimeLimits = NO_TIME_LIMITS,
+    seed_given: bool = False,
 ) -> LineupSpec:
     """Expand ``conv`` into a lazily generated stream of jobs, each fingerprinted with what it is asked.
     ``record_tokens``: every participant that can records its turns' tokens (so the recipe a resume
@@ -240,13 +246,12 @@ def lineup_spec(
                 p if p.name in unrecorded else p.replace(record_tokens=True) for p in conv.participants
             ]
         )
-    if conv.generated_turns:
-        log.warning(
-            "lineup %r: this conversation has already run (%d generated turn(s)), so every copy starts from "
-            "its turns (they are part of what a resume compares). To roll out from the shared context, roll "
-            "out a conversation that has not run.",
-            lineup,
-            conv.generated_turns,
+    if conv.generated_turns and conv.upto_turn is None:
+        k = conv.generated_turns
+        raise ConfigurationError(
+            f"lineup {lineup!r}: this conversation has already run ({k} generated turn(s), e.g. a preview "
+            "with conv.run()), so it is unclear what to roll out. Roll out conv.recipe() to start every copy "
+            f"from the shared context, or conv.upto({k}) to continue every copy from its {k} turn(s)"
         )
     ambient = ambient_conditions()
     if ambient:
@@ -282,6 +287,54 @@ def lineup_spec(
             job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=row_index, input_fp=fingerprint
         )
 
+    if conv.branch_points is not None:  # a branch recipe: n continuations of each branch point
+        points = conv.branch_points
+        per = points.n if n is None else n
+        base = conv.data(None)
+
+        def branch_spec(point: BranchPoint, i: int, s: int) -> JobSpec:
+            # continuation s of point i: the parent job's own stream shifted by s, unless seed= was given
+            job_seed = seed + i * per + s if seed_given else point.seed + s
+            _check_job_seed(lineup, job_seed, 0)
+            expanded: Conversation | None = None
+            try:
+                expanded = point.start(base.for_row(point.row, index=point.row_index, seed=job_seed))
+                job = ConversationJob(
+                    expanded,
+                    needs_device,
+                    recipe,
+                    tokens_missing=unrecorded,
+                    limits=limits,
+                    parent=point.lineage,
+                )
+            except InterlensError as exc:
+                job = ConversationJob(base, needs_device, error=exc)
+            fingerprint = input_fingerprint(
+                expanded, row=point.row, seed=job_seed, mode=mode.value, settings=settings
+            )
+            return JobSpec(
+                job_id=point.job_id(prefix or "", s),
+                lineup=lineup,
+                seed=job_seed,
+                job=job,
+                row_index=point.row_index,
+                input_fp=fingerprint,
+            )
+
+        def branches() -> Iterator[JobSpec]:
+            for i, point in enumerate(points):
+                for s in range(per):
+                    yield branch_spec(point, i, s)
+
+        return LineupSpec(
+            name=lineup,
+            fingerprint=settings,
+            jobs=_Jobs(branches),
+            n_jobs=len(points) * per,
+            describe=recipe,
+            explain_input=explain_change,
+            engine_keys=engine_keys,
+        )
     if conv.data_source is not None:
         columns = getattr(conv.data_source, "column_names", None)
         missing = sorted(_template_columns(conv) - set(columns)) if isinstance(columns, list) else []
@@ -466,6 +519,7 @@ async def _arollout(conv: Conversation, n: int | None, options: Options) -> RunR
         lineup=lineup,
         record_tokens=options.record_tokens,
         limits=options.limits,
+        seed_given=options.seed_given,
     )
     return await execute([(conv, spec)], options)
 

@@ -51,6 +51,7 @@ def _lineups(
             lineup=name,
             record_tokens=options.record_tokens,
             limits=options.limits,
+            seed_given=options.seed_given,
         )
         out.append((conv, spec))
     # one iterator read by two lineups: the second would get what the first left (a recipe holds one
