@@ -28,7 +28,13 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
+
+# Version 6 lets a turn_tokens row store its prompt's new ids as references to ids its job's earlier turns
+# generated (store/_token_refs.py: "refs" in facts_json). The table is the same; a version-5 row (every id
+# literal) is a valid version-6 row, so the step rewrites nothing. The version is raised so that an
+# interlens that reads version 5 refuses a file whose rows it would read wrong.
+_V5_TO_V6: Final = ()
 
 # Version 5 keeps turns' token records out of their JSON (store/_token_rows.py): one row per recorded turn.
 # facts_json: the record's format and small facts; the arrays as little-endian BLOBs, never base64.
@@ -137,7 +143,8 @@ _V2_TO_V3: Final = (
 #: hash (NULL on rows written by version 1, which recorded neither). Version 3 stops storing a result's
 #: transcript and recipe again per job (see :data:`SCHEMA`). Version 4 keeps the results later ones replaced
 #: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted. Version 5
-#: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`).
+#: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`); version 6
+#: lets its rows refer to the ids of their job's earlier rows.
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
@@ -146,6 +153,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     2: _V2_TO_V3,
     3: (_SUPERSEDED,),
     4: _V4_TO_V5,
+    5: _V5_TO_V6,
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.

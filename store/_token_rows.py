@@ -33,26 +33,36 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeGuard
+from typing import TYPE_CHECKING, Any, Final, TypeGuard
+
+from ._token_refs import find_runs, inline, resolve
+
+if TYPE_CHECKING:
+    import aiosqlite
 
 __all__ = [
     "MARKER_KEY",
     "TOKENS_KEY",
     "TOKENS_TABLE",
+    "GeneratedIds",
     "TokenRow",
     "TokenRowError",
+    "detach_later",
     "is_marker",
     "join",
     "marked",
+    "resolved",
     "restore",
     "split",
     "split_text",
+    "stored_values",
 ]
 
 TOKENS_KEY: Final = "tokens"  # the message metadata key a record rides under (interlens' TOKENS_KEY)
 TOKENS_TABLE: Final = "turn_tokens"
 MARKER_KEY: Final = "stored"  # a marker's key, its value the table's name
 _CERTAIN, _MODEL, _ARRAY = "certain", "model", "array"
+_REFS: Final = "refs"  # schema 6: a stored row's references to its job's generated ids (_token_refs)
 
 
 class TokenRowError(ValueError):
@@ -171,11 +181,15 @@ def split_text(text: str) -> tuple[str, TokenRow | None]:
     return (text, None) if row is None else (_dumps(out), row)
 
 
-def join(marker: Mapping[str, Any], values: Sequence[Any]) -> dict[str, Any]:
-    """The record's JSON as it was written, from its marker and its row's values (``TokenRow.values()``
-    order); :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short)."""
+def join(
+    marker: Mapping[str, Any], values: Sequence[Any], sources: Mapping[int, bytes] | None = None
+) -> dict[str, Any]:
+    """The record's JSON as it was written, from its marker and its stored row's values (``TokenRow.values()``
+    order; ``sources``: the generated ids of its job's rows, idx → ``ids``, which its references name);
+    :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short, a reference
+    that no longer reads as written)."""
     try:
-        row = TokenRow(*values)
+        row = resolved(values, sources)
         if row.digest() != marker.get("digest"):
             raise TokenRowError("its bytes are not the ones written (digest differs)")
         facts = json.loads(row.facts_json)
@@ -215,6 +229,97 @@ def join(marker: Mapping[str, Any], values: Sequence[Any]) -> dict[str, Any]:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
+
+
+def stored_values(row: TokenRow, sources: Mapping[int, bytes]) -> tuple[Any, ...]:
+    """``row``'s values as the table stores them (schema 6): its prompt's new ids as references to
+    ``sources`` (idx → generated ids of earlier turns of its job, of its id width) where runs of them match
+    (``_token_refs``), the rest literal. The digest stays the record's own (``row.digest()``)."""
+    values = row.values()
+    if row.prompt_ids is None or not sources:
+        return values
+    facts = json.loads(row.facts_json)
+    found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources)
+    if found is None:
+        return values
+    refs, literal = found
+    return (_dumps({**facts, _REFS: refs}), *values[1:4], literal)
+
+
+def resolved(values: Sequence[Any], sources: Mapping[int, bytes] | None) -> TokenRow:
+    """The record's row from a stored row's values, its references (if any) resolved against ``sources``."""
+    row = TokenRow(*values)
+    if _REFS not in row.facts_json:  # cheap: most rows of other formats have none
+        return row
+    facts = json.loads(row.facts_json)
+    refs = facts.pop(_REFS, None)
+    if refs is None:
+        return row
+    try:
+        prompt = resolve(refs, row.prompt_ids or b"", facts["id_bytes"], sources or {})
+    except KeyError as exc:
+        raise TokenRowError(exc.args[0]) from exc
+    return TokenRow(_dumps(facts), row.ids, row.model_logprobs, row.sampling_logprobs, prompt)
+
+
+class GeneratedIds:
+    """The writer's memory of each running job's generated ids (idx → (id width, ids bytes)), what a later
+    turn's prompt may refer to. Filled as turns commit (and as a resumed job replays them), dropped when the
+    job ends: memory bounded by the jobs running at once."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[int, tuple[int, bytes]]] = {}
+        self._last: dict[str, int] = {}  # per job: the highest turn index committed (or replayed)
+
+    def appends(self, job_id: str, index: int) -> bool:
+        """Whether turn ``index`` follows every turn ``job_id`` is known to have: no later row that may
+        refer to the turn it replaces (else the writer runs :func:`detach_later` first)."""
+        return index > self._last.get(job_id, index)
+
+    def sources(self, job_id: str, index: int, row: TokenRow | None) -> dict[int, bytes]:
+        """The earlier turns (idx < ``index``) of ``job_id`` whose ids ``row`` may refer to."""
+        if row is None or row.ids is None:
+            return {}
+        width = json.loads(row.facts_json).get("id_bytes")
+        known = self._jobs.get(job_id, {})
+        return {idx: ids for idx, (w, ids) in known.items() if idx < index and w == width}
+
+    def remember(self, job_id: str, index: int, row: TokenRow | None) -> None:
+        """Turn ``index`` committed with ``row``: the job's later turns (re-recorded from here on) forget
+        what followed it."""
+        known = self._jobs.setdefault(job_id, {})
+        for idx in [i for i in known if i >= index]:
+            del known[idx]
+        self._last[job_id] = max(index, self._last.get(job_id, index))  # later rows stay in the file
+        if row is not None and row.ids is not None:
+            known[index] = (json.loads(row.facts_json)["id_bytes"], row.ids)
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+        self._last.pop(job_id, None)
+
+
+async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> None:
+    """Before turn ``index`` of ``job_id`` is recorded anew: every later row of the job that refers to the
+    ids it had takes them as literal ids (references point back only, so only later rows can)."""
+    old = await conn.execute_fetchall(
+        f"SELECT ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ? AND ids IS NOT NULL", (job_id, index)
+    )
+    if not old:
+        return
+    later = await conn.execute_fetchall(
+        f"SELECT idx, facts_json, prompt_ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx > ? "
+        "AND instr(facts_json, '\"refs\"')",
+        (job_id, index),
+    )
+    for idx, facts_json, prompt in later:
+        facts = json.loads(facts_json)
+        refs, literal = inline(facts[_REFS], prompt or b"", facts["id_bytes"], index, old[0][0])
+        facts = {k: v for k, v in facts.items() if k != _REFS} | ({_REFS: refs} if refs else {})
+        await conn.execute(
+            f"UPDATE {TOKENS_TABLE} SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (_dumps(facts), literal, job_id, idx),
+        )
 
 
 def is_marker(value: Any) -> TypeGuard[Mapping[str, Any]]:

@@ -148,16 +148,39 @@ def _to_v4(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA user_version = 4")
 
 
+def _to_v5(conn: sqlite3.Connection) -> None:
+    """Version 6 may store a prompt's ids as references to its job's earlier rows; version 5 stored them all."""
+    from interlens.store._token_rows import TokenRow, resolved
+
+    rows = conn.execute(
+        "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids FROM turn_tokens"
+    ).fetchall()
+    sources: dict[str, dict[int, bytes]] = {}
+    for job_id, idx, _, ids, *_ in rows:
+        if ids is not None:
+            sources.setdefault(job_id, {})[idx] = ids
+    for job_id, idx, *values in rows:
+        row: TokenRow = resolved(values, sources.get(job_id, {}))
+        conn.execute(
+            "UPDATE turn_tokens SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (row.facts_json, row.prompt_ids, job_id, idx),
+        )
+    conn.execute("PRAGMA user_version = 5")
+
+
 def as_schema(path: Path, version: int) -> None:
-    """Rewrite the closed ledger at ``path`` (schema 5) as schema ``version`` (4, 3, 2 or 1) would hold it."""
-    assert version in (1, 2, 3, 4), version
+    """Rewrite the closed ledger at ``path`` (schema 6) as schema ``version`` (5, 4, 3, 2 or 1) would hold
+    it."""
+    assert version in (1, 2, 3, 4, 5), version
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
         conn.execute("BEGIN")
-        _to_v4(conn)
+        _to_v5(conn)
+        if version < 5:
+            _to_v4(conn)
         conn.execute("COMMIT")
-        steps = [_TO_V3, _TO_V2, _TO_V1][: 4 - version]
+        steps = [_TO_V3, _TO_V2, _TO_V1][: max(0, 4 - version)]
         if steps:
             conn.executescript("BEGIN;" + "".join(steps) + "COMMIT;")
     finally:
