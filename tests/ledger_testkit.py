@@ -149,7 +149,7 @@ def _to_v4(conn: sqlite3.Connection) -> None:
 
 
 def _to_v5(conn: sqlite3.Connection) -> None:
-    """Version 6 may store a prompt's ids as references to its job's earlier rows; version 5 stored them all."""
+    """Version 6 may store a prompt's ids as references to its job's earlier rows; version 5 stored each."""
     from interlens.store._token_rows import TokenRow, resolved
 
     rows = conn.execute(
