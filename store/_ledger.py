@@ -53,6 +53,7 @@ from ._token_rows import (
     split,
     split_text,
     stored_values,
+    unmarked_digest,
 )
 
 if TYPE_CHECKING:
@@ -82,11 +83,13 @@ _MARK_DONE = (
 
 
 def _split_part(text: str, part: int) -> Any:
-    """The v4 -> v5 migration's SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    """The migrations' SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    if part < 0:
+        return unmarked_digest(text)
     stored, row = split_text(text)
     if part == 0:
         return stored
-    return None if row is None else row.values()[part - 1]
+    return None if row is None else stored_values(row, {})[part - 1]
 
 
 def _unknown_job(action: str, job_id: str) -> StoreError:

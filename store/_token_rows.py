@@ -56,6 +56,7 @@ __all__ = [
     "split",
     "split_text",
     "stored_values",
+    "unmarked_digest",
 ]
 
 TOKENS_KEY: Final = "tokens"  # the message metadata key a record rides under (interlens' TOKENS_KEY)
@@ -63,6 +64,7 @@ TOKENS_TABLE: Final = "turn_tokens"
 MARKER_KEY: Final = "stored"  # a marker's key, its value the table's name
 _CERTAIN, _MODEL, _ARRAY = "certain", "model", "array"
 _REFS: Final = "refs"  # schema 6: a stored row's references to its job's generated ids (_token_refs)
+_DIGEST: Final = "digest"  # schema 6: in a stored row's facts (schema 5 kept it in the turn's marker)
 
 
 class TokenRowError(ValueError):
@@ -148,11 +150,7 @@ def _row(record: Mapping[str, Any]) -> TokenRow | None:
 def marked(row: TokenRow) -> dict[str, Any]:
     """The marker a turn's JSON keeps in place of the record ``row`` holds."""
     facts = json.loads(row.facts_json)
-    marker: dict[str, Any] = {
-        MARKER_KEY: TOKENS_TABLE,
-        "n": len(row.model_logprobs) // 4,
-        "digest": row.digest(),
-    }
+    marker: dict[str, Any] = {MARKER_KEY: TOKENS_TABLE, "n": len(row.model_logprobs) // 4}
     if facts["format"] == 2:
         marker["reported_by"] = facts["reported_by"]
     return marker
@@ -169,6 +167,14 @@ def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
     if row is None:
         return turn, None
     return {**turn, "metadata": {**metadata, TOKENS_KEY: marked(row)}}, row  # type: ignore[dict-item]
+
+
+def unmarked_digest(text: str) -> str:
+    """A version-5 turn's JSON with its marker's digest taken out (schema 6 keeps it in the row's facts)."""
+    turn = json.loads(text)
+    marker = turn["metadata"][TOKENS_KEY]
+    turn["metadata"][TOKENS_KEY] = {k: v for k, v in marker.items() if k != _DIGEST}
+    return _dumps(turn)
 
 
 def split_text(text: str) -> tuple[str, TokenRow | None]:
@@ -189,9 +195,7 @@ def join(
     :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short, a reference
     that no longer reads as written)."""
     try:
-        row = resolved(values, sources)
-        if row.digest() != marker.get("digest"):
-            raise TokenRowError("its bytes are not the ones written (digest differs)")
+        row = resolved(values, sources, marker.get(_DIGEST))
         facts = json.loads(row.facts_json)
         n = len(row.model_logprobs) // 4
         if len(row.model_logprobs) % 4 or n != marker.get("n"):
@@ -232,34 +236,42 @@ def join(
 
 
 def stored_values(row: TokenRow, sources: Mapping[int, bytes]) -> tuple[Any, ...]:
-    """``row``'s values as the table stores them (schema 6): its prompt's new ids as references to
-    ``sources`` (idx → generated ids of earlier turns of its job, of its id width) where runs of them match
-    (``_token_refs``), the rest literal. The digest stays the record's own (``row.digest()``)."""
-    values = row.values()
-    if row.prompt_ids is None or not sources:
-        return values
+    """``row``'s values as the table stores them (schema 6): its digest in its facts, and its prompt's new
+    ids as references to ``sources`` (idx → generated ids of earlier turns of its job, of its id width)
+    where runs of them match (``_token_refs``), the rest literal."""
     facts = json.loads(row.facts_json)
-    found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources)
+    facts[_DIGEST] = row.digest()
+    values = row.values()
+    found = None
+    if row.prompt_ids is not None and sources:
+        found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources)
     if found is None:
-        return values
+        return (_dumps(facts), *values[1:])
     refs, literal = found
     return (_dumps({**facts, _REFS: refs}), *values[1:4], literal)
 
 
-def resolved(values: Sequence[Any], sources: Mapping[int, bytes] | None) -> TokenRow:
-    """The record's row from a stored row's values, its references (if any) resolved against ``sources``."""
-    row = TokenRow(*values)
-    if _REFS not in row.facts_json:  # cheap: most rows of other formats have none
-        return row
-    facts = json.loads(row.facts_json)
-    refs = facts.pop(_REFS, None)
-    if refs is None:
-        return row
+def resolved(
+    values: Sequence[Any], sources: Mapping[int, bytes] | None, digest: str | None = None
+) -> TokenRow:
+    """The record's row from a stored row's values: its references (if any) resolved against ``sources``,
+    checked against the digest it was written with (in its facts; ``digest``: a version-5 row's, which its
+    turn's marker kept). :class:`TokenRowError` when it does not read as written."""
     try:
-        prompt = resolve(refs, row.prompt_ids or b"", facts["id_bytes"], sources or {})
+        row = TokenRow(*values)
+        facts = json.loads(row.facts_json)
+        refs, digest = facts.pop(_REFS, None), facts.pop(_DIGEST, digest)
+        prompt = row.prompt_ids
+        if refs is not None:
+            prompt = resolve(refs, row.prompt_ids or b"", facts["id_bytes"], sources or {})
     except KeyError as exc:
-        raise TokenRowError(exc.args[0]) from exc
-    return TokenRow(_dumps(facts), row.ids, row.model_logprobs, row.sampling_logprobs, prompt)
+        raise TokenRowError(str(exc.args[0])) from exc
+    except (TypeError, ValueError) as exc:
+        raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
+    row = TokenRow(_dumps(facts), row.ids, row.model_logprobs, row.sampling_logprobs, prompt)
+    if row.digest() != digest:
+        raise TokenRowError("its bytes are not the ones written (digest differs)")
+    return row
 
 
 class GeneratedIds:

@@ -149,21 +149,36 @@ def _to_v4(conn: sqlite3.Connection) -> None:
 
 
 def _to_v5(conn: sqlite3.Connection) -> None:
-    """Version 6 may store a prompt's ids as references to its job's earlier rows; version 5 stored each."""
+    """Version 6 may store a prompt's ids as references to its job's earlier rows and keeps each row's digest
+    in its facts; version 5 stored every id and kept the digest in the turn's marker."""
     from interlens.store._token_rows import TokenRow, resolved
 
     rows = conn.execute(
-        "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids FROM turn_tokens"
+        "SELECT k.job_id, k.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+        "k.prompt_ids FROM turn_tokens k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx"
     ).fetchall()
     sources: dict[str, dict[int, bytes]] = {}
-    for job_id, idx, _, ids, *_ in rows:
+    for job_id, idx, _, _, ids, *_ in rows:
         if ids is not None:
             sources.setdefault(job_id, {})[idx] = ids
-    for job_id, idx, *values in rows:
+    for job_id, idx, text, *values in rows:
         row: TokenRow = resolved(values, sources.get(job_id, {}))
+        turn = json.loads(text)
+        marker = turn["metadata"]["tokens"]
+        rest = {k: v for k, v in marker.items() if k not in ("stored", "n")}
+        turn["metadata"]["tokens"] = {
+            "stored": marker["stored"],
+            "n": marker["n"],
+            "digest": row.digest(),
+            **rest,
+        }
         conn.execute(
             "UPDATE turn_tokens SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
             (row.facts_json, row.prompt_ids, job_id, idx),
+        )
+        conn.execute(
+            "UPDATE turns SET turn_json = ? WHERE job_id = ? AND idx = ?",
+            (json.dumps(turn, ensure_ascii=False, separators=(",", ":")), job_id, idx),
         )
     conn.execute("PRAGMA user_version = 5")
 

@@ -66,6 +66,12 @@ def _rows(path: Path, job_id: str) -> dict[int, tuple[dict[str, Any], bytes]]:
         return {idx: (json.loads(facts), prompt) for idx, facts, prompt in rows}
 
 
+def _markers(path: Path) -> list[dict[str, Any]]:
+    with sqlite3.connect(path / "ledger.sqlite") as db:
+        rows = db.execute("SELECT json_extract(turn_json, '$.metadata.tokens') FROM turns WHERE idx >= 0")
+        return [json.loads(text) for (text,) in rows]
+
+
 def _read(reader: LedgerReader, job_id: str) -> list[dict[str, Any]]:
     result = reader.result(job_id)
     assert result is not None
@@ -139,7 +145,10 @@ async def test_a_version_5_ledger_is_upgraded_in_place_and_an_older_interlens_re
     written = await _write(tmp_path)
     path = tmp_path / "ledger.sqlite"
     as_schema(path, 5)  # every prompt id literal, as version 5 stored them
-    assert all("refs" not in facts for facts, _ in _rows(tmp_path, "job_0").values())
+    assert all(
+        "refs" not in facts and "digest" not in facts for facts, _ in _rows(tmp_path, "job_0").values()
+    )
+    assert all(len(m["digest"]) == 8 for m in _markers(tmp_path))  # version 5: the digest in the marker
     with LedgerReader(tmp_path) as reader:  # read as it is
         assert reader.summary()["schema_version"] == 5 and _read(reader, "job_0") == written
     async with await Ledger.open(tmp_path) as ledger:  # 5 → 6 at open: nothing to rewrite
@@ -148,6 +157,8 @@ async def test_a_version_5_ledger_is_upgraded_in_place_and_an_older_interlens_re
         await ledger.end_run("completed")
     with LedgerReader(tmp_path) as reader:
         assert reader.summary()["schema_version"] == 6 and _read(reader, "job_1") == written
+    assert all("digest" not in m for m in _markers(tmp_path))  # moved into the rows' facts
+    assert all(len(facts["digest"]) == 8 for facts, _ in _rows(tmp_path, "job_1").values())
     import store._schema as schema
 
     older = schema.SCHEMA_VERSION - 1  # what an interlens of version 5 checks against
@@ -171,3 +182,29 @@ async def test_a_turn_recorded_again_refers_only_to_turns_before_it(tmp_path: Pa
         await ledger.record_turn("job_0", 2, again[1])
         assert await ledger.committed_turns("job_0") == [written[0], *again, written[3]]
     assert "refs" not in _rows(tmp_path, "job_0")[1][0]
+
+
+async def test_a_result_refers_to_the_turn_whose_record_it_has_when_texts_and_markers_are_equal(
+    tmp_path: Path,
+) -> None:
+    """Two turns alike but for their records (same author, text and length): their markers are equal, so a
+    result's messages are matched to committed turns by text and the record's digest (in its row)."""
+    first, second = _turn("a", [1, 2], [10, 11, 12]), _turn("a", [1, 2], [20, 21, 22])
+    assert (
+        first["metadata"]["tokens"] != second["metadata"]["tokens"] and first["content"] == second["content"]
+    )
+    async with await Ledger.open(tmp_path) as ledger:
+        await ledger.begin_run({"l": "fp"}, versions={})
+        await ledger.add_jobs([JobRecord("job_0", "l", seed=0)])
+        await ledger.start_job("job_0", device="cpu")
+        await ledger.record_turn("job_0", 0, first)
+        await ledger.record_turn("job_0", 1, second)
+        await ledger.finish_job(
+            "job_0", conversation={"transcript": [second, first]}, analysis=None, tokens_generated=1
+        )
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
+        assert db.execute("SELECT turn_order FROM results").fetchone()[0] == "[1,0]"  # no row stored again
+        markers = {t for (t,) in db.execute("SELECT json_extract(turn_json, '$.metadata.tokens') FROM turns")}
+    assert markers == {'{"stored":"turn_tokens","n":3}'}  # the marker: no digest (schema 6)
+    with LedgerReader(tmp_path) as reader:
+        assert _read(reader, "job_0") == [second, first]
