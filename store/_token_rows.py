@@ -1,4 +1,4 @@
-"""Turns' token records in their own table (``turn_tokens``, schema 5), read only by what asks for tokens.
+"""Turns' token records in their own table (``turn_tokens``, schema 5-6), read only by what asks for tokens.
 
 A generated turn's token record (interlens' ``TokenRecord``: ids, two float32 log-probabilities per id and
 the prompt ids, or a hosted turn's token texts and its provider's log-probabilities) is several times the
@@ -8,16 +8,23 @@ third more bytes than the binary. So the writer takes it out where the turn is w
 the same transaction as its turns row: no turn without its record, no record without its turn) into a
 ``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
 
-    {"stored": "turn_tokens", "n": 256, "digest": "1f2e3d4c"}  (+ "reported_by" for a hosted turn)
+    {"stored": "turn_tokens", "n": 256}  (+ "reported_by" for a hosted turn)
 
-``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints; ``digest`` (32 bits of a hash of the
-row's bytes) keeps two turns that differ only in their records from reading as equal where a result's
-messages are matched to committed turns by text, and lets a reader tell a damaged row (truncated, wrong
-length, overwritten) from a whole one. The marker is kept this small on purpose: every reader of turns
-parses it (``benchmarks/bench_token_reads.py``: status and a plain export pay for its bytes, ~4 % of a
-256-token turn's JSON, where the first, 70-byte marker cost them ~10 %).
+``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints. The marker is kept this small on
+purpose: every reader of turns parses it (``benchmarks/bench_token_reads.py``). The row's ``digest`` (32
+bits of a hash of the record's bytes, references resolved) is in its ``facts_json`` (schema 6; schema 5
+kept it in the marker, where every reader paid ~20 bytes for it): it lets a reader tell a damaged row
+(truncated, wrong length, overwritten, a reference that no longer reads) from a whole one, and keeps two
+turns that differ only in their records apart where a result's messages are matched to committed turns
+(``_results``: by text and digest).
+
 The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
-previous recorded turn (``keep`` leading ids, then its own), the rest in the ``prompt_ids`` BLOB.
+previous recorded turn (``keep`` leading ids, then its own); those new ids go to the ``prompt_ids`` BLOB,
+where runs of them that an earlier turn of the job generated (the other speakers' answers) are stored as
+references to that turn's row (schema 6, :func:`stored_values`, ``_token_refs``; the writer remembers each
+running job's generated ids in :class:`GeneratedIds`). A reference only points back, to a turn of a lower
+index: dropping a job's tail of turns never breaks one, and a turn recorded anew first makes later rows'
+runs of it literal (:func:`detach_later`).
 
 :func:`join` is the inverse: the record's JSON exactly as it was written (the same base64 of the same
 bytes), so everything above the store (``expand_turns``, ``TokenRecord.from_json``) reads it unchanged. The
@@ -314,14 +321,17 @@ class GeneratedIds:
 async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> None:
     """Before turn ``index`` of ``job_id`` is recorded anew: every later row of the job that refers to the
     ids it had takes them as literal ids (references point back only, so only later rows can)."""
-    old = await conn.execute_fetchall(
-        f"SELECT ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ? AND ids IS NOT NULL", (job_id, index)
+    old = list(
+        await conn.execute_fetchall(
+            f"SELECT ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ? AND ids IS NOT NULL",
+            (job_id, index),
+        )
     )
     if not old:
         return
     later = await conn.execute_fetchall(
         f"SELECT idx, facts_json, prompt_ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx > ? "
-        "AND instr(facts_json, '\"refs\"')",
+        "AND instr(facts_json, '\"refs\"') AND json_valid(facts_json)",  # a damaged row: left for readers
         (job_id, index),
     )
     for idx, facts_json, prompt in later:
