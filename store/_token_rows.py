@@ -8,15 +8,16 @@ third more bytes than the binary. So the writer takes it out where the turn is w
 the same transaction as its turns row: no turn without its record, no record without its turn) into a
 ``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
 
-    {"stored": "turn_tokens", "n": 256}  (+ "reported_by" for a hosted turn)
+    {"stored": "turn_tokens"}  (a hosted turn's: + "n" and "reported_by")
 
-``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints. The marker is kept this small on
-purpose: every reader of turns parses it (``benchmarks/bench_token_reads.py``). The row's ``digest`` (32
-bits of a hash of the record's bytes, references resolved) is in its ``facts_json`` (schema 6; schema 5
-kept it in the marker, where every reader paid ~20 bytes for it): it lets a reader tell a damaged row
-(truncated, wrong length, overwritten, a reference that no longer reads) from a whole one, and keeps two
-turns that differ only in their records apart where a result's messages are matched to committed turns
-(``_results``: by text and digest).
+A hosted turn's ``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints (of a local turn it
+prints the turn's ``n_tokens``). The marker is kept this small on purpose: every reader of turns parses it
+(``benchmarks/bench_token_reads.py``); schema 5's, ``{"stored", "n", "digest"}`` on every turn, cost
+``status`` and a plain export ~4-6 %. The row's ``digest`` (32 bits of a hash of the record's bytes,
+references resolved) is in its ``facts_json`` (schema 6): it lets a reader tell a damaged row (truncated,
+wrong length, overwritten, a reference that no longer reads) from a whole one, and keeps two turns that
+differ only in their records apart where a result's messages are matched to committed turns (``_results``:
+by text and digest).
 
 The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
 previous recorded turn (``keep`` leading ids, then its own); those new ids go to the ``prompt_ids`` BLOB,
@@ -157,10 +158,13 @@ def _row(record: Mapping[str, Any]) -> TokenRow | None:
 def marked(row: TokenRow) -> dict[str, Any]:
     """The marker a turn's JSON keeps in place of the record ``row`` holds."""
     facts = json.loads(row.facts_json)
-    marker: dict[str, Any] = {MARKER_KEY: TOKENS_TABLE, "n": len(row.model_logprobs) // 4}
-    if facts["format"] == 2:
-        marker["reported_by"] = facts["reported_by"]
-    return marker
+    if facts["format"] == 2:  # what show --metadata prints of a hosted turn (a local one: its n_tokens)
+        return {
+            MARKER_KEY: TOKENS_TABLE,
+            "n": len(row.model_logprobs) // 4,
+            "reported_by": facts["reported_by"],
+        }
+    return {MARKER_KEY: TOKENS_TABLE}
 
 
 def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
@@ -177,10 +181,12 @@ def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
 
 
 def unmarked_digest(text: str) -> str:
-    """A version-5 turn's JSON with its marker's digest taken out (schema 6 keeps it in the row's facts)."""
+    """A version-5 turn's JSON with its marker as version 6 writes it: no digest (the row's facts keep it),
+    and a local turn's without its count."""
     turn = json.loads(text)
     marker = turn["metadata"][TOKENS_KEY]
-    turn["metadata"][TOKENS_KEY] = {k: v for k, v in marker.items() if k != _DIGEST}
+    dropped = (_DIGEST,) if "reported_by" in marker else (_DIGEST, "n")
+    turn["metadata"][TOKENS_KEY] = {k: v for k, v in marker.items() if k not in dropped}
     return _dumps(turn)
 
 
@@ -205,7 +211,7 @@ def join(
         row = resolved(values, sources, marker.get(_DIGEST))
         facts = json.loads(row.facts_json)
         n = len(row.model_logprobs) // 4
-        if len(row.model_logprobs) % 4 or n != marker.get("n"):
+        if len(row.model_logprobs) % 4 or n != marker.get("n", n):  # schema 6: "n" for a hosted turn only
             raise TokenRowError(f"{len(row.model_logprobs)} bytes of log-probabilities for {marker.get('n')}")
         if facts["format"] == 2:
             return {

@@ -166,12 +166,8 @@ def _to_v5(conn: sqlite3.Connection) -> None:
         turn = json.loads(text)
         marker = turn["metadata"]["tokens"]
         rest = {k: v for k, v in marker.items() if k not in ("stored", "n")}
-        turn["metadata"]["tokens"] = {
-            "stored": marker["stored"],
-            "n": marker["n"],
-            "digest": row.digest(),
-            **rest,
-        }
+        n = len(row.model_logprobs) // 4  # version 5 kept every record's count and digest in its marker
+        turn["metadata"]["tokens"] = {"stored": marker["stored"], "n": n, "digest": row.digest(), **rest}
         conn.execute(
             "UPDATE turn_tokens SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
             (row.facts_json, row.prompt_ids, job_id, idx),
