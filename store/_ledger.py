@@ -445,7 +445,7 @@ class Ledger:
             if row is None
             else (
                 _UPSERT_TOKENS,
-                (job_id, index, *stored_values(row, self._generated.sources(job_id, index, row))),
+                (job_id, index, *stored_values(row, *self._generated.sources(job_id, index, row))),
             )
         )
         stmts = ((_UPSERT_TURN, (job_id, index, text, time.time())), tokens)

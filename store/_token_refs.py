@@ -16,67 +16,65 @@ row damaged or re-recorded) from a whole one.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-__all__ = ["MIN_RUN", "find_runs", "inline", "resolve"]
+__all__ = ["MIN_RUN", "Index", "find_runs", "index_ids", "inline", "resolve"]
 
 #: The fewest ids a reference replaces: ``[lit,src,off,n],`` is ~12-16 bytes of JSON, 6-8 two-byte ids.
 MIN_RUN: Final = 12
 _GRAM: Final = 4  # ids per lookup key: runs start where 4 ids in a row match
+_PLACES: Final = 16  # the places kept per key: enough for repeated phrases, bounded for repeated tokens
 
 
-def _ids(data: bytes, width: int) -> array[int]:
-    values = array("H" if width == 2 else "I")
-    values.frombytes(data)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values
+Index = dict[bytes, list[tuple[int, int]]]  # _GRAM ids' bytes → where they start: (turn idx, id offset)
 
 
-def _bytes(values: array[int]) -> bytes:
-    if sys.byteorder == "big":
-        values = array(values.typecode, values)
-        values.byteswap()
-    return values.tobytes()
+def index_ids(index: Index, src: int, ids: bytes, width: int) -> None:
+    """Add turn ``src``'s generated ``ids`` to ``index`` (a job's, kept by the writer between its turns)."""
+    key = _GRAM * width
+    for at in range(0, len(ids) - key + 1, width):
+        places = index.setdefault(ids[at : at + key], [])
+        if len(places) < _PLACES:
+            places.append((src, at // width))
 
 
 def find_runs(
-    prompt: bytes, width: int, sources: Mapping[int, bytes]
+    prompt: bytes, width: int, sources: Mapping[int, bytes], index: Index | None = None
 ) -> tuple[list[list[int]], bytes] | None:
     """``prompt`` (new prompt ids, ``width`` bytes each) as ``(refs, literal bytes)`` against ``sources``
-    (turn idx → that turn's generated ids, the same width), or None when no run of :data:`MIN_RUN` ids or
-    more is found (the row then stores the ids as they are)."""
+    (turn idx → that turn's generated ids, the same width; ``index``: theirs, built here when not given),
+    or None when no run of :data:`MIN_RUN` ids or more is found (the row then stores the ids as they are)."""
     if len(prompt) < MIN_RUN * width or not sources:
         return None
-    wanted = _ids(prompt, width)
-    index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    decoded: dict[int, array[int]] = {}
-    for src, data in sources.items():
-        ids = decoded[src] = _ids(data, width)
-        for off in range(len(ids) - _GRAM + 1):
-            index.setdefault(tuple(ids[off : off + _GRAM]), []).append((src, off))
+    if index is None:
+        index = {}
+        for src, data in sources.items():
+            index_ids(index, src, data, width)
+    key = _GRAM * width
     refs: list[list[int]] = []
-    literal = array(wanted.typecode)
-    pos = lit = 0
-    while pos < len(wanted):
-        best = (0, 0, 0)  # length, src, off
-        for src, off in index.get(tuple(wanted[pos : pos + _GRAM]), ()):
-            ids = decoded[src]
-            n = _GRAM
-            while pos + n < len(wanted) and off + n < len(ids) and wanted[pos + n] == ids[off + n]:
-                n += 1
+    literal = bytearray()
+    pos = lit = 0  # in bytes; literal ids since the last run
+    while pos < len(prompt):
+        best = (0, 0, 0)  # length in ids, src, id offset
+        for src, off in index.get(prompt[pos : pos + key], ()):
+            source = sources.get(src)
+            if source is None:  # a turn the index holds but the row may not refer to (not earlier)
+                continue
+            n, at = _GRAM, off * width + key
+            while pos + n * width < len(prompt) and at < len(source):
+                if prompt[pos + n * width : pos + (n + 1) * width] != source[at : at + width]:
+                    break
+                n, at = n + 1, at + width
             if n > best[0]:
                 best = (n, src, off)
         if best[0] >= MIN_RUN:
             refs.append([lit, best[1], best[2], best[0]])
-            pos, lit = pos + best[0], 0
+            pos, lit = pos + best[0] * width, 0
         else:
-            literal.append(wanted[pos])
-            pos, lit = pos + 1, lit + 1
-    return (refs, _bytes(literal)) if refs else None
+            literal += prompt[pos : pos + width]
+            pos, lit = pos + width, lit + 1
+    return (refs, bytes(literal)) if refs else None
 
 
 def resolve(refs: Sequence[Sequence[int]], literal: bytes, width: int, sources: Mapping[int, bytes]) -> bytes:

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
-from ._token_refs import find_runs, inline, resolve
+from ._token_refs import Index, find_runs, index_ids, inline, resolve
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -248,16 +248,17 @@ def join(
         raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
 
 
-def stored_values(row: TokenRow, sources: Mapping[int, bytes]) -> tuple[Any, ...]:
+def stored_values(row: TokenRow, sources: Mapping[int, bytes], index: Index | None = None) -> tuple[Any, ...]:
     """``row``'s values as the table stores them (schema 6): its digest in its facts, and its prompt's new
-    ids as references to ``sources`` (idx → generated ids of earlier turns of its job, of its id width)
-    where runs of them match (``_token_refs``), the rest literal."""
+    ids as references to ``sources`` (idx → generated ids of earlier turns of its job, of its id width;
+    ``index``: theirs, see :class:`GeneratedIds`) where runs of them match (``_token_refs``), the rest
+    literal."""
     facts = json.loads(row.facts_json)
     facts[_DIGEST] = row.digest()
     values = row.values()
     found = None
     if row.prompt_ids is not None and sources:
-        found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources)
+        found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources, index)
     if found is None:
         return (_dumps(facts), *values[1:])
     refs, literal = found
@@ -288,12 +289,14 @@ def resolved(
 
 
 class GeneratedIds:
-    """The writer's memory of each running job's generated ids (idx → (id width, ids bytes)), what a later
-    turn's prompt may refer to. Filled as turns commit (and as a resumed job replays them), dropped when the
-    job ends: memory bounded by the jobs running at once."""
+    """The writer's memory of each running job's generated ids (idx → (id width, ids bytes)) and their
+    index (``_token_refs.index_ids``, built once per turn), what a later turn's prompt may refer to. Filled as
+    turns commit (and as a resumed job replays them), dropped when the job ends: memory bounded by the jobs
+    running at once."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, dict[int, tuple[int, bytes]]] = {}
+        self._indices: dict[tuple[str, int], Index] = {}  # (job, id width) → its known ids' index
         self._last: dict[str, int] = {}  # per job: the highest turn index committed (or replayed)
 
     def appends(self, job_id: str, index: int) -> bool:
@@ -301,27 +304,44 @@ class GeneratedIds:
         refer to the turn it replaces (else the writer runs :func:`detach_later` first)."""
         return index > self._last.get(job_id, index)
 
-    def sources(self, job_id: str, index: int, row: TokenRow | None) -> dict[int, bytes]:
-        """The earlier turns (idx < ``index``) of ``job_id`` whose ids ``row`` may refer to."""
+    def sources(self, job_id: str, index: int, row: TokenRow | None) -> tuple[dict[int, bytes], Index]:
+        """The earlier turns (idx < ``index``) of ``job_id`` whose ids ``row`` may refer to, and their index
+        (which may list later ones too: ``find_runs`` skips what ``sources`` does not hold)."""
         if row is None or row.ids is None:
-            return {}
-        width = json.loads(row.facts_json).get("id_bytes")
+            return {}, {}
+        width = json.loads(row.facts_json).get("id_bytes", 0)
         known = self._jobs.get(job_id, {})
-        return {idx: ids for idx, (w, ids) in known.items() if idx < index and w == width}
+        found = {idx: ids for idx, (w, ids) in known.items() if idx < index and w == width}
+        if (job_id, width) not in self._indices:
+            self._indices[job_id, width] = {}
+            for idx, (w, ids) in known.items():
+                if w == width:
+                    index_ids(self._indices[job_id, width], idx, ids, width)
+        return found, self._indices[job_id, width]
 
     def remember(self, job_id: str, index: int, row: TokenRow | None) -> None:
         """Turn ``index`` committed with ``row``: the job's later turns (re-recorded from here on) forget
         what followed it."""
         known = self._jobs.setdefault(job_id, {})
-        for idx in [i for i in known if i >= index]:
-            del known[idx]
+        if any(i >= index for i in known):
+            for idx in [i for i in known if i >= index]:
+                del known[idx]
+            self._drop_indices(job_id)  # rebuilt on the next ask
         self._last[job_id] = max(index, self._last.get(job_id, index))  # later rows stay in the file
         if row is not None and row.ids is not None:
-            known[index] = (json.loads(row.facts_json)["id_bytes"], row.ids)
+            width = json.loads(row.facts_json)["id_bytes"]
+            known[index] = (width, row.ids)
+            if (job_id, width) in self._indices:
+                index_ids(self._indices[job_id, width], index, row.ids, width)
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
         self._last.pop(job_id, None)
+        self._drop_indices(job_id)
+
+    def _drop_indices(self, job_id: str) -> None:
+        for width in (2, 4):
+            self._indices.pop((job_id, width), None)
 
 
 async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> None:

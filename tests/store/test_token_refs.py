@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,34 @@ async def test_a_result_refers_to_the_turn_whose_record_it_has_when_texts_and_ma
     assert markers == {'{"stored":"turn_tokens"}'}  # the marker (schema 6): no count, no digest
     with LedgerReader(tmp_path) as reader:
         assert _read(reader, "job_0") == [second, first]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_runs_found_resolve_to_the_very_prompt_ids(width: int) -> None:
+    """Prompts spliced from earlier answers (whole, cut, with ids changed at the seams) and fresh ids."""
+    import random
+
+    from store._token_refs import find_runs, resolve
+
+    code = "<H" if width == 2 else "<I"
+    rng = random.Random(width)
+    top = 2**16 if width == 2 else 2**20
+    referring = 0
+    for _ in range(200):
+        answers = {
+            i: [rng.randrange(50) for _ in range(rng.randrange(1, 80))] for i in range(rng.randrange(1, 5))
+        }
+        prompt: list[int] = []
+        for _ in range(rng.randrange(1, 6)):
+            source = answers[rng.randrange(len(answers))]
+            start = rng.randrange(len(source))
+            prompt += source[start : start + rng.randrange(1, 60)] + [rng.randrange(top) for _ in range(3)]
+        pack = lambda ids: b"".join(struct.pack(code, i) for i in ids)  # noqa: E731
+        sources = {i: pack(ids) for i, ids in answers.items()}
+        found = find_runs(pack(prompt), width, sources)
+        if found is not None:
+            refs, literal = found
+            assert all(n >= 12 for *_, n in refs)
+            assert resolve(refs, literal, width, sources) == pack(prompt)
+            referring += 1
+    assert referring > 100  # most prompts had a run to refer to
