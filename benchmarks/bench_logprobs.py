@@ -57,7 +57,44 @@ def _strip_records(src: str, dst: str) -> None:
     db.close()
 
 
-def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int) -> None:
+def _rerecord(source: str, out: str) -> int:
+    """``--ledger-from``: every committed turn of the ledger at ``source`` (a consistent copy is read, so a
+    run may still be writing it; the records whole, as a resume replays them) recorded again, job by job and
+    in order, by this version's writer into ``out``, each job finished with its turns as its transcript.
+    Returns the jobs. The turns, ids and log-probabilities are the ones the model produced there."""
+    import os
+    import sqlite3
+    import tempfile
+
+    import anyio
+
+    from interlens.store import JobRecord, Ledger
+
+    async def copy(src: str, jobs: list[str]) -> None:
+        async with await Ledger.open(src) as old, await Ledger.open(out) as new:
+            await new.begin_run({"debate": "fp"}, versions={})
+            await new.add_jobs(JobRecord(job, "debate", seed=k) for k, job in enumerate(jobs))
+            for job in jobs:
+                turns = await old.committed_turns(job)
+                await new.start_job(job, device="cpu")
+                for i, turn in enumerate(turns):
+                    await new.record_turn(job, i, turn)
+                transcript = {"transcript": turns}
+                await new.finish_job(job, conversation=transcript, analysis=None, tokens_generated=0)
+            await new.end_run("completed")
+
+    with tempfile.TemporaryDirectory() as src:
+        with sqlite3.connect(f"file:{os.path.join(source, 'ledger.sqlite')}?mode=ro", uri=True) as live:
+            snapshot = sqlite3.connect(os.path.join(src, "ledger.sqlite"))
+            live.backup(snapshot)
+            query = "SELECT DISTINCT job_id FROM turns WHERE idx >= 0 ORDER BY job_id"
+            jobs = [job for (job,) in snapshot.execute(query)]
+            snapshot.close()
+        anyio.run(copy, src, jobs)
+    return len(jobs)
+
+
+def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int, source: str | None = None) -> None:
     """The ``--ledger`` measurement (see the module docstring)."""
     import json
     import os
@@ -68,8 +105,11 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int) -> None:
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        conv = debate(path, turns=8, new_tokens=new_tokens, dtype=dtype, record_tokens=True)
-        conv.rollout(n=debates, out_dir=out, seed=1, progress=False)
+        if source is None:
+            conv = debate(path, turns=8, new_tokens=new_tokens, dtype=dtype, record_tokens=True)
+            conv.rollout(n=debates, out_dir=out, seed=1, progress=False)
+        else:
+            debates = _rerecord(source, out)
         seconds = time.perf_counter() - start
         ledger = os.path.join(out, "ledger.sqlite")
         db = sqlite3.connect(ledger)
@@ -101,7 +141,8 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int) -> None:
     records = sum(parts.values())
     tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
     print(
-        f"  {debates} debates x 8 turns, {tokens} tokens ({seconds:.0f} s); turn text {text / 1024:.1f} KiB; "
+        f"  {debates} debates, {len(turns)} turns, {tokens} tokens ({seconds:.0f} s); "
+        f"turn text {text / 1024:.1f} KiB; "
         f"ledger with records {size / 1024:.0f} KiB, without {plain / 1024:.0f} KiB (the same, stripped)"
     )
     print(f"  records {records / 1024:.1f} KiB: {records / text:.2f}x the text")
@@ -124,12 +165,17 @@ def main() -> None:
     parser.add_argument("--ledger", action="store_true", help="measure the records' size in the ledger")
     parser.add_argument("--ledger-tokens", type=int, default=64, help="--ledger: tokens per turn at most")
     parser.add_argument("--debates", type=int, default=16, help="--ledger: debates (each 8 turns)")
+    parser.add_argument(
+        "--ledger-from",
+        metavar="OUT_DIR",
+        help="--ledger: measure the committed turns of this (debate) ledger, recorded again by this version",
+    )
     args = parser.parse_args()
     if args.ledger:
         path, label = model_path(parser, args.model)
         dtype = fast_dtype(args.dtype)
         print(f"{label}, {dtype}; CPU: {cpu_summary()}")
-        ledger_sizes(path, dtype, args.ledger_tokens, args.debates)
+        ledger_sizes(path, dtype, args.ledger_tokens, args.debates, args.ledger_from)
         return
     engine, prompts = question_batch(parser, args)
 
