@@ -2,13 +2,16 @@
 
     python benchmarks/bench_logprobs.py [--model real] [--rows 16] [--max-new 128] [--repeats 3]
     python benchmarks/bench_logprobs.py --ledger [--model real] [--ledger-tokens 64] [--debates 16]
+    python benchmarks/bench_logprobs.py --ledger --ledger-from OUT_DIR
 
 ``--ledger`` measures the records' size instead: ``--debates`` debates x 8 turns x up to ``--ledger-tokens``
 tokens (``_common.debate``, T = 0.9) run into a fresh ledger with ``record_tokens`` on; prints the ledger's
 size after ``VACUUM``, the turns' text, the records (their ``turn_tokens`` rows' bytes by part and the
 markers their turns keep: schema 6, prompts' ids by reference where they can be) and what the records add
 against the same ledger stripped of them (as a run without ``record_tokens`` writes it: recording changes
-no token). Fewer debates cost proportionally less on a slow machine and store the same shape per turn.
+no token). ``--ledger-from`` measures an existing debate ledger instead (one a ``--ledger`` run, even one
+still running, is writing): its committed turns, records whole, recorded again in order by this version's
+writer into a fresh ledger, so a slow machine can measure the shape from the turns a run got through.
 
 One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
 the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
