@@ -362,7 +362,10 @@ async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> N
     )
     for idx, facts_json, prompt in later:
         facts = json.loads(facts_json)
-        refs, literal = inline(facts[_REFS], prompt or b"", facts["id_bytes"], index, old[0][0])
+        try:
+            refs, literal = inline(facts[_REFS], prompt or b"", facts["id_bytes"], index, old[0][0])
+        except (KeyError, TypeError, ValueError):
+            continue  # a damaged row: left as it is, for its readers to name
         facts = {k: v for k, v in facts.items() if k != _REFS} | ({_REFS: refs} if refs else {})
         await conn.execute(
             f"UPDATE {TOKENS_TABLE} SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
