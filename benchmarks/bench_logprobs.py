@@ -1,12 +1,17 @@
 """What recording each token's log-probabilities costs a batch (issue 27: at most 5 % of batched throughput).
 
     python benchmarks/bench_logprobs.py [--model real] [--rows 16] [--max-new 128] [--repeats 3]
-    python benchmarks/bench_logprobs.py --ledger [--model real] [--ledger-tokens 64]
+    python benchmarks/bench_logprobs.py --ledger [--model real] [--ledger-tokens 64] [--debates 16]
+    python benchmarks/bench_logprobs.py --ledger --ledger-from OUT_DIR
 
-``--ledger`` measures the records' size instead: 16 debates x 8 turns x up to ``--ledger-tokens`` tokens
-(``_common.debate``, T = 0.9) run into a fresh ledger with ``record_tokens`` off and on; prints each
-ledger's size after ``VACUUM``, the turns' text, the records (their ``turn_tokens`` rows' bytes and the
-markers their turns keep: schema 5) and what the records add.
+``--ledger`` measures the records' size instead: ``--debates`` debates x 8 turns x up to ``--ledger-tokens``
+tokens (``_common.debate``, T = 0.9) run into a fresh ledger with ``record_tokens`` on; prints the ledger's
+size after ``VACUUM``, the turns' text, the records (their ``turn_tokens`` rows' bytes by part and the
+markers their turns keep: schema 6, prompts' ids by reference where they can be) and what the records add
+against the same ledger stripped of them (as a run without ``record_tokens`` writes it: recording changes
+no token). ``--ledger-from`` measures an existing debate ledger instead (one a ``--ledger`` run, even one
+still running, is writing): its committed turns, records whole, recorded again in order by this version's
+writer into a fresh ledger, so a slow machine can measure the shape from the turns a run got through.
 
 One ``LocalEngine.generate_batch`` of ``--rows`` chat questions on the real model (dtype: bfloat16 where
 the CPU has it), each allowed ``--max-new`` tokens and ending at its own end-of-turn token, T = 0.9, seeded.
@@ -37,46 +42,123 @@ from _common import (
 )
 
 
-def ledger_sizes(path: str, dtype: str, new_tokens: int) -> None:
+def _strip_records(src: str, dst: str) -> None:
+    """``dst``: the ledger at ``src`` as a run without ``record_tokens`` would have written it (no
+    ``turn_tokens`` rows, no marker in the turns' JSON). Recording changes no token (the batch measurement
+    compares them), so this is that run's ledger without running the debates a second time."""
+    import shutil
+    import sqlite3
+
+    shutil.copy(src, dst)
+    db = sqlite3.connect(dst, isolation_level=None)
+    db.execute("DELETE FROM turn_tokens")
+    db.execute(
+        "UPDATE turns SET turn_json = json_remove(turn_json, '$.metadata.tokens') "
+        "WHERE json_type(turn_json, '$.metadata.tokens') IS NOT NULL"
+    )
+    db.execute("VACUUM")
+    db.close()
+
+
+def _rerecord(source: str, out: str) -> int:
+    """``--ledger-from``: every committed turn of the ledger at ``source`` (a consistent copy is read, so a
+    run may still be writing it; the records whole, as a resume replays them) recorded again, job by job and
+    in order, by this version's writer into ``out``, each job finished with its turns as its transcript.
+    Returns the jobs. The turns, ids and log-probabilities are the ones the model produced there."""
+    import os
+    import sqlite3
+    import tempfile
+
+    import anyio
+
+    from interlens.store import JobRecord, Ledger
+
+    async def copy(src: str, jobs: list[str]) -> None:
+        async with await Ledger.open(src) as old, await Ledger.open(out) as new:
+            await new.begin_run({"debate": "fp"}, versions={})
+            await new.add_jobs(JobRecord(job, "debate", seed=k) for k, job in enumerate(jobs))
+            for job in jobs:
+                turns = await old.committed_turns(job)
+                await new.start_job(job, device="cpu")
+                for i, turn in enumerate(turns):
+                    await new.record_turn(job, i, turn)
+                transcript = {"transcript": turns}
+                await new.finish_job(job, conversation=transcript, analysis=None, tokens_generated=0)
+            await new.end_run("completed")
+
+    with tempfile.TemporaryDirectory() as src:
+        with sqlite3.connect(f"file:{os.path.join(source, 'ledger.sqlite')}?mode=ro", uri=True) as live:
+            snapshot = sqlite3.connect(os.path.join(src, "ledger.sqlite"))
+            live.backup(snapshot)
+            query = "SELECT DISTINCT job_id FROM turns WHERE idx >= 0 ORDER BY job_id"
+            jobs = [job for (job,) in snapshot.execute(query)]
+            snapshot.close()
+        anyio.run(copy, src, jobs)
+    return len(jobs)
+
+
+def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int, source: str | None = None) -> None:
     """The ``--ledger`` measurement (see the module docstring)."""
     import json
     import os
     import sqlite3
     import tempfile
 
-    sizes = {}
-    for record in (False, True):
-        with tempfile.TemporaryDirectory() as out:
-            conv = debate(path, turns=8, new_tokens=new_tokens, dtype=dtype, record_tokens=record)
-            conv.rollout(n=16, out_dir=out, seed=1)
-            db = sqlite3.connect(os.path.join(out, "ledger.sqlite"))
-            turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
-            # Schema 5 (issue 40): the records' bytes are in turn_tokens, a marker in each turn's JSON.
-            table = sum(
-                n or 0
-                for (n,) in db.execute(
-                    "SELECT length(facts_json) + length(ids) + length(model_logprobs) "
-                    "+ coalesce(length(sampling_logprobs), 0) + length(prompt_ids) FROM turn_tokens"
-                )
-            )
-            db.execute("VACUUM")
-            db.close()  # the write-ahead log folded in: the files' size is the ledger's
-            size = sum(
-                os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("ledger")
-            )
-        text = sum(len(t["content"].encode()) for t in turns)
-        markers = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
-        records = table + markers
-        tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
-        sizes[record] = size
-        print(
-            f"  record_tokens={record}: ledger {size / 1024:.0f} KiB; turn text {text / 1024:.0f} KiB; "
-            f"records {records / 1024:.0f} KiB ({records / text:.1f}x the text); {tokens} tokens"
-        )
+    from interlens.store._token_rows import resolved
+
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        if source is None:
+            conv = debate(path, turns=8, new_tokens=new_tokens, dtype=dtype, record_tokens=True)
+            conv.rollout(n=debates, out_dir=out, seed=1, progress=False)
+        else:
+            debates = _rerecord(source, out)
+        seconds = time.perf_counter() - start
+        ledger = os.path.join(out, "ledger.sqlite")
+        db = sqlite3.connect(ledger)
+        turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
+        rows = db.execute(
+            "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids "
+            "FROM turn_tokens"
+        ).fetchall()
+        db.execute("VACUUM")
+        db.close()  # the write-ahead log folded in: the file's size is the ledger's
+        size = os.path.getsize(ledger)
+        _strip_records(ledger, os.path.join(out, "plain.sqlite"))
+        plain = os.path.getsize(os.path.join(out, "plain.sqlite"))
+    sources: dict[str, dict[int, bytes]] = {}
+    for job, idx, _, ids, *_ in rows:
+        if ids is not None:
+            sources.setdefault(job, {})[idx] = ids
+    parts = {"ids + both log-probability arrays": 0, "prompts (literal ids)": 0, "facts (references)": 0}
+    literal_prompts = 0  # the prompts' new ids had every one been stored literally (schema 5)
+    for job, _, facts, ids, model, sampling, prompt in rows:
+        parts["ids + both log-probability arrays"] += len(ids or b"") + len(model) + len(sampling or b"")
+        parts["prompts (literal ids)"] += len(prompt or b"")
+        parts["facts (references)"] += len(facts)
+        whole = resolved((facts, ids, model, sampling, prompt), sources.get(job, {}))
+        literal_prompts += len(whole.prompt_ids or b"")
+    markers = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
+    parts["markers in the turns' JSON"] = markers
+    text = sum(len(t["content"].encode()) for t in turns)
+    records = sum(parts.values())
+    tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
     print(
-        f"  the records grow the ledger by {(sizes[True] - sizes[False]) / 1024:.0f} KiB: "
-        f"{(sizes[True] - sizes[False]) / sizes[False]:.2f}x the ledger without them, "
-        f"{(sizes[True] - sizes[False]) / text:.1f}x the turns' text"
+        f"  {debates} debates, {len(turns)} turns, {tokens} tokens ({seconds:.0f} s); "
+        f"turn text {text / 1024:.1f} KiB; "
+        f"ledger with records {size / 1024:.0f} KiB, without {plain / 1024:.0f} KiB (the same, stripped)"
+    )
+    print(f"  records {records / 1024:.1f} KiB: {records / text:.2f}x the text")
+    for name, n in parts.items():
+        print(f"    {name}: {n / 1024:.1f} KiB ({n / text:.2f}x)")
+    saved = literal_prompts - parts["prompts (literal ids)"]
+    print(
+        f"    the prompts' new ids stored literally would be {literal_prompts / 1024:.1f} KiB "
+        f"({literal_prompts / text:.2f}x); references save {saved / 1024:.1f} KiB ({saved / text:.2f}x)"
+    )
+    print(
+        f"  the records grow the ledger by {(size - plain) / 1024:.0f} KiB: {(size - plain) / plain:.2f}x "
+        f"the ledger without them, {(size - plain) / text:.2f}x the turns' text"
     )
 
 
@@ -85,12 +167,18 @@ def main() -> None:
     add_batch_options(parser, max_new=128)
     parser.add_argument("--ledger", action="store_true", help="measure the records' size in the ledger")
     parser.add_argument("--ledger-tokens", type=int, default=64, help="--ledger: tokens per turn at most")
+    parser.add_argument("--debates", type=int, default=16, help="--ledger: debates (each 8 turns)")
+    parser.add_argument(
+        "--ledger-from",
+        metavar="OUT_DIR",
+        help="--ledger: measure the committed turns of this (debate) ledger, recorded again by this version",
+    )
     args = parser.parse_args()
     if args.ledger:
         path, label = model_path(parser, args.model)
         dtype = fast_dtype(args.dtype)
         print(f"{label}, {dtype}; CPU: {cpu_summary()}")
-        ledger_sizes(path, dtype, args.ledger_tokens)
+        ledger_sizes(path, dtype, args.ledger_tokens, args.debates, args.ledger_from)
         return
     engine, prompts = question_batch(parser, args)
 

@@ -6,9 +6,11 @@ Writes two ledgers of ``--jobs`` finished jobs x ``--turns`` turns of ~1 KB of t
 without token records, one where every turn has one (``--tokens`` ids, two float32 arrays, a prompt that
 is a difference from its speaker's previous turn, as a debate's are). Then times, side by side and
 interleaved (``--repeats`` each, medians), ``interlens status``'s facts (``run_status``) and a plain export
-(``ledger_rows``: every job's row, transcripts included). Schema 5 keeps the records in ``turn_tokens``,
-which neither reads, so both should take the same time; for reference the same ledger with its records
-moved back into the turns' JSON (schema 4's base64) is timed too.
+(``ledger_rows``: every job's row, transcripts included). Schema 6 keeps the records in ``turn_tokens``,
+which neither reads, and a marker of ~24 bytes in each recorded turn's JSON, so both should take the same
+time. For reference the same ledger as schema 5 stored it (a marker with the count and digest, ~50 bytes)
+and as schema 4 did (the records back in the turns' JSON as base64) are timed too (``ledger_testkit``'s
+downgrades, then ``VACUUM``).
 """
 
 from __future__ import annotations
@@ -75,15 +77,15 @@ async def _write(out: Path, jobs: int, turns: int, tokens: int, record: bool) ->
         await ledger.end_run("completed")
 
 
-def _as_v4(src: Path, dst: Path) -> None:
-    """``src``'s ledger with its records back in the turns' JSON, as schema 4 stored them (the tests'
-    downgrade, ``tests/ledger_testkit.as_schema``), compacted as a written ledger would be."""
+def _as_schema(src: Path, dst: Path, version: int) -> None:
+    """``src``'s ledger as schema ``version`` stored it (5: the old marker; 4: the records back in the turns'
+    JSON; the tests' downgrade, ``tests/ledger_testkit.as_schema``), compacted as written."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from ledger_testkit import as_schema
 
     dst.mkdir()
     shutil.copy(src / "ledger.sqlite", dst / "ledger.sqlite")
-    as_schema(dst / "ledger.sqlite", 4)
+    as_schema(dst / "ledger.sqlite", version)
     conn = sqlite3.connect(dst / "ledger.sqlite", isolation_level=None)
     conn.execute("VACUUM")
     conn.close()
@@ -120,8 +122,10 @@ def main() -> None:
             anyio.run(_write, out, args.jobs, args.turns, args.tokens, label == "with records")
             size = (out / "ledger.sqlite").stat().st_size
             print(f"  wrote {label}: {time.perf_counter() - start:.1f} s, {size / 2**20:.0f} MiB")
+        dirs["schema 5 marker"] = root / "v5"
+        _as_schema(dirs["with records"], dirs["schema 5 marker"], 5)
         dirs["schema 4 (base64 in JSON)"] = root / "v4"
-        _as_v4(dirs["with records"], dirs["schema 4 (base64 in JSON)"])
+        _as_schema(dirs["with records"], dirs["schema 4 (base64 in JSON)"], 4)
         for name, fn in (("status", _status), ("plain export", _export)):
             times: dict[str, list[float]] = {label: [] for label in dirs}
             for _ in range(args.repeats):
@@ -132,6 +136,16 @@ def main() -> None:
                 + "; ".join(
                     f"{label} {statistics.median(t):.2f} s ({min(t):.2f}-{max(t):.2f})"
                     for label, t in times.items()
+                )
+            )
+            base = times["without records"]
+            print(  # each repeat's ratio to the ledger without records, timed next to it
+                f"  {name} / without records: "
+                + "; ".join(
+                    f"{label} {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
+                    for label, t in times.items()
+                    if label != "without records"
+                    for r in [[a / b for a, b in zip(t, base, strict=True)]]
                 )
             )
     finally:

@@ -42,7 +42,19 @@ from ._schema import (
     migration_script,
 )
 from ._secrets import redacting_logger
-from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, join, split, split_text
+from ._token_rows import (
+    TOKENS_KEY,
+    TOKENS_TABLE,
+    GeneratedIds,
+    TokenRow,
+    TokenRowError,
+    detach_later,
+    join,
+    split,
+    split_text,
+    stored_values,
+    unmarked_digest,
+)
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -71,11 +83,13 @@ _MARK_DONE = (
 
 
 def _split_part(text: str, part: int) -> Any:
-    """The v4 -> v5 migration's SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    """The migrations' SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    if part < 0:
+        return unmarked_digest(text)
     stored, row = split_text(text)
     if part == 0:
         return stored
-    return None if row is None else row.values()[part - 1]
+    return None if row is None else stored_values(row, {})[part - 1]
 
 
 def _unknown_job(action: str, job_id: str) -> StoreError:
@@ -122,6 +136,7 @@ class Ledger:
         self._run_id: int | None = None
         self._run_ended = False
         self._closed = False
+        self._generated = GeneratedIds()  # what a running job's later prompts refer to (schema 6)
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -428,15 +443,24 @@ class Ledger:
         tokens = (
             (_DROP_TOKENS, (job_id, index))
             if row is None
-            else (_UPSERT_TOKENS, (job_id, index, *row.values()))
-        )
-        await self._submit(
-            Op(
-                f"record_turn({job_id!r}, {index})",
-                stmts=((_UPSERT_TURN, (job_id, index, text, time.time())), tokens),
-                explain=lambda _exc: _unknown_job("record_turn", job_id),
+            else (
+                _UPSERT_TOKENS,
+                (job_id, index, *stored_values(row, *self._generated.sources(job_id, index, row))),
             )
         )
+        stmts = ((_UPSERT_TURN, (job_id, index, text, time.time())), tokens)
+
+        async def again(conn: aiosqlite.Connection) -> None:  # a turn that may replace one others refer to
+            await detach_later(conn, job_id, index)
+            for sql, params in stmts:
+                await conn.execute(sql, params)
+
+        appends = self._generated.appends(job_id, index)
+        what, explain = f"record_turn({job_id!r}, {index})", lambda _exc: _unknown_job("record_turn", job_id)
+        await self._submit(
+            Op(what, stmts=stmts, explain=explain) if appends else Op(what, again, explain=explain)
+        )
+        self._generated.remember(job_id, index, row)  # committed: later turns of the job may refer to it
 
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]:
         """The committed turns of ``job_id`` in index order (what a resumed attempt replays), token records
@@ -444,19 +468,22 @@ class Ledger:
 
         async def apply(conn: aiosqlite.Connection) -> list[dict[str, Any]]:
             rows = await conn.execute_fetchall(
-                "SELECT t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+                "SELECT t.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
                 f"k.prompt_ids FROM turns t LEFT JOIN {TOKENS_TABLE} k "
                 "ON k.job_id = t.job_id AND k.idx = t.idx "
                 "WHERE t.job_id = ? AND t.idx >= 0 ORDER BY t.idx",
                 (job_id,),
             )
             turns: list[dict[str, Any]] = []
-            for text, *values in rows:
+            sources = {idx: values[1] for idx, _, *values in rows if values[1] is not None}
+            self._generated.forget(job_id)
+            for idx, text, *values in rows:
                 turn = json.loads(text)
                 if values[0] is not None:
                     meta = turn["metadata"]
                     try:
-                        turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values)}
+                        turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values, sources)}
+                        self._generated.remember(job_id, idx, TokenRow(*values))
                     except TokenRowError as exc:
                         raise UnreadableRecordError(
                             f"job {job_id!r}'s turn {len(turns)}: its token record ({TOKENS_TABLE}) does not "
@@ -488,6 +515,7 @@ class Ledger:
 
         done = (time.time(), int(tokens_generated), run_id, job_id)
         await self._submit(Op(f"finish_job({job_id!r})", apply_group=_finish_jobs, payload=(result, done)))
+        self._generated.forget(job_id)
 
     async def fail_job(
         self,
@@ -537,6 +565,7 @@ class Ledger:
                 await store_results(conn, [result])
 
         await self._submit(Op(f"fail_job({job_id!r})", apply=apply))
+        self._generated.forget(job_id)
 
     async def return_to_pending(self, job_id: str) -> None:
         """Put a running job back to pending (its worker died); its attempt stays counted. A job that is no
@@ -550,6 +579,7 @@ class Ledger:
                 raise _unknown_job("return_to_pending", job_id)
 
         await self._submit(Op(f"return_to_pending({job_id!r})", apply=apply))
+        self._generated.forget(job_id)
 
     # --------------------------------------------------------------------------------------------- batches
 

@@ -284,7 +284,8 @@ class LedgerReader:
         """The token records of ``job_id``'s result transcript, one per message in order (None where a
         message has none in ``turn_tokens``), as their JSON was written: put them back in place of the markers
         with ``_token_rows.restore``. None when the job has no stored transcript. The only read of the
-        ``turn_tokens`` table (schema 5): :meth:`result` and the listings leave it alone. A row that does not
+        ``turn_tokens`` table (schema 5; schema 6 rows may refer to the job's other rows, all read here):
+        :meth:`result` and the listings leave it alone. A row that does not
         decode to the record its marker names raises :class:`UnreadableRecordError` naming the job and turn;
         the rest of the ledger reads."""
         if self._version < 5:
@@ -302,13 +303,16 @@ class LedgerReader:
         with self._unreadable_as_error(job_id):
             indices = json.loads(order[0][0])
         records: dict[int, dict[str, Any]] = {}
-        for idx, text, *values in rows:
+        sources = {int(idx): values[1] for idx, _, *values in rows if values[1] is not None}
+        for idx, text, *values in sorted(
+            rows, key=lambda row: int(row[0])
+        ):  # a source before what refers to it
             record = UnreadableRecord(job_id, int(idx))
             marker = (loads(text, record=record, path=self.path).get("metadata") or {}).get(TOKENS_KEY)
             if not is_marker(marker):
                 continue  # re-recorded without a record: the JSON is what holds
             try:
-                records[int(idx)] = join(marker, values)
+                records[int(idx)] = join(marker, values, sources)
             except TokenRowError as exc:
                 raise UnreadableRecordError(
                     f"{record.describe()} in {self.path}: its token record ({TOKENS_TABLE}) does not "

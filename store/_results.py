@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ._json import SecretGuard, dumps
-from ._token_rows import TOKENS_TABLE, TokenRow, split
+from ._token_rows import TOKENS_TABLE, TokenRow, split, stored_values
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -117,15 +117,21 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
     for marks, piece in chunks(sorted(set(lineup_of.values()))):
         sql = f"SELECT name, describe_json FROM lineups WHERE name IN ({marks})"
         recipes.update((name, text) for name, text in await conn.execute_fetchall(sql, piece))
-    committed: dict[str, dict[str, deque[int]]] = {}  # job → text → its committed idx, in order
+    # job → (text, its token record's digest) → its committed idx, in order. The digest (schema 6: in the
+    # record's row, not its marker) keeps turns whose JSON differs only in their records apart.
+    committed: dict[str, dict[tuple[str, str | None], deque[int]]] = {}
     stale: set[str] = set()  # jobs with rows of an earlier stored result, replaced below
     for marks, piece in chunks(ids):
-        sql = f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks}) ORDER BY job_id, idx"
-        for job_id, idx, text in await conn.execute_fetchall(sql, piece):
+        sql = (
+            "SELECT t.job_id, t.idx, t.turn_json, CASE WHEN json_valid(k.facts_json) THEN "
+            f"json_extract(k.facts_json, '$.digest') END FROM turns t LEFT JOIN {TOKENS_TABLE} k "
+            f"ON k.job_id = t.job_id AND k.idx = t.idx WHERE t.job_id IN ({marks}) ORDER BY t.job_id, t.idx"
+        )
+        for job_id, idx, text, digest in await conn.execute_fetchall(sql, piece):
             if idx < 0:
                 stale.add(job_id)
             else:
-                committed.setdefault(job_id, {}).setdefault(text, deque()).append(int(idx))
+                committed.setdefault(job_id, {}).setdefault((text, digest), deque()).append(int(idx))
     extra: list[tuple[str, int, str, float]] = []
     extra_tokens: list[tuple[Any, ...]] = []  # the token records of those rows (schema 5)
     rows: list[tuple[str, str, int, str | None, str | None]] = []
@@ -139,15 +145,15 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
             texts = committed.get(job_id, {})
             indices: list[int] = []
             for k, text in enumerate(result.messages):
-                same = texts.get(text)
+                row = result.records[k] if result.records else None
+                same = texts.get((text, None if row is None else row.digest()))
                 if same:
                     indices.append(same.popleft())
                 else:  # a message no turn row holds: its own row, numbered -1, -2, ...
                     extra.append((job_id, -len(extra) - 1 + first_extra, text, now))
                     indices.append(extra[-1][1])
-                    row = result.records[k] if result.records else None
                     if row is not None:
-                        extra_tokens.append((job_id, extra[-1][1], *row.values()))
+                        extra_tokens.append((job_id, extra[-1][1], *stored_values(row, {})))
             order = json.dumps(indices, separators=(",", ":"))
         state = result.state_json if shared else result.state_with_recipe()
         rows.append((job_id, state, int(shared), order, result.analysis_json))

@@ -28,7 +28,8 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
+
 
 # Version 5 keeps turns' token records out of their JSON (store/_token_rows.py): one row per recorded turn.
 # facts_json: the record's format and small facts; the arrays as little-endian BLOBs, never base64.
@@ -45,7 +46,8 @@ _TURN_TOKENS: Final = """CREATE TABLE turn_tokens (
 
 #: The SQL function the v4 -> v5 step calls (registered by the writer on its connection before it runs):
 #: ``SPLIT_FUNCTION(turn_json, part)`` is part ``part`` of ``_token_rows.split_text(turn_json)``: 0 the turn's
-#: new JSON, 1-5 its row's values (NULL for a turn without a record the store knows).
+#: new JSON, 1-5 its row's values as stored (NULL for a turn without a record the store knows); the v5 -> v6
+#: step calls it with part -1: a version-5 turn's JSON without its marker's digest.
 SPLIT_FUNCTION: Final = "interlens_split_turn"
 _HAS_RECORD: Final = "json_valid(turn_json) AND json_type(turn_json, '$.metadata.tokens') = 'object'"
 _V4_TO_V5: Final = (
@@ -60,6 +62,29 @@ _V4_TO_V5: Final = (
     "AND s.idx = turns.idx "
     "AND s.p1 IS NOT NULL)",
     "DROP TABLE temp.v5_split",
+)
+
+# Version 6 lets a turn_tokens row store its prompt's new ids as references to ids its job's earlier turns
+# generated (store/_token_refs.py: "refs" in facts_json), and moves the row's digest from its turn's marker
+# (which every reader of turns parses) into its facts_json (read only with the row). The table is the same;
+# a version-5 row's ids stay literal (valid in version 6). The step moves each digest: a row whose facts or
+# turn do not parse keeps its version-5 form, which readers still take (the marker's digest). An interlens
+# that reads version 5 refuses version 6 by its number.
+_MOVED: Final = (
+    "json_valid(t.turn_json) AND json_valid(k.facts_json) "
+    "AND json_type(t.turn_json, '$.metadata.tokens.digest') = 'text'"
+)
+_V5_TO_V6: Final = (
+    "CREATE TEMP TABLE v6_digests AS SELECT k.job_id AS job_id, k.idx AS idx, "
+    "json_extract(t.turn_json, '$.metadata.tokens.digest') AS digest "
+    f"FROM turn_tokens k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx WHERE {_MOVED}",
+    "CREATE UNIQUE INDEX temp.v6_digests_key ON v6_digests (job_id, idx)",
+    "UPDATE turn_tokens SET facts_json = json_set(facts_json, '$.digest', (SELECT d.digest FROM v6_digests d "
+    "WHERE d.job_id = turn_tokens.job_id AND d.idx = turn_tokens.idx)) WHERE EXISTS (SELECT 1 FROM "
+    "v6_digests d WHERE d.job_id = turn_tokens.job_id AND d.idx = turn_tokens.idx)",
+    f"UPDATE turns SET turn_json = {SPLIT_FUNCTION}(turn_json, -1) WHERE EXISTS (SELECT 1 FROM v6_digests d "
+    "WHERE d.job_id = turns.job_id AND d.idx = turns.idx)",
+    "DROP TABLE temp.v6_digests",
 )
 
 # Version 4 keeps every result a later one replaced (see SCHEMA): one table, empty in a migrated ledger (the
@@ -137,7 +162,8 @@ _V2_TO_V3: Final = (
 #: hash (NULL on rows written by version 1, which recorded neither). Version 3 stops storing a result's
 #: transcript and recipe again per job (see :data:`SCHEMA`). Version 4 keeps the results later ones replaced
 #: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted. Version 5
-#: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`).
+#: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`); version 6
+#: lets its rows refer to the ids of their job's earlier rows.
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
@@ -146,6 +172,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     2: _V2_TO_V3,
     3: (_SUPERSEDED,),
     4: _V4_TO_V5,
+    5: _V5_TO_V6,
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.

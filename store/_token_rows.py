@@ -1,4 +1,4 @@
-"""Turns' token records in their own table (``turn_tokens``, schema 5), read only by what asks for tokens.
+"""Turns' token records in their own table (``turn_tokens``, schema 5-6), read only by what asks for tokens.
 
 A generated turn's token record (interlens' ``TokenRecord``: ids, two float32 log-probabilities per id and
 the prompt ids, or a hosted turn's token texts and its provider's log-probabilities) is several times the
@@ -8,16 +8,24 @@ third more bytes than the binary. So the writer takes it out where the turn is w
 the same transaction as its turns row: no turn without its record, no record without its turn) into a
 ``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
 
-    {"stored": "turn_tokens", "n": 256, "digest": "1f2e3d4c"}  (+ "reported_by" for a hosted turn)
+    {"stored": "turn_tokens"}  (a hosted turn's: + "n" and "reported_by")
 
-``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints; ``digest`` (32 bits of a hash of the
-row's bytes) keeps two turns that differ only in their records from reading as equal where a result's
-messages are matched to committed turns by text, and lets a reader tell a damaged row (truncated, wrong
-length, overwritten) from a whole one. The marker is kept this small on purpose: every reader of turns
-parses it (``benchmarks/bench_token_reads.py``: status and a plain export pay for its bytes, ~4 % of a
-256-token turn's JSON, where the first, 70-byte marker cost them ~10 %).
+A hosted turn's ``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints (of a local turn it
+prints the turn's ``n_tokens``). The marker is kept this small on purpose: every reader of turns parses it
+(``benchmarks/bench_token_reads.py``); schema 5's, ``{"stored", "n", "digest"}`` on every turn, cost
+``status`` and a plain export ~4-6 %. The row's ``digest`` (32 bits of a hash of the record's bytes,
+references resolved) is in its ``facts_json`` (schema 6): it lets a reader tell a damaged row (truncated,
+wrong length, overwritten, a reference that no longer reads) from a whole one, and keeps two turns that
+differ only in their records apart where a result's messages are matched to committed turns (``_results``:
+by text and digest).
+
 The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
-previous recorded turn (``keep`` leading ids, then its own), the rest in the ``prompt_ids`` BLOB.
+previous recorded turn (``keep`` leading ids, then its own); those new ids go to the ``prompt_ids`` BLOB,
+where runs of them that an earlier turn of the job generated (the other speakers' answers) are stored as
+references to that turn's row (schema 6, :func:`stored_values`, ``_token_refs``; the writer remembers each
+running job's generated ids in :class:`GeneratedIds`). A reference only points back, to a turn of a lower
+index: dropping a job's tail of turns never breaks one, and a turn recorded anew first makes later rows'
+runs of it literal (:func:`detach_later`).
 
 :func:`join` is the inverse: the record's JSON exactly as it was written (the same base64 of the same
 bytes), so everything above the store (``expand_turns``, ``TokenRecord.from_json``) reads it unchanged. The
@@ -33,26 +41,38 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeGuard
+from typing import TYPE_CHECKING, Any, Final, TypeGuard
+
+from ._token_refs import Index, find_runs, index_ids, inline, resolve
+
+if TYPE_CHECKING:
+    import aiosqlite
 
 __all__ = [
     "MARKER_KEY",
     "TOKENS_KEY",
     "TOKENS_TABLE",
+    "GeneratedIds",
     "TokenRow",
     "TokenRowError",
+    "detach_later",
     "is_marker",
     "join",
     "marked",
+    "resolved",
     "restore",
     "split",
     "split_text",
+    "stored_values",
+    "unmarked_digest",
 ]
 
 TOKENS_KEY: Final = "tokens"  # the message metadata key a record rides under (interlens' TOKENS_KEY)
 TOKENS_TABLE: Final = "turn_tokens"
 MARKER_KEY: Final = "stored"  # a marker's key, its value the table's name
 _CERTAIN, _MODEL, _ARRAY = "certain", "model", "array"
+_REFS: Final = "refs"  # schema 6: a stored row's references to its job's generated ids (_token_refs)
+_DIGEST: Final = "digest"  # schema 6: in a stored row's facts (schema 5 kept it in the turn's marker)
 
 
 class TokenRowError(ValueError):
@@ -138,14 +158,13 @@ def _row(record: Mapping[str, Any]) -> TokenRow | None:
 def marked(row: TokenRow) -> dict[str, Any]:
     """The marker a turn's JSON keeps in place of the record ``row`` holds."""
     facts = json.loads(row.facts_json)
-    marker: dict[str, Any] = {
-        MARKER_KEY: TOKENS_TABLE,
-        "n": len(row.model_logprobs) // 4,
-        "digest": row.digest(),
-    }
-    if facts["format"] == 2:
-        marker["reported_by"] = facts["reported_by"]
-    return marker
+    if facts["format"] == 2:  # what show --metadata prints of a hosted turn (a local one: its n_tokens)
+        return {
+            MARKER_KEY: TOKENS_TABLE,
+            "n": len(row.model_logprobs) // 4,
+            "reported_by": facts["reported_by"],
+        }
+    return {MARKER_KEY: TOKENS_TABLE}
 
 
 def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
@@ -161,6 +180,16 @@ def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
     return {**turn, "metadata": {**metadata, TOKENS_KEY: marked(row)}}, row  # type: ignore[dict-item]
 
 
+def unmarked_digest(text: str) -> str:
+    """A version-5 turn's JSON with its marker as version 6 writes it: no digest (the row's facts keep it),
+    and a local turn's without its count."""
+    turn = json.loads(text)
+    marker = turn["metadata"][TOKENS_KEY]
+    dropped = (_DIGEST,) if "reported_by" in marker else (_DIGEST, "n")
+    turn["metadata"][TOKENS_KEY] = {k: v for k, v in marker.items() if k not in dropped}
+    return _dumps(turn)
+
+
 def split_text(text: str) -> tuple[str, TokenRow | None]:
     """:func:`split` of a turn's JSON text (the migration's, and what ``split`` would write)."""
     try:
@@ -171,16 +200,18 @@ def split_text(text: str) -> tuple[str, TokenRow | None]:
     return (text, None) if row is None else (_dumps(out), row)
 
 
-def join(marker: Mapping[str, Any], values: Sequence[Any]) -> dict[str, Any]:
-    """The record's JSON as it was written, from its marker and its row's values (``TokenRow.values()``
-    order); :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short)."""
+def join(
+    marker: Mapping[str, Any], values: Sequence[Any], sources: Mapping[int, bytes] | None = None
+) -> dict[str, Any]:
+    """The record's JSON as it was written, from its marker and its stored row's values (``TokenRow.values()``
+    order; ``sources``: the generated ids of its job's rows, idx → ``ids``, which its references name);
+    :class:`TokenRowError` when the row is not the one the marker names (damaged, cut short, a reference
+    that no longer reads as written)."""
     try:
-        row = TokenRow(*values)
-        if row.digest() != marker.get("digest"):
-            raise TokenRowError("its bytes are not the ones written (digest differs)")
+        row = resolved(values, sources, marker.get(_DIGEST))
         facts = json.loads(row.facts_json)
         n = len(row.model_logprobs) // 4
-        if len(row.model_logprobs) % 4 or n != marker.get("n"):
+        if len(row.model_logprobs) % 4 or n != marker.get("n", n):  # schema 6: "n" for a hosted turn only
             raise TokenRowError(f"{len(row.model_logprobs)} bytes of log-probabilities for {marker.get('n')}")
         if facts["format"] == 2:
             return {
@@ -215,6 +246,131 @@ def join(marker: Mapping[str, Any], values: Sequence[Any]) -> dict[str, Any]:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
+
+
+def stored_values(row: TokenRow, sources: Mapping[int, bytes], index: Index | None = None) -> tuple[Any, ...]:
+    """``row``'s values as the table stores them (schema 6): its digest in its facts, and its prompt's new
+    ids as references to ``sources`` (idx → generated ids of earlier turns of its job, of its id width;
+    ``index``: theirs, see :class:`GeneratedIds`) where runs of them match (``_token_refs``), the rest
+    literal."""
+    facts = json.loads(row.facts_json)
+    facts[_DIGEST] = row.digest()
+    values = row.values()
+    found = None
+    if row.prompt_ids is not None and sources:
+        found = find_runs(row.prompt_ids, facts.get("id_bytes", 0), sources, index)
+    if found is None:
+        return (_dumps(facts), *values[1:])
+    refs, literal = found
+    return (_dumps({**facts, _REFS: refs}), *values[1:4], literal)
+
+
+def resolved(
+    values: Sequence[Any], sources: Mapping[int, bytes] | None, digest: str | None = None
+) -> TokenRow:
+    """The record's row from a stored row's values: its references (if any) resolved against ``sources``,
+    checked against the digest it was written with (in its facts; ``digest``: a version-5 row's, which its
+    turn's marker kept). :class:`TokenRowError` when it does not read as written."""
+    try:
+        row = TokenRow(*values)
+        facts = json.loads(row.facts_json)
+        refs, digest = facts.pop(_REFS, None), facts.pop(_DIGEST, digest)
+        prompt = row.prompt_ids
+        if refs is not None:
+            prompt = resolve(refs, row.prompt_ids or b"", facts["id_bytes"], sources or {})
+    except KeyError as exc:
+        raise TokenRowError(str(exc.args[0])) from exc
+    except (TypeError, ValueError) as exc:
+        raise TokenRowError(f"it does not decode ({type(exc).__name__}: {exc})") from exc
+    row = TokenRow(_dumps(facts), row.ids, row.model_logprobs, row.sampling_logprobs, prompt)
+    if row.digest() != digest:
+        raise TokenRowError("its bytes are not the ones written (digest differs)")
+    return row
+
+
+class GeneratedIds:
+    """The writer's memory of each running job's generated ids (idx → (id width, ids bytes)) and their
+    index (``_token_refs.index_ids``, built once per turn), what a later turn's prompt may refer to. Filled as
+    turns commit (and as a resumed job replays them), dropped when the job ends: memory bounded by the jobs
+    running at once."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[int, tuple[int, bytes]]] = {}
+        self._indices: dict[tuple[str, int], Index] = {}  # (job, id width) → its known ids' index
+        self._last: dict[str, int] = {}  # per job: the highest turn index committed (or replayed)
+
+    def appends(self, job_id: str, index: int) -> bool:
+        """Whether turn ``index`` follows every turn ``job_id`` is known to have: no later row that may
+        refer to the turn it replaces (else the writer runs :func:`detach_later` first)."""
+        return index > self._last.get(job_id, index)
+
+    def sources(self, job_id: str, index: int, row: TokenRow | None) -> tuple[dict[int, bytes], Index]:
+        """The earlier turns (idx < ``index``) of ``job_id`` whose ids ``row`` may refer to, and their index
+        (which may list later ones too: ``find_runs`` skips what ``sources`` does not hold)."""
+        if row is None or row.ids is None:
+            return {}, {}
+        width = json.loads(row.facts_json).get("id_bytes", 0)
+        known = self._jobs.get(job_id, {})
+        found = {idx: ids for idx, (w, ids) in known.items() if idx < index and w == width}
+        if (job_id, width) not in self._indices:
+            self._indices[job_id, width] = {}
+            for idx, (w, ids) in known.items():
+                if w == width:
+                    index_ids(self._indices[job_id, width], idx, ids, width)
+        return found, self._indices[job_id, width]
+
+    def remember(self, job_id: str, index: int, row: TokenRow | None) -> None:
+        """Turn ``index`` committed with ``row``: the job's later turns (re-recorded from here on) forget
+        what followed it."""
+        known = self._jobs.setdefault(job_id, {})
+        if any(i >= index for i in known):
+            for idx in [i for i in known if i >= index]:
+                del known[idx]
+            self._drop_indices(job_id)  # rebuilt on the next ask
+        self._last[job_id] = max(index, self._last.get(job_id, index))  # later rows stay in the file
+        if row is not None and row.ids is not None:
+            width = json.loads(row.facts_json)["id_bytes"]
+            known[index] = (width, row.ids)
+            if (job_id, width) in self._indices:
+                index_ids(self._indices[job_id, width], index, row.ids, width)
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+        self._last.pop(job_id, None)
+        self._drop_indices(job_id)
+
+    def _drop_indices(self, job_id: str) -> None:
+        for width in (2, 4):
+            self._indices.pop((job_id, width), None)
+
+
+async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> None:
+    """Before turn ``index`` of ``job_id`` is recorded anew: every later row of the job that refers to the
+    ids it had takes them as literal ids (references point back only, so only later rows can)."""
+    old = list(
+        await conn.execute_fetchall(
+            f"SELECT ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ? AND ids IS NOT NULL",
+            (job_id, index),
+        )
+    )
+    if not old:
+        return
+    later = await conn.execute_fetchall(
+        f"SELECT idx, facts_json, prompt_ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx > ? "
+        "AND instr(facts_json, '\"refs\"') AND json_valid(facts_json)",  # a damaged row: left for readers
+        (job_id, index),
+    )
+    for idx, facts_json, prompt in later:
+        facts = json.loads(facts_json)
+        try:
+            refs, literal = inline(facts[_REFS], prompt or b"", facts["id_bytes"], index, old[0][0])
+        except (KeyError, TypeError, ValueError):
+            continue  # a damaged row: left as it is, for its readers to name
+        facts = {k: v for k, v in facts.items() if k != _REFS} | ({_REFS: refs} if refs else {})
+        await conn.execute(
+            f"UPDATE {TOKENS_TABLE} SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (_dumps(facts), literal, job_id, idx),
+        )
 
 
 def is_marker(value: Any) -> TypeGuard[Mapping[str, Any]]:

@@ -148,16 +148,50 @@ def _to_v4(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA user_version = 4")
 
 
+def _to_v5(conn: sqlite3.Connection) -> None:
+    """Version 6 may store a prompt's ids as references to its job's earlier rows and keeps each row's digest
+    in its facts; version 5 stored every id and kept the digest in the turn's marker."""
+    from interlens.store._token_rows import TokenRow, resolved
+
+    rows = conn.execute(
+        "SELECT k.job_id, k.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
+        "k.prompt_ids FROM turn_tokens k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx"
+    ).fetchall()
+    sources: dict[str, dict[int, bytes]] = {}
+    for job_id, idx, _, _, ids, *_ in rows:
+        if ids is not None:
+            sources.setdefault(job_id, {})[idx] = ids
+    for job_id, idx, text, *values in rows:
+        row: TokenRow = resolved(values, sources.get(job_id, {}))
+        turn = json.loads(text)
+        marker = turn["metadata"]["tokens"]
+        rest = {k: v for k, v in marker.items() if k not in ("stored", "n")}
+        n = len(row.model_logprobs) // 4  # version 5 kept every record's count and digest in its marker
+        turn["metadata"]["tokens"] = {"stored": marker["stored"], "n": n, "digest": row.digest(), **rest}
+        conn.execute(
+            "UPDATE turn_tokens SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (row.facts_json, row.prompt_ids, job_id, idx),
+        )
+        conn.execute(
+            "UPDATE turns SET turn_json = ? WHERE job_id = ? AND idx = ?",
+            (json.dumps(turn, ensure_ascii=False, separators=(",", ":")), job_id, idx),
+        )
+    conn.execute("PRAGMA user_version = 5")
+
+
 def as_schema(path: Path, version: int) -> None:
-    """Rewrite the closed ledger at ``path`` (schema 5) as schema ``version`` (4, 3, 2 or 1) would hold it."""
-    assert version in (1, 2, 3, 4), version
+    """Rewrite the closed ledger at ``path`` (schema 6) as schema ``version`` (5, 4, 3, 2 or 1) would hold
+    it."""
+    assert version in (1, 2, 3, 4, 5), version
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
         conn.execute("BEGIN")
-        _to_v4(conn)
+        _to_v5(conn)
+        if version < 5:
+            _to_v4(conn)
         conn.execute("COMMIT")
-        steps = [_TO_V3, _TO_V2, _TO_V1][: 4 - version]
+        steps = [_TO_V3, _TO_V2, _TO_V1][: max(0, 4 - version)]
         if steps:
             conn.executescript("BEGIN;" + "".join(steps) + "COMMIT;")
     finally:

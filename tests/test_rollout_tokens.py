@@ -62,7 +62,7 @@ def test_each_turn_keeps_its_tokens_through_the_ledger_and_a_resume(qwen2_path: 
 
 
 def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: Path) -> None:
-    """Stored as little-endian BLOBs in the ledger's own table (schema 5, issue 40), never JSON floats nor
+    """Stored as little-endian BLOBs in the ledger's own table (schema 5-6, issue 40), never JSON floats nor
     base64; ids in 2 bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0)
     not at all; a speaker's later prompts as their difference from its previous turn, stored once (the job's
     result refers to the recorded turns). The turn's JSON keeps only a marker."""
@@ -84,7 +84,7 @@ def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: P
     for job, idx, turn in turns:
         n = turn["metadata"]["n_tokens"]
         marker = turn["metadata"]["tokens"]
-        assert marker["stored"] == "turn_tokens" and marker["n"] == n and len(json.dumps(marker)) < 100
+        assert marker == {"stored": "turn_tokens"}  # its count, digest and bytes are in the row
         facts, ids, model, sampling, prompt_ids = blobs[(job, idx)]
         prompt = report.results[job].transcript[1 + idx].tokens.prompt_ids  # type: ignore[union-attr]
         if idx < 2:  # each speaker's first turn: its whole prompt

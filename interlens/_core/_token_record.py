@@ -39,8 +39,8 @@ __all__ = ["TOKENS_KEY", "TOKENS_TABLE", "TokenRecord", "common_prefix", "compac
 
 #: The message metadata key a turn's record is stored under.
 TOKENS_KEY = "tokens"
-#: A ledger (schema 5) keeps records in this table and, in their place, a marker ``{"stored": TOKENS_TABLE,
-#: "n", "digest"}`` (``interlens.store``'s ``_token_rows``); :attr:`Message.tokens` then asks the
+#: A ledger (schema 5-6) keeps records in this table and, in their place, a marker
+#: ``{"stored": TOKENS_TABLE}`` (``interlens.store``'s ``_token_rows``); :attr:`Message.tokens` then asks the
 #: message's ``token_source``.
 TOKENS_TABLE = "turn_tokens"
 _FORMAT = 1  # a local turn's record

@@ -1,4 +1,4 @@
-"""Token records read from the ledger only when asked for, job by job (schema 5: issue 40).
+"""Token records read from the ledger only when asked for, job by job (schema 5-6: issue 40).
 
 A ledger keeps each turn's token record in its own table (``turn_tokens``) and only a marker in the turn's
 JSON, so whatever reads results — ``status``, ``show``, reports, a plain export, a ``RunResult``'s
@@ -6,8 +6,9 @@ transcript — never reads the records. What asks for tokens reads them here: th
 (:func:`with_records`: a job's records put back in its conversation before its token rows are made) and a
 message read from the ledger (:func:`attach`: its :attr:`~interlens.Message.tokens` reads its job's
 records on first use, once for the whole transcript, since a speaker's later prompts are stored as a
-difference from its earlier turns). A ledger of an older schema, or a run without an ``out_dir``, keeps
-its records in the JSON; nothing is read then.
+difference from its earlier turns, and in schema 6 partly as references to the job's other turns' ids). A
+ledger of an older schema, or a run without an ``out_dir``, keeps its records in the JSON; nothing is read
+then.
 """
 
 from __future__ import annotations

@@ -11,13 +11,19 @@ from interlens import Message, TokenRecord
 from interlens.store import JobRecord, Ledger
 
 
+def _ids(job: int, idx: int) -> list[int]:
+    return [(job * 7 + idx * 1_000 + k) % 50_000 for k in range(64 + idx)]
+
+
 def turn(job: int, idx: int) -> dict[str, object]:
+    """Turn ``idx`` of ``job``: its prompt quotes the previous turn's answer (stored as a reference)."""
     n = 64 + idx
+    quoted = _ids(job, idx - 1) if idx else []
     record = TokenRecord.build(
-        [(job * 7 + idx + k) % 50_000 for k in range(n)],
+        _ids(job, idx),
         [-(k % 13) / 7 for k in range(n)],
         [-(k % 5) / 3 for k in range(n)],
-        list(range(idx * 10, idx * 10 + 40)),
+        [*range(idx * 10, idx * 10 + 40), *quoted, 1],
     )
     return Message(
         f"s{idx % 2}", f"turn {idx} of job {job}", {"n_tokens": n, "tokens": record.to_json()}

@@ -121,7 +121,7 @@ async def test_an_old_ledger_with_base64_records_is_read_as_it_is_and_upgraded_i
         assert await ledger.committed_turns("job_1") == written[1:]
         await ledger.end_run("completed")
     with LedgerReader(tmp_path) as reader:
-        assert reader.summary()["schema_version"] == 5
+        assert reader.summary()["schema_version"] == 6
         assert _tokens(reader, "job_0") == _tokens(reader, "job_1") == expected
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM turn_tokens").fetchone()[0] == 10
@@ -187,6 +187,8 @@ def test_a_sigkill_mid_burst_loses_no_acknowledged_turn_and_leaves_none_without_
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
         turns = {(j, i): json.loads(t) for j, i, t in db.execute("SELECT job_id, idx, turn_json FROM turns")}
         tokens = {(j, i) for j, i in db.execute("SELECT job_id, idx FROM turn_tokens")}
+        referring = db.execute("SELECT count(*) FROM turn_tokens WHERE facts_json LIKE '%refs%'").fetchone()
+    assert referring[0] > 100  # later prompts refer to earlier answers (schema 6), and replay below
     assert acked <= set(turns)  # nothing acknowledged is lost
     assert set(turns) == tokens and len(turns) < 8 * 400  # no turn without its record, nor a record alone
     async_ok = []
