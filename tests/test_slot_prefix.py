@@ -1,0 +1,69 @@
+"""Deterministic turns load the prompt blocks an earlier turn prefilled (engine/_slot_prefix.py): a row's
+tokens and log-probabilities are bitwise the same with the blocks loaded, computed in a fresh engine, and
+computed alone."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from interlens.engine import _slot_rows as slot_rows
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
+from interlens.scheduler import ExecutionMode
+from interlens.testing import tiny_model
+
+DET = ExecutionMode.DETERMINISTIC
+
+
+def _engine(dtype: str) -> LocalEngine:
+    path = tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return LocalEngine(model, AutoTokenizer.from_pretrained(path), device="cpu")
+
+
+def _request(ids: list[int], seed: int) -> GenerationRequest:
+    sampling = SamplingSettings(max_new_tokens=8, temperature=1.0, seed=seed)
+    return GenerationRequest(ids, sampling=sampling, record_logprobs=True)
+
+
+def _signature(results: list[object]) -> list[tuple[list[int], list[float]]]:
+    assert all(isinstance(r, GenerationResult) for r in results), results
+    return [(r.token_ids, r.model_logprobs) for r in results]  # type: ignore[union-attr]
+
+
+def test_a_later_turn_loads_the_blocks_an_earlier_turn_prefilled_and_gets_the_same_tokens(
+    co_step_dtype: str,
+) -> None:
+    engine = _engine(co_step_dtype)
+    block = slot_rows.PREFILL_BLOCK
+    history = [(11 * j + 5) % 400 + 20 for j in range(2 * block + 7)]  # two full blocks and some
+    first = [_request([*history, 3 + r], seed=r) for r in range(3)]
+    engine.generate_batch(first, mode=DET)
+    store = engine._slots.prefixes
+    assert store.misses == 3 * 2 and len(store) == 2  # the three prompts share both full blocks
+    # the next turn: each row's prompt extends the history (three full blocks now, the first two kept)
+    later = [_request(history + [3 + r] * (block + 1) + [9, 8 - r], seed=10 + r) for r in range(4)]
+    warm = _signature(engine.generate_batch(later, mode=DET))
+    assert store.hits == 4 * 2  # blocks 0 and 1 loaded for every row; block 2 computed
+    fresh = _engine(co_step_dtype)
+    cold = _signature(fresh.generate_batch(later, mode=DET))
+    assert fresh._slots.prefixes.hits == 0
+    alone = [_signature(_engine(co_step_dtype).generate_batch([q], mode=DET))[0] for q in later]
+    assert warm == cold == alone
+    assert len({tuple(tokens) for tokens, _ in warm}) > 1  # the rows differ: a real comparison
+
+
+def test_the_store_is_emptied_when_the_kernels_change_and_bounded_by_bytes(co_step_dtype: str) -> None:
+    engine = _engine(co_step_dtype)
+    block = slot_rows.PREFILL_BLOCK
+    prompts = [[(7 * j + r) % 300 + 30 for j in range(3 * block + 2)] for r in range(2)]
+    engine.generate_batch([_request(p, seed=1) for p in prompts], mode=DET)
+    store = engine._slots.prefixes
+    assert len(store) == 2 * 3
+    one_block = store._bytes // len(store)
+    store.use_kernels((True, False))  # fixed-row linear layers switched on: blocks of other arithmetic
+    assert len(store) == 0 and store._bytes == 0
+    store.capacity = 4 * one_block
+    engine._slots.fixed_linear_rows = False  # back: the store is emptied once more, then refilled
+    engine.generate_batch([_request(p, seed=1) for p in prompts], mode=DET)
+    assert len(store) == 4 and store._bytes == 4 * one_block  # the least recently kept went first
