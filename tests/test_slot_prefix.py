@@ -68,3 +68,24 @@ def test_the_store_is_emptied_when_the_kernels_change_and_bounded_by_bytes(co_st
     engine._slots.fixed_linear_rows = False  # back: the store is emptied once more, then refilled
     engine.generate_batch([_request(p, seed=1) for p in prompts], mode=DET)
     assert len(store) == 4 and store._bytes == 4 * one_block  # the least recently kept went first
+
+
+def test_on_cuda_a_steps_rows_are_padded_to_their_row_bucket_and_stay_there_as_rows_leave() -> None:
+    """Every batch of a bucket is one shape (one graph, and the shape the bucket's probe ran); the CPU pads
+    to a multiple of ROW_BLOCK only."""
+    from interlens.engine._buckets import row_bucket
+
+    assert [slot_rows.padded_rows(n, buckets=True) for n in (1, 3, 5, 9, 17, 25, 100, 256)] == [
+        4, 4, 8, 16, 24, 32, 128, 256,
+    ]  # fmt: skip
+    assert all(slot_rows.padded_rows(n, buckets=True) == max(4, row_bucket(n)) for n in range(1, 257))
+    assert [slot_rows.padded_rows(n, buckets=False) for n in (1, 5, 9, 17)] == [4, 8, 12, 20]
+    engine = _engine("float32")
+    cache = slot_rows.slot_cache(engine.model.config, rows=20, length=8, dtype=torch.float32, buckets=True)
+    assert cache.rows == 24
+    with torch.inference_mode():
+        engine.model(input_ids=torch.ones((20, 4), dtype=torch.long), cache=cache, use_cache=True)
+        cache.reorder_cache(torch.arange(17))
+    assert cache.rows == 24 and cache.layers[0].keys.shape[0] == 24
+    cache.reorder_cache(torch.arange(13))
+    assert cache.rows == 16 and cache.layers[0].keys.shape[0] == 16
