@@ -14,7 +14,10 @@ So every deterministic batch, of one row or many, is laid out the same way here:
 
 * all but the last token of each distinct prompt are prefilled in one batch padded on the RIGHT to a width
   that is a multiple of :data:`PREFILL_BLOCK`: row token *i* is at slot *i* (slot == position), whatever
-  the other rows; rows with the same prompt share its prefill (the same arithmetic);
+  the other rows; rows with the same prompt share its prefill (the same arithmetic); the prefill is fed a
+  block of ``PREFILL_BLOCK`` tokens at a time, so a block's KV depends on its token prefix alone and an
+  earlier turn's blocks are loaded instead of recomputed (``_slot_prefix``: a deterministic turn re-read
+  the whole conversation, the one cost the batched path's kept caches avoid);
 * each row's last prompt token, then each generated token, is fed as a decode step and its KV written at
   the row's own slot (:func:`slot_cache`); the mask covers the slots up to the row's position (and, for a
   sliding-window layer, back to its window from that position);
