@@ -41,14 +41,16 @@ def test_a_later_turn_loads_the_blocks_an_earlier_turn_prefilled_and_gets_the_sa
     first = [_request([*history, 3 + r], seed=r) for r in range(3)]
     engine.generate_batch(first, mode=DET)
     store = engine._slots.prefixes
-    assert store.misses == 3 * 2 and len(store) == 2  # the three prompts share both full blocks
+    assert store.misses == 2 and len(store) == 2  # both full blocks, shared: prefilled once, then loaded
+    assert store.hits == 3 * 2
     # the next turn: each row's prompt extends the history (three full blocks now, the first two kept)
     later = [_request(history + [3 + r] * (block + 1) + [9, 8 - r], seed=10 + r) for r in range(4)]
     warm = _signature(engine.generate_batch(later, mode=DET))
-    assert store.hits == 4 * 2  # blocks 0 and 1 loaded for every row; block 2 computed
+    assert store.hits == 3 * 2 + 4 * 2  # blocks 0 and 1 loaded for every row; block 2 computed
     fresh = _engine(co_step_dtype)
     cold = _signature(fresh.generate_batch(later, mode=DET))
-    assert fresh._slots.prefixes.hits == 0
+    # the fresh engine prefilled the two blocks all four prompts start with once, then loaded them per row
+    assert (fresh._slots.prefixes.misses, fresh._slots.prefixes.hits) == (2 + 4, 4 * 2)
     alone = [_signature(_engine(co_step_dtype).generate_batch([q], mode=DET))[0] for q in later]
     assert warm == cold == alone
     assert len({tuple(tokens) for tokens, _ in warm}) > 1  # the rows differ: a real comparison
@@ -68,6 +70,8 @@ def test_the_store_is_emptied_when_the_kernels_change_and_bounded_by_bytes(co_st
     engine._slots.fixed_linear_rows = False  # back: the store is emptied once more, then refilled
     engine.generate_batch([_request(p, seed=1) for p in prompts], mode=DET)
     assert len(store) == 4 and store._bytes == 4 * one_block  # the least recently kept went first
+    engine.release_memory()  # an out-of-memory retry drops the kept blocks too
+    assert len(store) == 0 and store._bytes == 0
 
 
 def test_on_cuda_a_steps_rows_are_padded_to_their_row_bucket_and_stay_there_as_rows_leave() -> None:

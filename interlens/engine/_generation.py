@@ -391,9 +391,10 @@ class LocalEngine:
             self._kept.drop(reuse_key)
 
     def clear_reuse(self) -> None:
-        """Free every kept KV cache."""
+        """Free every kept KV cache (and the deterministic path's kept prompt blocks)."""
         with self._lock:
             self._kept.clear()
+            self._slots.prefixes.clear()
 
     def kept_bytes(self) -> int:
         """Bytes the kept KV caches hold now."""

@@ -53,11 +53,15 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def clear(self) -> None:
+        """Drop every kept block (``LocalEngine.clear_reuse``, and so before an out-of-memory retry)."""
+        self._blocks.clear()
+        self._bytes = 0
+
     def use_kernels(self, kernels: Hashable) -> None:
         """Empty the store if its blocks were computed by other kernels than ``kernels`` now selects."""
         if kernels != self._kernels:
-            self._blocks.clear()
-            self._bytes = 0
+            self.clear()
             self._kernels = kernels
 
     def kept(self, prompts: list[tuple[int, ...]], width: int) -> int:

@@ -91,6 +91,16 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+def _shared_blocks(prompts: list[tuple[int, ...]]) -> int:
+    """How many full ``PREFILL_BLOCK`` blocks of prefill (all but each prompt's last token) every one of
+    ``prompts`` starts with."""
+    first = prompts[0]
+    shared = min(len(p) - 1 for p in prompts) // PREFILL_BLOCK
+    while shared and any(p[: shared * PREFILL_BLOCK] != first[: shared * PREFILL_BLOCK] for p in prompts):
+        shared -= 1
+    return shared
+
+
 def padded_rows(n: int, *, buckets: bool) -> int:
     """The rows a step of ``n`` real rows runs at: a multiple of ``ROW_BLOCK``, or with ``buckets`` (on
     CUDA) the row bucket holding ``n`` (``_buckets.row_bucket``, at least ``ROW_BLOCK``), so every batch of
@@ -208,6 +218,11 @@ class SlotLayout:
         start = 0
         if reuse:
             self.prefixes.use_kernels(self.kernels())
+            shared = _shared_blocks(distinct)
+            if len(distinct) > 1 and shared > self.prefixes.kept(distinct, width):
+                # the blocks every prompt starts with (a system prompt), prefilled once in a row of their
+                # own and kept: then loaded for every row below (the same bits as each row computing them)
+                self.fill([distinct[0][: shared * PREFILL_BLOCK + 1]], length, reuse=True)
             start = self.prefixes.kept(distinct, width) * PREFILL_BLOCK
             if start:
                 self.prefixes.load(cache, distinct, start // PREFILL_BLOCK)
