@@ -26,7 +26,14 @@ from interlens import Conversation
 from interlens.testing import tiny_model
 
 
-def run_once(conv: Conversation, n: int, *, batched: bool) -> tuple[float, int, set[int], set[Any]]:
+def run_once(
+    conv: Conversation, n: int, *, batched: bool, engine: Any = None
+) -> tuple[float, int, set[int], set[Any]]:
+    if engine is not None and not batched:  # a new store: the repeats' prompts are the same (one seed), and
+        # an earlier repeat's kept prompt blocks would serve every turn (engine/_slot_prefix.py)
+        from interlens.engine._slot_prefix import PrefixStore
+
+        engine._slots.prefixes = PrefixStore(block=engine._slots.prefixes.block)
     with tempfile.TemporaryDirectory() as out_dir:
         start = time.perf_counter()
         report = conv.rollout(n=n, devices=["cpu"], out_dir=out_dir, progress=False, batched=batched, seed=1)
@@ -43,11 +50,18 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=0, help="each speaker's system prompt, tokens")
     parser.add_argument("--family", default="qwen2")
     parser.add_argument(
         "--model", help="a model directory, or 'real' for SmolLM2-135M-Instruct (default: the tiny --family)"
     )
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the hardware has it, else fp32")
+    parser.add_argument(
+        "--keep-prefixes",
+        action="store_true",
+        help="deterministic runs keep the prompt blocks earlier repeats prefilled (by default each starts "
+        "with an empty store: the repeats' prompts are identical)",
+    )
     parser.add_argument(
         "--no-kv-reuse",
         action="store_true",
@@ -70,7 +84,12 @@ def main() -> None:
     args.dtype = fast_dtype(args.dtype)
     print(f"model: {path}; dtype {args.dtype}; CPU: {cpu_summary()}")
     conv = debate(
-        path, new_tokens=args.new_tokens, turns=args.turns, dtype=args.dtype, kv_reuse=not args.no_kv_reuse
+        path,
+        new_tokens=args.new_tokens,
+        turns=args.turns,
+        dtype=args.dtype,
+        kv_reuse=not args.no_kv_reuse,
+        system_tokens=args.system_tokens,
     )
 
     from interlens.engine._model_cache import load_engine
@@ -86,11 +105,12 @@ def main() -> None:
 
     runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
     seen: dict[bool, tuple[set[int], set[Any]]] = {}
+    fresh = None if args.keep_prefixes else engine
     for batched in (True, False):
-        run_once(conv, args.rollouts, batched=batched)  # warm-up
+        run_once(conv, args.rollouts, batched=batched, engine=fresh)  # warm-up
     for _ in range(args.repeats):
         for batched in (True, False):
-            seconds, tokens, sizes, invariant = run_once(conv, args.rollouts, batched=batched)
+            seconds, tokens, sizes, invariant = run_once(conv, args.rollouts, batched=batched, engine=fresh)
             runs[batched].append((seconds, tokens))
             seen[batched] = (sizes, invariant)
     rates = {b: [tok / s for s, tok in r] for b, r in runs.items()}
@@ -101,6 +121,8 @@ def main() -> None:
             f"  {label}: {statistics.median(r):7.1f} tok/s (min {min(r):.1f}, max {max(r):.1f}); "
             f"batch sizes {sorted(sizes)}; batch_invariant {sorted(map(str, invariant))}"
         )
+    store = engine._slots.prefixes
+    print(f"  prompt blocks of the last deterministic run: {store.hits} loaded, {store.misses} prefilled")
     ratio = statistics.median(rates[False]) / statistics.median(rates[True])
     print(f"  deterministic / batched = {ratio:.2f}x   (goal >= 0.8x)")
 

@@ -42,6 +42,13 @@ versions. Python, CUDA and the packages the image has (a missing one is null), c
    against HF ``generate``, and the norms' reductions bitwise across row counts (``_gpu_graphs``; the
    rehearsal: a 3-layer shape, 1 and 4 rows, a stand-in graph that checks the buffers' addresses).
 
+10. Deterministic rows on the GPU (issue 37 §2, ``_gpu_deterministic``, <= 3 minutes): on part 0c's shapes,
+   the fixed-order norm bitwise at 4/8/16 rows, the self-test and each row bucket's probe (16/64/256), and
+   deterministic / batched throughput at 16, 64 and 256 rows. Run it with cuBLAS's split-K off, as a
+   deterministic worker process is started: ``CUBLAS_WORKSPACE_CONFIG=:16:8 CUBLASLT_WORKSPACE_SIZE=1
+   python3 -u benchmarks/gpu_check.py --parts 10 --out "$OUT"`` (a process of its own: the variables hold
+   process-wide and would change the other parts' batched figures).
+
 The GPU session of issue 37 runs, with ``.whl`` carried (``gpu_wheels.sh``, rebuilt from this tree), one
 command of ``timeout_s`` 540 (part 9 ~3-6 minutes, then part 0c's engine and deterministic figures beside it):
 
@@ -73,6 +80,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from _gpu_deterministic import deterministic_bench
 from _gpu_graphs import graphs_bench
 from _gpu_parts import (
     REHEARSAL_SHAPE,
@@ -266,6 +274,19 @@ def main() -> None:
                 graphs_bench(
                     path, first, REHEARSAL_SHAPE, [1, 4], prompt=16, warm=2, timed=4, check=8,
                     loop_rows=4, loop_new=8, figures=fig, flush=write_figures, engine_repeats=1,
+                )  # fmt: skip
+
+    if wanted("10"):  # issue 37 section 2, after part 9: run with the split-K variables (docstring)
+        with part(f"10. deterministic rows: self-test per bucket, vs batched on {first}") as fig:
+            if gpus:
+                deterministic_bench(
+                    path, first, SHAPES, buckets=[1, 16, 64, 256], rows=[16, 64, 256], prompt=128, new=32,
+                    figures=fig, flush=write_figures,
+                )  # fmt: skip
+            else:  # the rehearsal: a tiny shape, small buckets
+                deterministic_bench(
+                    path, first, REHEARSAL_SHAPE, buckets=[1, 16], rows=[16], prompt=16, new=4,
+                    figures=fig, flush=write_figures,
                 )  # fmt: skip
 
     if wanted("0"):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from interlens.store import SecretGuard
 
 __all__ = [
+    "DETERMINISTIC_CUDA_ENV",
     "WORKER_CREDENTIALS",
     "WorkerPlan",
     "group_members",
@@ -41,6 +42,13 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: The caching allocator's configuration (the second is torch's newer name): one set by the user is kept.
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _device: str | None = None
+
+#: A CUDA worker of a deterministic run starts with cuBLAS's split-K off: a fixed small workspace for cuBLAS
+#: and none for cuBLASLt, so a matrix product's reduction order is set by its shape, not by the workspace the
+#: heuristics had (vLLM's batch-invariant mode does the same on Hopper). Both are read once, when cuBLAS
+#: starts, and hold for the whole process: hence a worker process of its own, with them in its environment
+#: before torch loads. These values override the parent's (the verdicts on disk are keyed by them).
+DETERMINISTIC_CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
 def worker_device() -> str | None:
@@ -78,6 +86,13 @@ class WorkerPlan:
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     memory_fraction: float | None = None
+
+    def deterministic(self) -> WorkerPlan:
+        """This plan for a deterministic run: a CUDA worker gets :data:`DETERMINISTIC_CUDA_ENV` (a CPU worker
+        is unchanged: its kernels read no such setting)."""
+        if not self.inner.startswith("cuda"):
+            return self
+        return replace(self, env={**self.env, **DETERMINISTIC_CUDA_ENV})
 
     def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The complete environment of the spawned process: ``base`` (the parent's) plus :attr:`env`, less its

@@ -349,13 +349,18 @@ def test_an_out_of_memory_split_leaves_every_other_rows_deterministic_tokens_unc
     engine = solver.live_engine().engine
     marker = torch.tensor(engine.tokenizer("POISONPILL", add_special_tokens=False)["input_ids"])
     sizes: list[int] = []
+    before: list[torch.Tensor] = []  # the prefill feeds blocks of 32 tokens: a marker may straddle two
 
     def out_of_memory_on_poison(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids")
-        if ids is not None and ids.shape[1] >= len(marker):
-            if (ids.unfold(1, len(marker), 1) == marker).all(-1).any():
-                sizes.append(ids.shape[0])
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+        if ids is None or ids.shape[1] == 1:  # a decode step
+            return
+        if int(kwargs["position_ids"][0, 0]) and before and before[-1].shape[0] == ids.shape[0]:
+            ids = torch.cat([before[-1][:, 1 - len(marker) :], ids], dim=1)  # the previous block's tail
+        before[:] = [kwargs["input_ids"]]
+        if ids.shape[1] >= len(marker) and (ids.unfold(1, len(marker), 1) == marker).all(-1).any():
+            sizes.append(ids.shape[0])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
 
     rows = [{"q": f"What is {i} plus {2 * i}?"} for i in range(8)]
     rows[3] = {"q": "What is POISONPILL?"}

@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert failed == {}  # each part's error says what went wrong
     by_number = {title.split(" ")[0]: p for title, p in parts.items()}
     assert set(by_number) == {
-        "versions", "0.", "0b.", "0c.", "1.", "2.", "3.", "4.", "5.", "6.", "7.", "8.", "9.",
+        "versions", "0.", "0b.", "0c.", "1.", "2.", "3.", "4.", "5.", "6.", "7.", "8.", "9.", "10.",
     }  # fmt: skip
     assert by_number["versions"]["torch"] and by_number["versions"]["transformers"]
     correct = by_number["0."]
@@ -53,6 +53,24 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert diagnosis["chunked linears, math attention"] is True
     assert by_number["8."]["skipped"] == "no GPU"
     _check_graphs_part(by_number["9."])
+
+
+def test_the_deterministic_part_rehearses_every_piece_on_the_cpu(tmp_path: Path) -> None:
+    """Part 10 (issue 37 §2) on a tiny shape: the norm bitwise at every row count, the self-test and the
+    16-row bucket's probe passed, deterministic rows co-stepped at 16 rows beside batched ones."""
+    parts = _run_script(tmp_path, "--parts", "10")
+    (title,) = [t for t in parts if t.startswith("10.")]
+    part = parts[title]
+    assert part["ok"], part.get("error")
+    assert part["split_k_off"] is False  # the rehearsal runs without the variables, and says so
+    shape = part["3 layers"]
+    assert shape["norm"] == {"4": True, "8": True, "16": True}
+    assert shape["layout"] == {"fixed_norms": False, "buckets": False}  # the CPU: stock norms, row blocks
+    tests = shape["self_test"]
+    assert [t["passed"] for t in tests.values()] == [True, True] and list(tests)[1] == "16"
+    speed = shape["throughput"]["16"]
+    assert speed["deterministic"]["batch_size"] == 16 and speed["batched"]["batch_size"] == 16
+    assert speed["deterministic"]["failed"] == speed["batched"]["failed"] == 0 and speed["ratio"] > 0
 
 
 def _check_graphs_part(graphs: dict[str, Any]) -> None:

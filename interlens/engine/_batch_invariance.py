@@ -161,17 +161,34 @@ def _run(
     rows = [tuple(p) for p in prompts]
     out: _Trace = [[] for _ in prompts]
     seen: list[torch.Tensor] = []
+    starts: list[int] = []  # per prefill block, its first position, and where its outputs begin in seen
     handles = [
         module.register_forward_hook(lambda _m, _i, o: _keep(seen, o))
         for name, module in runner.model.named_modules()
         if name
     ]
+    handles.append(
+        runner.model.register_forward_pre_hook(
+            lambda _m, _a, kw: starts.extend((int(kw["position_ids"][0, 0]), len(seen))), with_kwargs=True
+        )
+    )
     try:
         cache = layout.fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
-        width = max((t.shape[1] for t in seen), default=0)  # of the prefill's outputs, (rows, width, ...)
+        block = _slot_rows.PREFILL_BLOCK  # the prefill's outputs, block by block: (rows, block, ...)
         for k, p in enumerate(prompts):  # each row's own tokens (the last-position logits are a pad's)
-            out[k].append([t[k, : len(p) - 1].clone() for t in seen if t.shape[:2] == (len(rows), width)])
+            trace = []
+            for i in range(0, len(starts), 2):
+                real = min(block, len(p) - 1 - starts[i])
+                if real > 0:
+                    end = starts[i + 3] if i + 3 < len(starts) else len(seen)
+                    trace += [
+                        t[k, :real].clone()
+                        for t in seen[starts[i + 1] : end]
+                        if t.shape[:2] == (len(rows), block)
+                    ]
+            out[k].append(trace)
         seen.clear()
+        handles.pop().remove()
         logits = layout.first(rows, rows, cache)
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         active = list(range(len(prompts)))

@@ -47,7 +47,7 @@ from ._load_options import require_transformers
 from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
-from ._slot_rows import ROW_BLOCK, SlotLayout
+from ._slot_rows import SlotLayout, padded_rows
 from ._static_decode import static_decoder_for
 from ._verdicts import Verdicts
 
@@ -201,9 +201,11 @@ class LocalEngine:
         picked by the batch's size); else the largest size that passed (call under the lock)."""
         import torch
 
-        size = -(-rows // ROW_BLOCK) * ROW_BLOCK
+        slots = self._slots
+        size = padded_rows(rows, buckets=slots.buckets)  # on CUDA its row bucket: one probe per bucket
         if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
-            probe = {"rows": size, "fixed_linear_rows": self._slots.fixed_linear_rows, **probe_definition()}
+            kernels = {"fixed_linear_rows": slots.fixed_linear_rows, "fixed_norms": slots.fixed_norms}
+            probe = {"rows": size, "bucket": slots.buckets, **kernels, **probe_definition()}
             key, known = self._verdicts.lookup(probe, ("invariant",))
             with torch.inference_mode():
                 passed = known["invariant"] if known else invariant_at(self._slots, size)
@@ -234,6 +236,16 @@ class LocalEngine:
         if _self_test(slots):
             self._verdicts.store(key, {"invariant": True, "fixed_linear_rows": False})
             return True
+        if self.device.startswith("cuda"):  # chunked linears re-read every weight rows/8 times a step there
+            log.warning(
+                "%r: the slot layout is not batch-invariant on this GPU with cuBLAS without split-K and "
+                "fixed-order norms (a deterministic run's worker process sets CUBLAS_WORKSPACE_CONFIG=:16:8 "
+                "and CUBLASLT_WORKSPACE_SIZE=1; a run in your own process must set them before torch "
+                "loads); deterministic rows run one at a time (results say batch_invariant=False)",
+                self,
+            )
+            self._verdicts.store(key, {"invariant": False, "fixed_linear_rows": False})
+            return False
         slots.fixed_linear_rows = True
         passed = False
         try:
@@ -381,9 +393,10 @@ class LocalEngine:
             self._kept.drop(reuse_key)
 
     def clear_reuse(self) -> None:
-        """Free every kept KV cache."""
+        """Free every kept KV cache (and the deterministic path's kept prompt blocks)."""
         with self._lock:
             self._kept.clear()
+            self._slots.prefixes.clear()
 
     def kept_bytes(self) -> int:
         """Bytes the kept KV caches hold now."""

@@ -14,7 +14,10 @@ So every deterministic batch, of one row or many, is laid out the same way here:
 
 * all but the last token of each distinct prompt are prefilled in one batch padded on the RIGHT to a width
   that is a multiple of :data:`PREFILL_BLOCK`: row token *i* is at slot *i* (slot == position), whatever
-  the other rows; rows with the same prompt share its prefill (the same arithmetic);
+  the other rows; rows with the same prompt share its prefill (the same arithmetic); the prefill is fed a
+  block of ``PREFILL_BLOCK`` tokens at a time, so a block's KV depends on its token prefix alone and an
+  earlier turn's blocks are loaded instead of recomputed (``_slot_prefix``: a deterministic turn re-read
+  the whole conversation, the one cost the batched path's kept caches avoid);
 * each row's last prompt token, then each generated token, is fed as a decode step and its KV written at
   the row's own slot (:func:`slot_cache`); the mask covers the slots up to the row's position (and, for a
   sliding-window layer, back to its window from that position);
@@ -47,9 +50,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..interp import text_config
+from ._buckets import ROW_BUCKETS, row_bucket
 from ._cpu_attention import at_any_row_count
 from ._decode import ModelRunner, Row, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
+from ._invariant_norm import fixed_order_norms
+from ._slot_prefix import PrefixStore
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +67,7 @@ __all__ = [
     "ROW_BLOCK",
     "SLOT_BLOCK",
     "SlotLayout",
+    "padded_rows",
     "slot_cache",
 ]
 
@@ -84,6 +91,26 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+def _shared_blocks(prompts: list[tuple[int, ...]]) -> int:
+    """How many full ``PREFILL_BLOCK`` blocks of prefill (all but each prompt's last token) every one of
+    ``prompts`` starts with."""
+    first = prompts[0]
+    shared = min(len(p) - 1 for p in prompts) // PREFILL_BLOCK
+    while shared and any(p[: shared * PREFILL_BLOCK] != first[: shared * PREFILL_BLOCK] for p in prompts):
+        shared -= 1
+    return shared
+
+
+def padded_rows(n: int, *, buckets: bool) -> int:
+    """The rows a step of ``n`` real rows runs at: a multiple of ``ROW_BLOCK``, or with ``buckets`` (on
+    CUDA) the row bucket holding ``n`` (``_buckets.row_bucket``, at least ``ROW_BLOCK``), so every batch of
+    a bucket is one shape: one captured graph, and the shape the self-test probed for that bucket (kernels
+    are picked by the shape). Past the largest bucket: a multiple of ``ROW_BLOCK``."""
+    if buckets and n <= ROW_BUCKETS[-1]:
+        return _round_up(max(n, row_bucket(n)), ROW_BLOCK)
+    return _round_up(n, ROW_BLOCK)
+
+
 class SlotLayout:
     """The deterministic path on the batch-invariant layout, over one model runner (see the module
     docstring). :meth:`fill` and :meth:`first` are the calls the self-test (``_batch_invariance``) probes."""
@@ -93,9 +120,18 @@ class SlotLayout:
         #: Compute every linear layer in fixed-row chunks on this layout (set by the engine when the stock
         #: kernels fail the self-test and the chunked ones pass it).
         self.fixed_linear_rows = False
+        #: Compute every swappable RMSNorm in a fixed order (``_invariant_norm``) on this layout: on CUDA,
+        #: whose reduction kernels pick their blocking by the row count; not on the CPU, whose stock norms
+        #: pass the self-test and cost less.
+        self.fixed_norms = runner.device.startswith("cuda")
+        #: Pad a step's rows to its row bucket (on CUDA: one shape, one graph, one probe per bucket) instead
+        #: of a multiple of ``ROW_BLOCK`` (on the CPU: fewer padding rows).
+        self.buckets = runner.device.startswith("cuda")
         self._supported: bool | None = (
             None  # whether the model's cache layers allow the layout (checked once)
         )
+        #: Prompt blocks' KV kept by their tokens (``_slot_prefix``): what a later turn need not prefill.
+        self.prefixes = PrefixStore(block=PREFILL_BLOCK)
 
     def supported(self) -> bool:
         """Whether every layer of the model is full or sliding-window attention over a plain static cache
@@ -133,7 +169,7 @@ class SlotLayout:
         prompts = [r.prompt_ids for r in requests]
         length = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
         distinct = list(dict.fromkeys(prompts))
-        cache = self.fill(distinct, length)
+        cache = self.fill(distinct, length, reuse=True)
         logits = self.first(prompts, distinct, cache)
         rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
@@ -154,10 +190,13 @@ class SlotLayout:
             for row in rows
         ]
 
-    def fill(self, distinct: list[tuple[int, ...]], length: int) -> Any:
+    def fill(self, distinct: list[tuple[int, ...]], length: int, *, reuse: bool = False) -> Any:
         """A new slot cache (at least ``length`` slots) with all but the last token of each distinct prompt
         prefilled at slots ``0 .. len-2``: in one batch padded on the RIGHT to a multiple of
-        ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows).
+        ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows), fed one
+        block of ``PREFILL_BLOCK`` tokens at a time (block ``k`` attends to blocks ``0 .. k-1`` in the
+        cache): so a block's KV depends on the tokens up to its end alone, and with ``reuse`` the blocks
+        every prompt has in :attr:`prefixes` are loaded instead of computed (``_slot_prefix``).
 
         No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
         queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
@@ -167,19 +206,48 @@ class SlotLayout:
 
         model, device = self.runner.model, self.runner.device
         width = _round_up(max(len(p) for p in distinct) - 1, PREFILL_BLOCK)
-        cache = slot_cache(model.config, rows=len(distinct), length=max(length, width), dtype=model.dtype)
-        if width:  # else every prompt is one token: nothing before its last
-            ids = [list(p[:-1]) + [self.runner.pad_id] * (width - len(p) + 1) for p in distinct]
-            positions = torch.arange(width, device=device).expand(len(distinct), width)
-            with self.invariant_kernels(PREFILL_CHUNK_ROWS):
+        cache = slot_cache(
+            model.config,
+            rows=len(distinct),
+            length=max(length, width),
+            dtype=model.dtype,
+            buckets=self.buckets,
+        )
+        if not width:  # every prompt is one token: nothing before its last
+            return cache
+        start = 0
+        if reuse:
+            self.prefixes.use_kernels(self.kernels())
+            shared = _shared_blocks(distinct)
+            if len(distinct) > 1 and shared > self.prefixes.kept(distinct, width):
+                # the blocks every prompt starts with (a system prompt), prefilled once in a row of their
+                # own and kept: then loaded for every row below (the same bits as each row computing them)
+                self.fill([distinct[0][: shared * PREFILL_BLOCK + 1]], length, reuse=True)
+            start = self.prefixes.kept(distinct, width) * PREFILL_BLOCK
+            if start:
+                self.prefixes.load(cache, distinct, start // PREFILL_BLOCK)
+        ids = torch.tensor(
+            [list(p[:-1]) + [self.runner.pad_id] * (width - len(p) + 1) for p in distinct],
+            dtype=torch.long,
+            device=device,
+        )
+        with self.invariant_kernels(PREFILL_CHUNK_ROWS):
+            for begin in range(start, width, PREFILL_BLOCK):
+                end = begin + PREFILL_BLOCK
                 model(
-                    input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-                    position_ids=positions,
+                    input_ids=ids[:, begin:end],
+                    position_ids=torch.arange(begin, end, device=device).expand(len(distinct), PREFILL_BLOCK),
                     cache=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
+        if reuse:
+            self.prefixes.keep(cache, distinct, start // PREFILL_BLOCK)
         return cache
+
+    def kernels(self) -> tuple[bool, ...]:
+        """The kernel choices a prefill's arithmetic depends on (kept blocks are keyed by them)."""
+        return (self.fixed_linear_rows, self.fixed_norms)
 
     def first(
         self, prompts: list[tuple[int, ...]], distinct: list[tuple[int, ...]], cache: Any
@@ -201,14 +269,17 @@ class SlotLayout:
     def invariant_kernels(self, rows: int) -> Iterator[None]:
         """Within it, a row is computed the same way whatever the batch's size: the CPU decode-step attention
         at every row count (``_cpu_attention.at_any_row_count``), and every linear layer of the model in
-        chunks of ``rows`` rows when :attr:`fixed_linear_rows` is set. The prefill, the decode steps and the
+        chunks of ``rows`` rows when :attr:`fixed_linear_rows` is set, and every swappable RMSNorm in a fixed
+        order when :attr:`fixed_norms` is set. The prefill, the decode steps and the
         self-test's steps run in one."""
-        with at_any_row_count():
-            if not self.fixed_linear_rows:
-                yield
-                return
-            with _fixed_row_linears(self.runner.model, rows):
-                yield
+        model = self.runner.model
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(at_any_row_count())
+            if self.fixed_norms:
+                stack.enter_context(fixed_order_norms(model))
+            if self.fixed_linear_rows:
+                stack.enter_context(_fixed_row_linears(model, rows))
+            yield
 
 
 @contextlib.contextmanager
@@ -265,7 +336,10 @@ def _slot_cache_class() -> type:
         a ring buffer would put a row's keys at slots that depend on its length).
         """
 
-        def __init__(self, config: Any, *, rows: int, length: int, dtype: torch.dtype) -> None:
+        def __init__(
+            self, config: Any, *, rows: int, length: int, dtype: torch.dtype, buckets: bool = False
+        ) -> None:
+            self.buckets = buckets
             self.length = _round_up(length, SLOT_BLOCK)
             super().__init__(config=config, max_cache_len=self.length)
             self.slot_layers: list[Any] = [StaticLayer(self.length) for _ in self.layers]
@@ -274,7 +348,7 @@ def _slot_cache_class() -> type:
             text = text_config(config)
             types = getattr(text, "layer_types", None) or ()
             self.window = text.sliding_window if "sliding_attention" in types else None
-            self.rows = _round_up(rows, ROW_BLOCK)  # rows of the stored KV, padding included
+            self.rows = padded_rows(rows, buckets=buckets)  # rows of the stored KV, padding included
             # per stored row: the slot the current step writes (None until the first step: the prefill)
             self.slots: torch.Tensor | None = None
 
@@ -338,7 +412,7 @@ def _slot_cache_class() -> type:
 
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
             keep = beam_idx.tolist()
-            self.rows = _round_up(len(keep), ROW_BLOCK)
+            self.rows = padded_rows(len(keep), buckets=self.buckets)
             keep += keep[-1:] * (self.rows - len(keep))
             index: Any = torch.tensor(keep, dtype=torch.long, device=beam_idx.device)
             super().reorder_cache(index)
@@ -346,7 +420,7 @@ def _slot_cache_class() -> type:
     return SlotCache
 
 
-def slot_cache(config: Any, *, rows: int, length: int, dtype: Any) -> Any:
-    """A new slot cache for ``rows`` rows (stored padded to a multiple of ``ROW_BLOCK``) and at least
-    ``length`` slots (a multiple of ``SLOT_BLOCK``), for a model computing in ``dtype``."""
-    return _slot_cache_class()(config, rows=rows, length=length, dtype=dtype)
+def slot_cache(config: Any, *, rows: int, length: int, dtype: Any, buckets: bool = False) -> Any:
+    """A new slot cache for ``rows`` rows (stored padded: :func:`padded_rows`) and at least ``length``
+    slots (a multiple of ``SLOT_BLOCK``), for a model computing in ``dtype``."""
+    return _slot_cache_class()(config, rows=rows, length=length, dtype=dtype, buckets=buckets)

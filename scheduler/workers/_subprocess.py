@@ -125,6 +125,8 @@ class SubprocessWorker(Slots):
     ) -> None:
         if isinstance(plan, str):
             plan = plan_workers([plan])[0]
+        if mode is ExecutionMode.DETERMINISTIC:
+            plan = plan.deterministic()  # cuBLAS without split-K, set before the worker's torch loads
         self._plan = plan
         self._device = plan.device
         super().__init__(capacity)

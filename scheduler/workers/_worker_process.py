@@ -30,7 +30,7 @@ import anyio
 
 from .._errors import JobPickleError
 from .._outcome import AttemptOutcome, ErrorInfo
-from .._placement import set_worker_device
+from .._placement import DETERMINISTIC_CUDA_ENV, set_worker_device
 from .._protocols import ExecutionMode, JobSpec
 from .._worker import InProcessWorker
 from ..gateway import Blocker
@@ -143,12 +143,14 @@ def _prepare(init: Init) -> None:
 
 
 def _deterministic_cuda() -> None:
-    """A CUDA worker of a deterministic run: cuBLAS with a fixed workspace (its reductions in one order from
-    run to run; read when cuBLAS starts, so set before the first matrix product) and torch's deterministic
-    algorithms where an op has one. Ops without one warn instead of failing the run: a row's tokens are
-    still compared alone and together by the engine's self-test before rows co-step. A run in your own
-    process (one device) leaves your process's settings alone."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    """A CUDA worker of a deterministic run: cuBLAS without split-K (``DETERMINISTIC_CUDA_ENV``, in the
+    spawned process's environment from the start; set here too where a launcher could not, before the
+    first matrix product: cuBLAS reads it when it starts) and torch's deterministic algorithms where an op
+    has one. Ops without one warn instead of failing the run: a row's tokens are still compared alone and
+    together by the engine's self-test before rows co-step. A run in your own process (one device) leaves
+    your process's settings alone."""
+    for name, value in DETERMINISTIC_CUDA_ENV.items():
+        os.environ.setdefault(name, value)
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -116,6 +116,7 @@ async def test_a_cuda_worker_of_a_deterministic_run_sets_cublas_and_torch_to_det
     here.)"""
     pytest.importorskip("torch")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     (plan,) = plan_workers(["cuda:3"], environ={})
     spec = JobSpec("env/0", "env", seed=0, job=EnvJob(torch_threads=True))
 
@@ -129,7 +130,13 @@ async def test_a_cuda_worker_of_a_deterministic_run_sets_cublas_and_torch_to_det
     assert outcome.ok, outcome.error
     deterministic = mode is ExecutionMode.DETERMINISTIC
     assert outcome.analysis["deterministic_algorithms"] is deterministic
-    assert outcome.analysis["cublas_workspace"] == (":4096:8" if deterministic else None)
+    # in the process's environment from its start (before its torch loaded), not set by the worker later
+    env = outcome.analysis["env_at_start"]
+    assert (env["CUBLAS_WORKSPACE_CONFIG"], env["CUBLASLT_WORKSPACE_SIZE"]) == (
+        (":16:8", "1") if deterministic else (None, None)
+    )
+    assert outcome.analysis["cublas_workspace"] == (":16:8" if deterministic else None)
+    assert outcome.analysis["cublaslt_workspace"] == ("1" if deterministic else None)
     assert children() == set()
 
 

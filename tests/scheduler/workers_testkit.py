@@ -281,10 +281,20 @@ class EnvJob:
             seen["torch_threads"] = torch.get_num_threads()
             seen["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
             seen["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            seen["cublaslt_workspace"] = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
+            seen["env_at_start"] = _start_env("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
         return JobResult(conversation={}, analysis=seen)
 
     def is_transient(self, exc: BaseException) -> bool:
         return False
+
+
+def _start_env(*names: str) -> dict[str, str | None]:
+    """The process's environment as it was spawned (Linux keeps it in /proc/self/environ; later changes to
+    os.environ do not show there): what the worker had before its torch loaded."""
+    with open("/proc/self/environ", "rb") as start:
+        pairs = dict(p.decode().partition("=")[::2] for p in start.read().split(b"\0") if p)
+    return {name: pairs.get(name) for name in names}
 
 
 class FaultyEngine:
