@@ -177,8 +177,10 @@ def test_kept_kv_across_turns_and_no_static_buffer_moves(loaded: tuple[Any, Any]
         assert static._kept[key].ids == eager._kept[key].ids
     assert decoder.pool.generation == generation
     replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
-    assert decoder.stats["steps: graph"] == sum(replays) > 0
+    # each graph's first replay is its check against the eager step, at capture
+    assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0
     assert decoder.graphs.stats["captures"] == len(replays) >= 2  # the 8-row step and smaller ones
+    assert decoder.graphs.failed is None
 
 
 def test_a_row_whose_logits_go_non_finite_fails_alone(loaded: tuple[Any, Any], qwen2_path: str) -> None:
@@ -287,3 +289,28 @@ def test_grouped_query_decode_attention_gives_sdpas_tokens(qwen2_path: str) -> N
         ]
     for plain, grouped in zip(results[False], results[True], strict=True):
         same(grouped, plain)
+
+
+class MiscapturedGraph(AddressCheckingGraph):
+    """A graph whose replay computes something else than the step it captured (a kernel that captured
+    wrongly): every chosen token one higher."""
+
+    def replay(self) -> None:
+        super().replay()
+        self.step.tokens.add_(1)
+
+
+def test_a_graph_whose_replay_differs_from_the_eager_step_is_never_used(loaded: tuple[Any, Any]) -> None:
+    """Checked once at capture: a replay that does not give the eager step's outputs gives up graphs for the
+    engine, says why, and the batch's tokens are the eager loop's."""
+    eager, static, decoder = engines(loaded)
+    decoder.graphs = GraphRunner(device="cpu", graph_type=MiscapturedGraph)
+    prompts = [ids(loaded[1], f"row {i} speaks") for i in range(3)]
+    same(
+        static.generate_batch(requests(prompts, new=[9, 5, 7])),
+        eager.generate_batch(requests(prompts, new=[9, 5, 7])),
+    )
+    assert decoder.graphs.stats["replay_mismatches"] == 1 and decoder.graphs.stats["captures"] == 0
+    assert decoder.graphs.failed == "a captured step's replay gave other tokens than the eager step"
+    eager_steps = sum(n for key, n in decoder.stats.items() if key.startswith("steps: eager: a captured"))
+    assert decoder.stats["steps: graph"] == 0 and eager_steps > 0

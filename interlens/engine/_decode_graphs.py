@@ -23,9 +23,12 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._static_step import StaticDecodeStep
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("interlens")
 
@@ -76,9 +79,15 @@ class GraphRunner:
             return "eager: not CUDA"
         try:
             graph = self._capture(step)
+            differs = _replay_differs(step, graph)
         except Exception as err:  # any refusal of the capture leaves the step eager
             self.stats["capture_failures"] += 1
             self.failed = f"capture failed ({type(err).__name__}: {err})"
+        else:
+            if differs is not None:
+                self.stats["replay_mismatches"] += 1
+                self.failed = f"a captured step's replay gave other {differs} than the eager step"
+        if self.failed is not None:
             log.warning("interlens: decode steps run eagerly: %s", self.failed)
             step.run = step._forward_and_sample
             return f"eager: {self.failed}"
@@ -111,15 +120,8 @@ class GraphRunner:
 
     def _capture(self, step: StaticDecodeStep) -> Any:
         """Warm up and capture ``step``'s function, each run writing only the step's last slot."""
-        last = step.length - 1
-
-        def at_last_slot() -> None:
-            for layer in step.cache.layers:
-                layer.cumulative_length.fill_(last)
-            step.positions.fill_(last)
-
         if self.graph_type is not None:
-            at_last_slot()
+            _at_last_slot(step)
             graph = self.graph_type(step)
             graph.capture()
             return graph
@@ -130,13 +132,52 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    at_last_slot()
+                    _at_last_slot(step)
                     step._forward_and_sample()
             torch.cuda.current_stream().wait_stream(side)
-            at_last_slot()
+            _at_last_slot(step)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 step._forward_and_sample()
         return graph
+
+
+def _at_last_slot(step: StaticDecodeStep) -> None:
+    """Point the step's next run at its last cache slot (module docstring: no live row has written it)."""
+    last = step.length - 1
+    for layer in step.cache.layers:
+        layer.cumulative_length.fill_(last)
+    step.positions.fill_(last)
+
+
+_INPUTS = ("input_ids", "mask", "uniforms", "temperature", "top_p", "greedy")
+_OUTPUTS = ("tokens", "finite", "logprobs")
+
+
+def _replay_differs(step: StaticDecodeStep, graph: Any) -> str | None:
+    """None when one replay of ``graph`` gives the eager step's outputs bit for bit on the same inputs, else
+    the outputs that differ (module docstring). Runs at the last slot; ``begin``/``hand_over`` refill the
+    inputs afterwards, as after the warm-up."""
+    saved = [getattr(step, name).clone() for name in _INPUTS]
+
+    def outputs(run: Callable[[], None]) -> list[torch.Tensor]:
+        for name, value in zip(_INPUTS, saved, strict=True):
+            getattr(step, name).copy_(value)
+        _at_last_slot(step)
+        run()
+        return [getattr(step, name).clone() for name in _OUTPUTS]
+
+    eager, replayed = outputs(step._forward_and_sample), outputs(graph.replay)
+    differ = [name for name, a, b in zip(_OUTPUTS, eager, replayed, strict=True) if not _same(a, b)]
+    return ", ".join(differ) or None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN where NaN (a row whose logits went bad gives NaN log-probabilities either way)."""
+    import torch
+
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return bool(torch.equal(a, b))
