@@ -224,21 +224,4 @@ class _LedgerSource:
                     yield self._outcome(job, result)
 
     def _outcome(self, job: JobRecord, result: dict[str, Any] | None) -> JobOutcome:
-        failed = job.state != "done"
-        error = None
-        if failed:
-            error = ErrorInfo(job.error_type or "UnknownError", job.error_message or "", job.traceback or "")
-        return JobOutcome(
-            job_id=job.job_id,
-            lineup=job.lineup,
-            row_index=job.row_index,
-            seed=job.seed,
-            state="failed" if failed else "done",
-            conversation=None if result is None else result["conversation"],
-            analysis=None if result is None or failed else result["analysis"],
-            tokens_generated=job.tokens_generated,
-            error=error,
-            device=job.device,
-            attempts=job.attempts,
-            skipped=job.job_id in self._skipped,
-        )
+        return JobOutcome.from_ledger(job, result, skipped=job.job_id in self._skipped)

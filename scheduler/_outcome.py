@@ -11,9 +11,12 @@ import traceback as _tb
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from interlens.store import SecretGuard
+
+if TYPE_CHECKING:
+    from interlens.store import JobRecord
 
 __all__ = ["AttemptOutcome", "ErrorInfo", "JobOutcome", "RunOutcome"]
 
@@ -87,6 +90,29 @@ class JobOutcome:
     device: str | None
     attempts: int
     skipped: bool = False
+
+    @classmethod
+    def from_ledger(
+        cls, job: JobRecord, result: Mapping[str, Any] | None, *, skipped: bool = False
+    ) -> JobOutcome:
+        """The outcome a ledger records: its job row and stored result (``LedgerReader.job``/``result``)."""
+        failed = job.state != "done"
+        return cls(
+            job_id=job.job_id,
+            lineup=job.lineup,
+            row_index=job.row_index,
+            seed=job.seed,
+            state="failed" if failed else "done",
+            conversation=None if result is None else result["conversation"],
+            analysis=None if result is None or failed else result["analysis"],
+            tokens_generated=job.tokens_generated,
+            error=ErrorInfo(job.error_type or "UnknownError", job.error_message or "", job.traceback or "")
+            if failed
+            else None,
+            device=job.device,
+            attempts=job.attempts,
+            skipped=skipped,
+        )
 
 
 class OutcomeSource(Protocol):

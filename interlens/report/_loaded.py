@@ -59,24 +59,9 @@ class _WholeLedger:
 
 
 def _outcome(job: JobRecord, result: Mapping[str, Any] | None) -> JobOutcome:
-    from interlens.scheduler import ErrorInfo, JobOutcome
+    from interlens.scheduler import JobOutcome
 
-    failed = job.state != "done"
-    return JobOutcome(
-        job_id=job.job_id,
-        lineup=job.lineup,
-        row_index=job.row_index,
-        seed=job.seed,
-        state="failed" if failed else "done",
-        conversation=None if result is None else result["conversation"],
-        analysis=None if result is None or failed else result["analysis"],
-        tokens_generated=job.tokens_generated,
-        error=ErrorInfo(job.error_type or "UnknownError", job.error_message or "", job.traceback or "")
-        if failed
-        else None,
-        device=job.device,
-        attempts=job.attempts,
-    )
+    return JobOutcome.from_ledger(job, result)
 
 
 def load_outcome(out_dir: os.PathLike[str] | str) -> RunOutcome:
