@@ -8,6 +8,7 @@ the turn index alone, and a branch's continuation 0 carries its parent's seed (`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from interlens import (
     ModelParticipant,
     RunReport,
     SteeringSpec,
+    register_analyzer,
 )
 from interlens.testing import REAL_MODEL_INSTALL, FakeProviderServer, real_model
 
@@ -104,6 +106,42 @@ def test_hosted_turns_are_replayed_never_bought_and_analysing_again_generates_no
         assert result.transcript is not None
         chars = sum(len(m.content) for m in result.transcript[1:])
         assert again.results[f"{job_id}@4/s0000"].analysis == {"turns": 4, "chars": chars}
+
+
+def measure_again(conv: Conversation) -> dict[str, Any]:
+    """Registered by name (worker processes resolve it in their own registry): what was recorded, and one
+    off-the-record sample from the resident model."""
+    return {
+        "pid": os.getpid(),
+        "turns": conv.generated_turns,
+        "chars": sum(len(m.content) for m in conv.transcript[1:]),
+        "sampled": bool(conv.sample("a", "One word?").content is not None),
+    }
+
+
+register_analyzer("branch_measure_again", measure_again)
+
+
+def test_analysing_again_in_worker_processes_generates_no_turn(qwen2_path: str, tmp_path: Path) -> None:
+    """``at_turn="end"`` with an analyzer registered by name, on two worker processes: each recorded
+    conversation is measured with its models resident there, and no turn is generated again."""
+    conv = _debate(qwen2_path, max_new_tokens=5)
+    parent = conv.rollout(n=3, batched=False, devices=["cpu"], out_dir=tmp_path / "p", progress=False)
+    assert parent.failed == []
+    again = (
+        parent.branch(at_turn="end")
+        .analyzer("branch_measure_again")
+        .rollout(batched=False, devices=["cpu", "cpu"], out_dir=tmp_path / "end", progress=False)
+    )
+    assert again.failed == [] and len(again.results) == 3
+    assert [r.tokens_generated for r in again.results.values()] == [0, 0, 0]
+    for job_id, result in parent.results.items():
+        assert result.transcript is not None
+        analysis = again.results[f"{job_id}@4/s0000"].analysis
+        chars = sum(len(m.content) for m in result.transcript[1:])
+        assert analysis["turns"] == 4 and analysis["chars"] == chars and analysis["sampled"] is True
+        assert analysis["pid"] != os.getpid()  # measured in a worker process
+        assert _turns(again, f"{job_id}@4/s0000") == _turns(parent, job_id)  # the record, unchanged
 
 
 PATH = real_model()
