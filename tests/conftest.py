@@ -14,12 +14,17 @@ from interlens.testing import FakeProviderServer, tiny_model
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (the README's ``-n 2``) the test processes share the machine's cores: each runs
     torch on its share. torch's OpenMP threads spin at every barrier, so two processes using all cores each
-    slow each other several-fold (seen: one real-model test 44 s alone, 217 s beside another)."""
+    slow each other several-fold (seen: one real-model test 44 s alone, 217 s beside another). The processes
+    a test starts (scripts, examples, the CLI, worker processes) get the same share through
+    ``OMP_NUM_THREADS``, unless the caller set it (seen: the GPU check's CPU rehearsal 36 s on one core,
+    99 s beside another test with a thread per core)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 @pytest.fixture(scope="session", autouse=True)
