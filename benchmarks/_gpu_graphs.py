@@ -264,11 +264,34 @@ def _loop(
     return time.perf_counter() - t0, seen
 
 
+def _hf_generate(model: Any, ids: Any, new: int, cuda: bool) -> float:
+    """Seconds of one HF ``generate`` over ``ids``' rows with the pieces' sampling (T = 0.9, top-p 0.95,
+    exactly ``new`` tokens each, dynamic cache), the device synchronised on both sides."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+        )
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _loop_vs_generate(model: Any, step: Any, ids: Any, new: int, cuda: bool) -> dict[str, Any]:
     """``step`` (rows = ``ids``' rows, the ``top_p`` variant, its graph captured) through the whole loop,
     graph and eager, against HF ``generate`` (dynamic cache) with the same settings: T = 0.9, top-p 0.95,
     ``new`` tokens each. One warm-up of each, one timed run."""
-    import torch
 
     from interlens.engine._sampling import SamplingSettings
 
@@ -284,25 +307,8 @@ def _loop_vs_generate(model: Any, step: Any, ids: Any, new: int, cuda: bool) -> 
         runs[name] = _loop(step, model, ids, settings, new, cuda)
     step.run = replay
 
-    def generate() -> None:
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=0.9,
-                top_p=0.95,
-                top_k=0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-            )
-        if cuda:
-            torch.cuda.synchronize()
-
-    generate()
-    t0 = time.perf_counter()
-    generate()
-    theirs = time.perf_counter() - t0
+    _hf_generate(model, ids, new, cuda)
+    theirs = _hf_generate(model, ids, new, cuda)
     tokens = rows * new
     return {
         "rows": rows,
@@ -377,23 +383,7 @@ def _engine_vs_generate(
         return time.perf_counter() - t0, [r.token_ids for r in results]
 
     def generate() -> tuple[float, list[Any]]:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=0.9,
-                top_p=0.95,
-                top_k=0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-            )
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, []
+        return _hf_generate(model, ids, new, cuda), []
 
     runners: dict[str, Callable[[], tuple[float, list[Any]]]] = {
         name: (lambda engine=engine: run(engine)) for name, engine in engines.items()
