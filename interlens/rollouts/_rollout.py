@@ -274,18 +274,35 @@ def lineup_spec(
     settings = conv.fingerprint()
     recipe = conv.recipe_json(strict=False)  # the lineup's describe, and every one of its jobs' recipe
 
-    def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
-        _check_job_seed(lineup, seed, i)  # data of unknown length: checked as the jobs are pulled
+    def spec(
+        base: Conversation,
+        job_id: str,
+        row: Any,
+        row_index: int | None,
+        job_seed: int,
+        point: BranchPoint | None = None,
+    ) -> JobSpec:
+        """One job: ``base`` expanded for ``row`` and ``job_seed`` (continued from ``point``'s recorded
+        turns, for a branch), fingerprinted with what it is asked."""
         expanded: Conversation | None = None
         try:
-            expanded = base.for_row(row, index=row_index, seed=seed + i)
-            job = ConversationJob(expanded, needs_device, recipe, tokens_missing=unrecorded, limits=limits)
+            expanded = base.for_row(row, index=row_index, seed=job_seed)
+            parent = None
+            if point is not None:
+                expanded, parent = point.start(expanded), point.lineage
+            job = ConversationJob(
+                expanded, needs_device, recipe, tokens_missing=unrecorded, limits=limits, parent=parent
+            )
         except InterlensError as exc:  # a row that cannot be expanded fails its own job only
             job = ConversationJob(base, needs_device, error=exc)
-        fingerprint = input_fingerprint(expanded, row=row, seed=seed + i, mode=mode.value, settings=settings)
+        fingerprint = input_fingerprint(expanded, row=row, seed=job_seed, mode=mode.value, settings=settings)
         return JobSpec(
-            job_id=job_id, lineup=lineup, seed=seed + i, job=job, row_index=row_index, input_fp=fingerprint
+            job_id=job_id, lineup=lineup, seed=job_seed, job=job, row_index=row_index, input_fp=fingerprint
         )
+
+    def job_spec(base: Conversation, job_id: str, i: int, row: Any, row_index: int | None) -> JobSpec:
+        _check_job_seed(lineup, seed, i)  # data of unknown length: checked as the jobs are pulled
+        return spec(base, job_id, row, row_index, seed + i)
 
     if conv.branch_points is not None:  # a branch recipe: n continuations of each branch point
         points = conv.branch_points
@@ -296,30 +313,7 @@ def lineup_spec(
             # continuation s of point i: the parent job's own stream shifted by s, unless seed= was given
             job_seed = seed + i * per + s if seed_given else point.seed + s
             _check_job_seed(lineup, job_seed, 0)
-            expanded: Conversation | None = None
-            try:
-                expanded = point.start(base.for_row(point.row, index=point.row_index, seed=job_seed))
-                job = ConversationJob(
-                    expanded,
-                    needs_device,
-                    recipe,
-                    tokens_missing=unrecorded,
-                    limits=limits,
-                    parent=point.lineage,
-                )
-            except InterlensError as exc:
-                job = ConversationJob(base, needs_device, error=exc)
-            fingerprint = input_fingerprint(
-                expanded, row=point.row, seed=job_seed, mode=mode.value, settings=settings
-            )
-            return JobSpec(
-                job_id=point.job_id(prefix or "", s),
-                lineup=lineup,
-                seed=job_seed,
-                job=job,
-                row_index=point.row_index,
-                input_fp=fingerprint,
-            )
+            return spec(base, point.job_id(prefix or "", s), point.row, point.row_index, job_seed, point)
 
         def branches() -> Iterator[JobSpec]:
             for i, point in enumerate(points):
