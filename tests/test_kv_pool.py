@@ -19,7 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from interlens.engine._buckets import length_bucket
-from interlens.engine._generation import GenerationRequest, GenerationResult
+from interlens.engine._generation import (
+    GenerationRequest,
+    GenerationResult,
+    LocalEngine,
+    SamplingSettings,
+    token_budget_estimate,
+)
+from interlens.engine._static_decode import ENV_SWITCH, StaticDecoder
+from interlens.scheduler import ExecutionMode
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +137,99 @@ def test_kept_kv_is_laid_out_in_the_pool(loaded: tuple[Any, Any], allocations: C
         words = ids(tokenizer, " and then")
         prompts = [(*p, *r.token_ids[:-1], *words) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
     assert decoder.stats["prefills: copied in"] == 0 and decoder.stats["prefills: in the pool"] == 2
+
+
+# ------------------------------------------------------------------------------ the pool sized from a budget
+
+
+def test_a_batch_past_the_pool_is_split_and_gives_the_eager_tokens(loaded: tuple[Any, Any]) -> None:
+    """A pool of 128 slots (4 rows x one 32-slot length bucket): seven rows run as 4 + 2 co-stepped rows
+    and, alone, a row whose prompt needs more slots than the whole pool (its own cache, the eager loop); the
+    eager engine's tokens (one batch of seven), the pool allocated once at the budget's size."""
+    eager, static, decoder = engines(loaded)
+    decoder.budget = lambda: 128
+    tokenizer = loaded[1]
+    prompts = [ids(tokenizer, f"row {i} speaks") for i in range(6)] + [ids(tokenizer, "long " * 140)]
+    new = [6, 9, 4, 7, 5, 8, 6]
+    expected = eager.generate_batch(requests(prompts, new=new))
+    got = static.generate_batch(requests(prompts, new=new))
+    same(got, expected)
+    assert [r.batch_size for r in got if isinstance(r, GenerationResult)] == [4, 4, 4, 4, 2, 2, 1]
+    assert decoder.pool.slots == 128 and decoder.pool.generation == 1
+    assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
+    assert decoder.stats["prefills: in the pool"] == 2
+
+
+def test_the_pool_is_not_reallocated_across_a_rollout_of_growing_prompts(loaded: tuple[Any, Any]) -> None:
+    """Four streams over four turns, their prompts growing from the 96-slot length bucket into the 128-slot
+    one: a pool sized once from a budget of 4 x 128 slots holds every batch, never reallocated (a pool
+    grown by need is reallocated as they grow: the check can fail)."""
+    tokenizer = loaded[1]
+    generations = {}
+    for budget in (512, None):
+        eager, static, decoder = engines(loaded)
+        decoder.budget = (lambda slots=budget: slots) if budget else None
+        keys = ["a", "b", "c", "d"]
+        prompts = [ids(tokenizer, f"stream {i} opens the debate " + "with words " * 8) for i in range(4)]
+        lengths = set()
+        for _ in range(4):
+            batch = [
+                GenerationRequest(prompt_ids=p, sampling=r.sampling, reuse_key=k, record_logprobs=True)
+                for p, r, k in zip(prompts, requests(prompts, new=[12, 10, 11, 12]), keys, strict=True)
+            ]
+            got = static.generate_batch(batch)
+            same(got, eager.generate_batch(batch))
+            lengths |= {key[1] for key in decoder._steps}
+            words = ids(tokenizer, " and then")
+            prompts = [(*p, *r.token_ids[:-1], *words) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
+        assert lengths == {96, 128}  # 4 x 128 slots at most: within the budget
+        assert decoder.stats["prefills: in the pool"] == 4 and decoder.stats["eager batches: pool full"] == 0
+        generations[budget] = decoder.pool.generation
+    assert generations == {512: 1, None: 2}
+
+
+def test_the_engine_sizes_its_pool_from_its_batch_budget(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine hands its static decoder its own token budget (the scheduler's first batch budget): None
+    on the CPU, so the pool grows by need there."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    engine = LocalEngine(*loaded, device="cpu")
+    decoder = engine._runner.static_decode
+    assert isinstance(decoder, StaticDecoder)
+    assert decoder.budget == engine.token_budget and engine.token_budget() is None
+
+
+# ------------------------------------------------------------------------------ what the budgets count
+
+
+def test_memory_held_is_counted_by_the_budget_and_released_by_an_out_of_memory_retry(
+    loaded: tuple[Any, Any],
+) -> None:
+    """A static batch (the pool), a stream's kept KV and a deterministic batch on the slot layout (its
+    prompt blocks kept in the prefix store): the engine says what each holds, its token budget counts the
+    pool back in and the prefix store's room out, and ``release_memory`` (the out-of-memory retry) frees
+    all three."""
+    _, static, decoder = engines(loaded)
+    tokenizer = loaded[1]
+    long = ids(tokenizer, "a long prompt of many words " * 12)
+    static.generate_batch(
+        [GenerationRequest(prompt_ids=long, sampling=SamplingSettings(max_new_tokens=4), reuse_key="s")]
+    )
+    deterministic = [GenerationRequest(prompt_ids=long, sampling=SamplingSettings(max_new_tokens=3))] * 2
+    static.generate_batch(deterministic, mode=ExecutionMode.DETERMINISTIC)
+    held = static.memory_held()
+    assert held["kv_pool"] == decoder.pool.nbytes() > 0
+    assert held["kept_kv"] == static.kept_bytes() > 0
+    store = static._slots.prefixes
+    assert held["prefix_store"] == store.nbytes() > 0 and len(store) >= 2
+    free = 1 << 30
+    counted = free + held["kv_pool"] - (store.capacity - held["prefix_store"])
+    assert static._tokens_fitting(free) == token_budget_estimate(
+        static.model.config, free_bytes=counted, dtype_bytes=4
+    )
+    assert static._tokens_fitting(free) > token_budget_estimate(
+        static.model.config, free_bytes=free - store.capacity, dtype_bytes=4
+    )
+    static.release_memory()
+    assert static.memory_held() == {"kept_kv": 0, "prefix_store": 0, "kv_pool": 0}

@@ -67,15 +67,18 @@ ENV_SWITCH = "INTERLENS_STATIC_DECODE"
 MAX_STEPS = 32
 
 
-def static_decoder_for(runner: ModelRunner) -> StaticDecoder | None:
+def static_decoder_for(
+    runner: ModelRunner, *, budget: Callable[[], int | None] | None = None
+) -> StaticDecoder | None:
     """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
-    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices."""
+    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices. ``budget``: the pool's
+    size in slots, asked when first needed (:class:`StaticDecoder`)."""
     switch = os.environ.get(ENV_SWITCH, "")
     if switch == "0" or (switch != "1" and not runner.device.startswith("cuda")):
         return None
     if len({p.device for p in runner.model.parameters()}) > 1:
         return None  # a model split over devices: each layer's KV lives on its own device, not in one pool
-    return StaticDecoder(runner)
+    return StaticDecoder(runner, budget=budget)
 
 
 class StaticDecoder:
@@ -148,19 +151,21 @@ class StaticDecoder:
             return None
         return length
 
-    def chunks(self, needs: list[int]) -> list[list[int]]:
-        """Rows (each needing ``needs[i]`` slots: its prompt + its token cap) in consecutive batches whose
-        padded layouts fit a pool sized from the budget (all in one where it is sized by need, or a row
-        alone needs more than the pool: that batch then decodes eagerly in its own cache)."""
+    def chunks(self, prompts: list[int], caps: list[int]) -> list[list[int]]:
+        """Rows (prompt lengths ``prompts``, token caps ``caps``) in consecutive batches whose padded layouts
+        (row bucket x length bucket of the longest prompt + the largest cap) fit a pool sized from the
+        budget: all in one where it is sized by need; a row alone past the pool is a batch of its own,
+        which then decodes eagerly in its own cache (``serves``)."""
         slots = self._budget_slots()
         if slots is None:
-            return [list(range(len(needs)))]
+            return [list(range(len(prompts)))]
         out: list[list[int]] = []
-        for i in range(len(needs)):
+        for i in range(len(prompts)):
             if out:
                 batch = [*out[-1], i]
-                length = length_bucket(max(needs[j] for j in batch), quantum=self.quantum)
-                if len(batch) <= ROW_BUCKETS[-1] and row_bucket(len(batch)) * length <= slots:
+                need = max(prompts[j] for j in batch) + max(caps[j] for j in batch)
+                fits = row_bucket(len(batch)) * length_bucket(need, quantum=self.quantum) <= slots
+                if len(batch) <= ROW_BUCKETS[-1] and fits:
                     out[-1].append(i)
                     continue
             out.append([i])
