@@ -6,8 +6,10 @@ be replayed. :class:`StaticDecoder` decodes the same batch through a
 :class:`~._static_step.StaticDecodeStep` per bucket key (row bucket, length bucket, sampler variant,
 recording), kept between batches, whose caches are views of the engine's one :class:`~._kv_pool.KVPool`:
 
-* ``begin`` lays the prefilled batch cache (any prefill path: plain, shared prefix, grouped, kept KV laid
-  out) into the pool's front rows and draws the first tokens from the prefill's logits;
+* the prefill wrote the batch's KV straight into the pool (every plain and kept-KV prefill path asks
+  :meth:`StaticDecoder.layout` where, and writes through ``KVPool.span`` views: ``_pool_prefill``), so
+  ``begin`` finds it in place (counted in :attr:`StaticDecoder.stats`; a cache of the batch's own is copied
+  into the pool's front rows) and draws the first tokens from the prefill's logits;
 * each step runs the step's function (a replayed graph on CUDA: ``_decode_graphs``) and queues the copy of
   its chosen tokens (-1 for a row whose logits went non-finite) to pinned host memory; the loop is
   pipelined: step n+1 is launched before the host waits for step n's tokens (its one wait a step, on that
@@ -20,6 +22,12 @@ recording), kept between batches, whose caches are views of the engine's one :cl
   leaving rows, then the live rows move to the pool's front rows (``hand_over``) and the smaller bucket's
   step carries on. The length bucket is chosen once per batch (its longest prompt plus its largest token
   cap), so no step runs out of slots.
+
+The pool is sized once from the engine's batch budget where the engine gives one (CUDA: ``budget``, the
+scheduler's first token budget): a batched batch is split by the engine into pieces whose padded layouts fit
+it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row past the whole pool, a kept-KV
+layout wider than its prompts) decodes in the eager loop in its own cache. Without a budget (the CPU) the
+pool grows by need, reallocated (steps and graphs rebuilt) when a batch needs more slots than any before.
 
 Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
 eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
