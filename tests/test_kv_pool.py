@@ -113,19 +113,20 @@ def test_the_prefills_kv_lies_in_the_pool(loaded: tuple[Any, Any]) -> None:
 
 
 def test_kept_kv_is_laid_out_in_the_pool(loaded: tuple[Any, Any], allocations: Counter[str]) -> None:
-    """Two turns of four streams and a row without one (laid out with a hole, or prefilled apart when its
-    prompt is the longest): the second turn reuses kept KV and lays it straight into the pool, no cache
-    allocated, the eager engine's tokens."""
+    """Two turns of four streams and two rows without one: the second turn reuses kept KV and lays it
+    straight into the pool, the fresh rows (one longer than every new suffix: prefilled apart) in a range
+    of rows after the kept ones, no cache allocated, the eager engine's tokens."""
     eager, static, decoder = engines(loaded)
     eager._reused.always_reuse = static._reused.always_reuse = True
     tokenizer = loaded[1]
-    keys = ["a", "b", "c", None, "d"]
+    keys = [None, "a", "b", "c", None, "d"]
     prompts = [ids(tokenizer, f"stream {i} opens " + "with words " * i) for i in range(4)]
     prompts.insert(3, ids(tokenizer, "a fresh row " * 2))
+    prompts.insert(0, ids(tokenizer, "hi"))
     for turn in range(2):
         batch = [
             GenerationRequest(prompt_ids=p, sampling=r.sampling, reuse_key=k, record_logprobs=True)
-            for p, r, k in zip(prompts, requests(prompts, new=[5, 7, 6, 5, 8]), keys, strict=True)
+            for p, r, k in zip(prompts, requests(prompts, new=[1, 5, 7, 6, 5, 8]), keys, strict=True)
         ]
         expected = eager.generate_batch(batch)
         before = sum(allocations.values())
@@ -135,7 +136,10 @@ def test_kept_kv_is_laid_out_in_the_pool(loaded: tuple[Any, Any], allocations: C
         if turn:
             assert sum(r.kv_reused_tokens > 0 for r in got if isinstance(r, GenerationResult)) == 4
         words = ids(tokenizer, " and then")
-        prompts = [(*p, *r.token_ids[:-1], *words) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
+        prompts = [  # the rows without a stream keep their prompts: the short one sorts among the kept ones
+            (*p, *r.token_ids[:-1], *words) if k else p  # type: ignore[union-attr]
+            for p, r, k in zip(prompts, got, keys, strict=True)
+        ]
     assert decoder.stats["prefills: copied in"] == 0 and decoder.stats["prefills: in the pool"] == 2
 
 
