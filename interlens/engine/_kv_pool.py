@@ -107,7 +107,7 @@ class KVPool:
         for tensor in (*self._keys, *self._values):
             tensor.zero_()
 
-    def layout(self, keys: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    def shaped(self, keys: torch.Tensor, rows: int, length: int) -> torch.Tensor:
         """One layer's buffer seen as ``(rows, kv heads, length, head dim)`` (module docstring)."""
         return keys[: rows * self.heads * length * self.head_dim].view(
             rows, self.heads, length, self.head_dim
@@ -153,8 +153,8 @@ class KVPool:
             layer.device = self.device
             layer.batch_size, layer.num_heads = stop - start, self.heads
             layer.k_head_dim = layer.v_head_dim = self.head_dim
-            layer.keys = self.layout(keys, stop, length)[start:stop, :, offset : offset + width]
-            layer.values = self.layout(values, stop, length)[start:stop, :, offset : offset + width]
+            layer.keys = self.shaped(keys, stop, length)[start:stop, :, offset : offset + width]
+            layer.values = self.shaped(values, stop, length)[start:stop, :, offset : offset + width]
             layer.cumulative_length = torch.tensor(written, dtype=torch.long, device=self.device)
             layer.is_initialized = True
         return cache
