@@ -13,9 +13,9 @@ allocated once:
   whether each row's logits were usable (``finite``), and with recording the chosen tokens'
   log-probabilities under the model's and the sampling distribution (rows, 2);
 * its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every row bucket of one
-  length bucket lays a row's slots at the same address), or a ``StaticCache`` of its own initialised to rows x length up front;
-  its layers keep their write position in a tensor (``cumulative_length``) advanced in place by the
-  forward itself.
+  length bucket lays a row's slots at the same address), or a ``StaticCache`` of its own initialised to
+  rows x length up front; its layers keep their write position in a tensor (``cumulative_length``)
+  advanced in place by the forward itself.
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
@@ -277,9 +277,9 @@ class StaticDecodeStep:
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         with torch.no_grad():
             # Rows already where they go (the front rows of one pool's layout: every row bucket of one
-            # length bucket lays a row's slots at the same address) do not move; others are gathered first (index_select
-            # copies), so a step handing over within its own storage reads before it writes, then
-            # index_copy_'d into the front rows.
+            # length bucket lays a row's slots at the same address) do not move; others are gathered
+            # first (index_select copies), so a step handing over within its own storage reads before it
+            # writes, then index_copy_'d into the front rows.
             in_place = list(keep) == list(range(k)) and all(
                 a.keys.data_ptr() == b.keys.data_ptr() and a.keys.stride() == b.keys.stride()
                 for a, b in zip(self.cache.layers, to.cache.layers, strict=True)
