@@ -26,6 +26,7 @@ from interlens.engine._decode_graphs import GraphRunner
 from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.engine._static_decode import ENV_SWITCH, StaticDecoder
 from interlens.scheduler import ExecutionMode
+from interlens.testing import REAL_MODEL_INSTALL, real_model
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +315,49 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_never_used(loaded: 
     assert decoder.graphs.failed == "a captured step's replay gave other tokens than the eager step"
     eager_steps = sum(n for key, n in decoder.stats.items() if key.startswith("steps: eager: a captured"))
     assert decoder.stats["steps: graph"] == 0 and eager_steps > 0
+
+
+REAL = real_model()
+
+
+@pytest.mark.skipif(REAL is None, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}")
+def test_the_real_model_decodes_through_static_steps_as_through_the_eager_loop() -> None:
+    """SmolLM2-135M-Instruct (real weights, float32): four rows, greedy and seeded nucleus ones, with token
+    caps that hand the batch over at the row bucket edges 4 -> 2 -> 1, each on its stream, over two turns
+    (the second lays kept KV out in the pool): the eager loop's tokens and log-probabilities. A few seconds
+    on two free cores (minutes where other processes oversubscribe them: torch's threads then wait on each
+    other)."""
+    assert REAL is not None
+    model = AutoModelForCausalLM.from_pretrained(REAL, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(REAL)
+    eager, static, decoder = engines((model, tokenizer))
+    eager._reused.always_reuse = static._reused.always_reuse = True
+    settings = [
+        SamplingSettings(max_new_tokens=8, temperature=0.0),
+        SamplingSettings(max_new_tokens=3, temperature=0.8, top_p=0.9, seed=3),
+        SamplingSettings(max_new_tokens=5, temperature=0.0),
+        SamplingSettings(max_new_tokens=2, temperature=1.0, top_p=0.7, seed=-8),
+    ]
+    prompts = [
+        ids(tokenizer, text)
+        for text in (
+            "Once upon a time, in a land far away,",
+            "The capital of France is",
+            "def add(a, b):",
+            "Three colours:",
+        )
+    ]
+    for turn in range(2):
+        batch = [
+            GenerationRequest(prompt_ids=p, sampling=s, reuse_key=f"s{i}", record_logprobs=True)
+            for i, (p, s) in enumerate(zip(prompts, settings, strict=True))
+        ]
+        expected = eager.generate_batch(batch)
+        got = static.generate_batch(batch)
+        same(got, expected)
+        assert [r.n_tokens for r in got if isinstance(r, GenerationResult)] == [8, 3, 5, 2]
+        if turn:
+            assert all(r.kv_reused_tokens > 0 for r in got if isinstance(r, GenerationResult))
+        then = ids(tokenizer, " Then")
+        prompts = [(*p, *r.token_ids[:-1], *then) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
+    assert decoder.stats["hand-overs"] == 4 and decoder.stats["prefills: in the pool"] == 2

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from ._kv_pool import KVPool
+
 __all__ = ["ModelRunner", "Row", "StaticDecode", "hand_out", "left_pad", "raise_if_cancelled", "stop_window"]
 
 #: Finished rows stay in the batch (fed an ignored token) until they are at least 1/_COMPACT_SHARE of it:
@@ -72,7 +74,14 @@ class StaticDecode(Protocol):
     the loop of static-shape steps, replayed as graphs on CUDA); kept abstract here so this module does not
     import it."""
 
-    def serves(self, rows: list[Row], cache: Any, static: bool) -> bool: ...
+    #: the engine's one KV pool, which a batch's prefill writes into where :meth:`layout` says so
+    pool: KVPool
+
+    def serves(self, rows: list[Row], cache: Any, static: bool, kv_len: int) -> bool: ...
+
+    def layout(self, rows: int, need: int) -> int | None: ...
+
+    def chunks(self, prompts: list[int], caps: list[int]) -> list[list[int]]: ...
 
     def release(self) -> None: ...
 
@@ -115,6 +124,13 @@ class ModelRunner:
         #: decode through static-shape steps (graphs on CUDA: ``_static_decode``) where it serves a batch;
         #: None: the eager loop for every batch. The engine sets it (``static_decoder_for``).
         self.static_decode: StaticDecode | None = None
+
+    def pool_layout(self, rows: int, need: int) -> tuple[KVPool, int] | None:
+        """Where a batch of ``rows`` rows needing ``need`` slots prefills: the static decoder's KV pool and
+        the length bucket of the batch's layout in it (``StaticDecoder.layout``), or None (its own cache)."""
+        decoder = self.static_decode
+        length = decoder.layout(rows, need) if decoder is not None else None
+        return None if decoder is None or length is None else (decoder.pool, length)
 
     # ------------------------------------------------------------------ model calls
 
@@ -219,7 +235,7 @@ class ModelRunner:
         import torch
 
         static_decode = self.static_decode
-        if static_decode is not None and static_decode.serves(rows, cache, static):
+        if static_decode is not None and static_decode.serves(rows, cache, static, kv_len):
             static_decode.decode(rows, logits, cache, positions, attn, kv_len, cancelled, on_leave=on_leave)
             return
         gen_start = kv_len

@@ -110,7 +110,8 @@ class LocalEngine:
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
-        runner.static_decode = static_decoder_for(runner)  # None: the eager loop (the CPU's default)
+        # None: the eager loop (the CPU's default); its KV pool sized from the batch budget (CUDA)
+        runner.static_decode = static_decoder_for(runner, budget=self.token_budget)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -336,10 +337,20 @@ class LocalEngine:
             # Batched: one co-stepped batch; if a row is on a reuse stream, the rows with a kept prefix
             # prefill only past it (and every stream keeps its KV for its next turn).
             reuse = self._kept.enabled and any(requests[i].reuse_key is not None for i in rest)
-            routes.append((self._reused.generate if reuse else self._plain.generate, rest))
+            path = self._reused.generate if reuse else self._plain.generate
+            routes += [(path, [rest[j] for j in chunk]) for chunk in self._pool_chunks(requests, rest)]
         # A forward hook sees every row of its batch: a hooked row runs alone, from scratch, in every mode.
         routes += [(self._hooked.generate, [i]) for i in hooked]
         return routes
+
+    def _pool_chunks(self, requests: list[GenerationRequest], rows: list[int]) -> list[list[int]]:
+        """A batched batch in consecutive pieces that each fit the static decoder's KV pool where it is
+        sized from the budget (``StaticDecoder.chunks``; by need, or no static decoder: one piece)."""
+        decoder = self._runner.static_decode
+        if decoder is None or len(rows) < 2:
+            return [list(range(len(rows)))]
+        prompts = [len(requests[i].prompt_ids) for i in rows]
+        return decoder.chunks(prompts, [requests[i].sampling.max_new_tokens for i in rows])
 
     def score(
         self, requests: Sequence[ScoreRequest], *, cancelled: threading.Event | None = None
@@ -383,9 +394,16 @@ class LocalEngine:
         if not self.device.startswith("cuda") or not torch.cuda.is_available():
             return None
         # this worker's share where workers share the GPU, every member's where the model spans a group
-        usable = usable_cuda_bytes(self._memory_devices)
+        return self._tokens_fitting(usable_cuda_bytes(self._memory_devices))
+
+    def _tokens_fitting(self, usable: int) -> int:
+        """:meth:`token_budget` from ``usable`` bytes: the KV pool's bytes are the batches' own (counted
+        back in: their KV goes there), the prefix store's room still to fill is not theirs (counted out)."""
+        import torch
+
+        usable += self.memory_held()["kv_pool"] - self._slots.prefixes.room()
         dtype_bytes = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 2
-        return token_budget_estimate(self.model.config, free_bytes=usable, dtype_bytes=dtype_bytes)
+        return token_budget_estimate(self.model.config, free_bytes=max(0, usable), dtype_bytes=dtype_bytes)
 
     def release(self, reuse_key: Hashable) -> None:
         """Free the KV cache kept for ``reuse_key`` (e.g. when its conversation is over)."""
@@ -401,6 +419,17 @@ class LocalEngine:
     def kept_bytes(self) -> int:
         """Bytes the kept KV caches hold now."""
         return self._kept.kept_bytes()
+
+    def memory_held(self) -> dict[str, int]:
+        """Bytes the engine holds between batches, by holder: the kept KV caches, the deterministic path's
+        kept prompt blocks (``_slot_prefix``), the static decoder's KV pool; :meth:`release_memory` (the
+        out-of-memory retry) frees them all, and :meth:`token_budget` counts them."""
+        decoder = self._runner.static_decode
+        return {
+            "kept_kv": self._kept.kept_bytes(),
+            "prefix_store": self._slots.prefixes.nbytes(),
+            "kv_pool": decoder.pool.nbytes() if decoder is not None else 0,
+        }
 
     def release_memory(self) -> None:
         """Before an out-of-memory retry: drop the kept KV caches (their streams prefill in full next

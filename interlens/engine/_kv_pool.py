@@ -1,17 +1,26 @@
-"""One persistent KV pool per engine: the storage every static decode step's cache is a view of.
+"""One persistent KV pool per engine: the storage every static batch's KV lives in, prefill to last step.
 
 A captured decode step (``_static_step``) replays over fixed addresses, so its KV cache cannot be a tensor a
 batch allocates and drops: the next batch's cache would lie elsewhere and the graph would write into freed
-memory. Here each layer's keys and values are allocated once, ``(rows, kv heads, length, head dim)`` for the
-largest row and length bucket the engine has needed, and a step of ``r`` rows and ``l`` slots gets the views
-``keys[:r, :, :l]``: every bucket shares one layout, so a row's slot lies at the same address in every view.
-That is what makes a hand-over cheap: rows that carry on into a smaller row bucket move inside the pool
-(into its front rows, ``index_copy_``), or not at all when they are already there.
+memory. Here each layer's keys and values are one flat buffer of :attr:`KVPool.slots` slots (a slot: one
+token of one row, every kv head), allocated once, and a batch of ``r`` rows over a length bucket of ``l``
+slots sees it as ``(r, kv heads, l, head dim)``: the first ``r * l`` slots, row-major. Every row bucket of
+one length bucket therefore lays a row's slots at the same address (row ``j`` starts at ``j * l`` slots
+whatever ``r`` is), which is what makes a hand-over cheap: rows that carry on into a smaller row bucket move
+inside the pool (into its front rows, ``index_copy_``), or not at all when they are already there. The flat
+buffer fits any rectangle of at most :attr:`KVPool.slots` slots, as the scheduler's batch budget counts a
+batch (rows x the longest prompt + its token cap), not only the largest rows and length seen so far.
 
-The pool grows only by reallocation, when a batch needs a larger bucket than any before (:meth:`KVPool.views`
-then bumps :attr:`KVPool.generation`: every step, and every graph captured on one, built on an older
-generation is stale and must be rebuilt). :meth:`KVPool.release` drops the storage (the engine's
-out-of-memory retry), and the next batch allocates it again at its own size.
+The prefill paths write straight into it (:meth:`KVPool.span`: a ``StaticCache`` over a range of rows and a
+range of slots of a batch's layout), so a static batch allocates no KV tensor of its own (``_pool_prefill``).
+
+Two ways to size it. By need (the CPU; the default): :meth:`KVPool.reserve` reallocates when a batch needs
+more slots than the pool has (:attr:`KVPool.generation` is bumped: every step, and every graph captured on
+one, built on an older generation is stale and must be rebuilt). From the engine's memory budget (CUDA):
+the static decoder reserves :meth:`KVPool.reserve_slots` once, the KV of the scheduler's first batch budget
+in tokens (``LocalEngine.token_budget``), and a batch whose padded rectangle does not fit is split
+(``StaticDecoder.chunks``), so a long run never reallocates it. :meth:`KVPool.release` drops the storage
+(the engine's out-of-memory retry), and the next batch allocates it again.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ __all__ = ["KVPool"]
 
 
 class KVPool:
-    """Per-layer K/V storage for ``model``'s decode steps (module docstring). Not thread-safe: the engine's
+    """Per-layer K/V storage for ``model``'s static batches (module docstring). Not thread-safe: the engine's
     lock guards it, as it guards the model."""
 
     def __init__(self, model: Any) -> None:
@@ -38,30 +47,51 @@ class KVPool:
         )
         self.dtype = model.dtype
         self.device = next(model.parameters()).device
-        self.rows = 0  # the storage's row and slot capacity (0: none allocated)
+        #: the storage's capacity in slots (0: none allocated)
+        self.slots = 0
+        #: the largest row and length bucket reserved since the storage was allocated (for figures)
+        self.rows = 0
         self.length = 0
         #: bumped at every (re)allocation: views, steps and graphs of an older generation are stale
         self.generation = 0
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
 
+    def slot_bytes(self) -> int:
+        """Bytes one slot takes over every layer (keys and values): what the budget divides by."""
+        import torch
+
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.heads * self.head_dim * itemsize
+
     def nbytes(self) -> int:
         """Bytes the pool holds now."""
         return sum(t.nbytes for t in (*self._keys, *self._values))
 
+    def fits(self, rows: int, length: int) -> bool:
+        """Whether the storage allocated now holds a ``rows`` x ``length`` layout."""
+        return rows * length <= self.slots
+
     def reserve(self, rows: int, length: int) -> bool:
         """Make the storage hold ``rows`` x ``length`` slots; returns whether it was (re)allocated (the old
         storage is freed first, so the peak is the new pool, not both)."""
+        grown = self.reserve_slots(rows * length)
+        self.rows, self.length = max(rows, self.rows), max(length, self.length)
+        return grown
+
+    def reserve_slots(self, slots: int) -> bool:
+        """Make the storage hold ``slots`` slots (at least its present size); returns whether it was
+        (re)allocated."""
         import torch
 
-        if rows <= self.rows and length <= self.length:
+        if slots <= self.slots:
             return False
-        rows, length = max(rows, self.rows), max(length, self.length)
+        slots = max(slots, self.slots)
         self.release()
-        shape = (rows, self.heads, length, self.head_dim)
+        shape = (slots * self.heads * self.head_dim,)
         self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.rows, self.length = rows, length
+        self.slots = slots
         self.generation += 1
         return True
 
@@ -69,24 +99,73 @@ class KVPool:
         """Drop the storage (the next :meth:`reserve` allocates it again); stale views keep their memory
         alive until they are dropped too."""
         self._keys, self._values = [], []
-        self.rows = self.length = 0
+        self.slots = self.rows = self.length = 0
+
+    def clear(self) -> None:
+        """Zero the storage: after a row whose logits went non-finite wrote NaN or inf KV, which a later
+        batch's masked slots would carry into its attention (zero weight times NaN is NaN)."""
+        for tensor in (*self._keys, *self._values):
+            tensor.zero_()
+
+    def shaped(self, keys: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+        """One layer's buffer seen as ``(rows, kv heads, length, head dim)`` (module docstring)."""
+        return keys[: rows * self.heads * length * self.head_dim].view(
+            rows, self.heads, length, self.head_dim
+        )
 
     def views(self, rows: int, length: int) -> Any:
         """A transformers ``StaticCache`` of ``rows`` x ``length`` slots whose layers' keys and values are
         views of the pool (reserved first), each with its own write position (a tensor, as a static
         layer's is). A forward through it writes straight into the pool."""
+        self.reserve(rows, length)
+        return self.span(0, rows, length=length)
+
+    def span(
+        self,
+        start: int,
+        stop: int,
+        *,
+        length: int,
+        offset: int = 0,
+        width: int | None = None,
+        written: int = 0,
+    ) -> Any:
+        """A ``StaticCache`` over rows ``[start, stop)`` and slots ``[offset, offset + width)`` of the
+        ``(rows, length)`` layout (``width`` None: to the layout's end), its first ``written`` slots counted
+        as filled: a forward through it writes straight into the pool, at the slots a step of that layout
+        reads. The storage must already hold the layout (:meth:`fits`)."""
         import torch
         from transformers import StaticCache
 
-        self.reserve(rows, length)
-        cache: Any = StaticCache(config=self.config, max_cache_len=length)
+        from .._core import ConfigurationError
+
+        width = length - offset if width is None else width
+        if not (
+            0 <= start < stop and 0 <= offset and 0 < width and offset + width <= length
+        ) or not self.fits(stop, length):
+            raise ConfigurationError(
+                f"KVPool.span(start={start}, stop={stop}, length={length}, offset={offset}, width={width}): "
+                f"not a range of a layout the pool's {self.slots} slots hold; reserve(rows, length) first"
+            )
+        cache: Any = StaticCache(config=self.config, max_cache_len=width)
         for layer, keys, values in zip(cache.layers, self._keys, self._values, strict=True):
-            layer.max_cache_len = length
+            layer.max_cache_len = width
             layer.device = self.device
-            layer.batch_size, layer.num_heads = rows, self.heads
+            layer.batch_size, layer.num_heads = stop - start, self.heads
             layer.k_head_dim = layer.v_head_dim = self.head_dim
-            layer.keys = keys[:rows, :, :length]
-            layer.values = values[:rows, :, :length]
-            layer.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+            layer.keys = self.shaped(keys, stop, length)[start:stop, :, offset : offset + width]
+            layer.values = self.shaped(values, stop, length)[start:stop, :, offset : offset + width]
+            layer.cumulative_length = torch.tensor(written, dtype=torch.long, device=self.device)
             layer.is_initialized = True
         return cache
+
+    def holds(self, cache: Any) -> bool:
+        """Whether every layer of ``cache`` is a view of this pool's storage."""
+        layers = getattr(cache, "layers", None)
+        if not self._keys or not layers or len(layers) != self.layers:
+            return False
+        return all(
+            getattr(layer, "keys", None) is not None
+            and layer.keys.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
+            for layer, keys in zip(layers, self._keys, strict=True)
+        )

@@ -174,7 +174,24 @@ class ReusedPrefixBatch:
             end = max(reused) + width
         held = end - width  # U: the kept region's width (at least the longest kept prefix)
         max_new = max(r.sampling.max_new_tokens for r in requests)
-        cache, static = self.plain.new_cache(end + max_new)
+        static_batch = self.plain.batch_cache == "static"
+        pooled = runner.pool_layout(batch, end + max_new) if static_batch else None
+        if pooled is not None and split and kept != list(range(len(kept))):
+            # in the pool, the kept rows and the fresh ones are each one range of rows (one view each)
+            order = kept + fresh
+            laid = self._decode_laid_out(
+                [requests[i] for i in order],
+                [entries[i] for i in order],
+                [reused[i] for i in order],
+                cancelled,
+                collector,
+            )
+            return [row for _, row in sorted(zip(order, laid, strict=True), key=lambda pair: pair[0])]
+        if pooled is not None:  # a static batch: laid out straight into the engine's KV pool
+            pool, length = pooled
+            cache, static = pool.span(0, batch, length=length, width=end), True
+        else:
+            cache, static = self.plain.new_cache(end + max_new)
         if split and not (static and plain_static(cache)):  # no layout to copy into: join instead
             self.plain.batch_cache = "dynamic"
             return self._decode_laid_out(requests, entries, reused, cancelled, collector)
@@ -187,7 +204,21 @@ class ReusedPrefixBatch:
             slots[i] = list(range(held - n, held)) + list(range(end - len(s), end))
         for i in fresh if split else []:
             slots[i] = list(range(end - len(prompts[i]), end))
-        if split:
+        if split and pooled is not None:
+            pool, length = pooled
+            kept_view = pool.span(0, len(kept), length=length, width=end)
+            kept_logits = self._prefill_kept(kept, kept_view, entries, reused, suffixes, mask, held, width)
+            raise_if_cancelled(cancelled)
+            ids, fresh_mask = left_pad([prompts[i] for i in fresh], fresh_width, runner.pad_id)
+            fresh_view = pool.span(
+                len(kept), batch, length=length, offset=end - fresh_width, width=fresh_width
+            )
+            fresh_logits = runner.forward(ids, fresh_mask, fresh_view)
+            logits = torch.cat([kept_logits, fresh_logits.to(kept_logits.device)])
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(end)
+            del kept_view, fresh_view, kept_logits, fresh_logits
+        elif split:
             from transformers import StaticCache
 
             part: Any = StaticCache(config=runner.model.config, max_cache_len=end)
@@ -237,7 +268,18 @@ class ReusedPrefixBatch:
 
         runner = self.runner
         donor = next(i for i in rows if reused[i])
+        # a static cache whose storage is there already (the engine's KV pool): each kept prefix written
+        # into its row directly, no batch-wide copy of them first
+        direct = plain_static(cache) and all(layer.is_initialized for layer in cache.layers)
         for index, layer in enumerate(cache.layers):
+            if direct:
+                for at, i in enumerate(rows):
+                    if reused[i]:
+                        k, v = entries[i].kv[index]  # type: ignore[union-attr]
+                        layer.keys[at, :, held - reused[i] : held] = k[:, : reused[i]]
+                        layer.values[at, :, held - reused[i] : held] = v[:, : reused[i]]
+                layer.cumulative_length.fill_(held)
+                continue
             ref_k, ref_v = entries[donor].kv[index]  # type: ignore[union-attr]
             keys = ref_k.new_zeros((len(rows), ref_k.shape[0], held, ref_k.shape[2]))
             values = ref_v.new_zeros((len(rows), ref_v.shape[0], held, ref_v.shape[2]))

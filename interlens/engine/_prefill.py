@@ -30,11 +30,14 @@ from typing import TYPE_CHECKING, Any
 from ._decode import ModelRunner, Row, left_pad, raise_if_cancelled, stop_window
 from ._generation_types import GenerationRequest, GenerationResult
 from ._narrow_cache import narrowed_layer_type, narrowed_static_cache
+from ._pool_prefill import prefill_block, prefill_parts, prefill_twins
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
+
+    from ._kv_pool import KVPool
 
 __all__ = ["Decoded", "PlainBatch", "padded_tokens", "plain_static", "prefill_groups", "prefix_groups"]
 
@@ -104,6 +107,11 @@ class PlainBatch:
         shared = sharing and len(unique) < len(requests) and min(lengths) >= 2
         raise_if_cancelled(cancelled)
         prompt_len = max(lengths)
+        pooled = (
+            runner.pool_layout(len(requests), prompt_len + max_new) if self.batch_cache == "static" else None
+        )
+        if pooled is not None:  # a static batch: prefilled straight into the engine's KV pool
+            return self._pooled(requests, pooled, sharing, shared, cancelled, on_leave, started)
         cache, static = self.new_cache(prompt_len + max_new)
         prefixes = prefix_groups([r.prompt_ids for r in requests]) if sharing and static else []
         if prefixes and not plain_static(cache):
@@ -175,6 +183,68 @@ class PlainBatch:
             rows, logits, cache, positions, attn, kv_len, cancelled, static=static, on_leave=on_leave
         )
         return Decoded(rows, shared_tokens, started, cache, static)
+
+    def _pooled(
+        self,
+        requests: list[GenerationRequest],
+        pooled: tuple[KVPool, int],
+        sharing: bool,
+        shared: bool,
+        cancelled: threading.Event | None,
+        on_leave: Callable[[list[int], list[Row], Any, int], None] | None,
+        started: float,
+    ) -> Decoded:
+        """:meth:`prefill_and_decode`'s prefill choices, each written into the pool (``_pool_prefill``),
+        then the decode; the rows come back in the requests' order."""
+        pool, length = pooled
+        prompts = [r.prompt_ids for r in requests]
+        lengths = [len(p) for p in prompts]
+        max_new = max(r.sampling.max_new_tokens for r in requests)
+        prefixes = prefix_groups(prompts) if sharing else []
+        shared_tokens = [0] * len(requests)
+        if prefixes:
+            grouped = {r for _, members in prefixes for r in members}
+            rest = [r for r in range(len(requests)) if r not in grouped]
+            parts = list(prefixes)
+            if rest:
+                parts += [(0, [rest[i] for i in g]) for g in prefill_groups([lengths[r] for r in rest])]
+            done = prefill_parts(self.runner, pool, prompts, parts, length=length, max_new=max_new)
+            for p, members in prefixes:
+                for r in members:
+                    shared_tokens[r] = p
+        elif shared:
+            unique: dict[tuple[int, ...], int] = {}
+            to_unique = [unique.setdefault(p, len(unique)) for p in prompts]
+            done = prefill_twins(self.runner, pool, prompts, to_unique, length=length, max_new=max_new)
+            counts = [to_unique.count(u) for u in to_unique]
+            shared_tokens = [n - 1 if c > 1 else 0 for n, c in zip(lengths, counts, strict=True)]
+        elif len(groups := prefill_groups(lengths)) > 1:
+            parts = [(0, g) for g in groups]
+            done = prefill_parts(self.runner, pool, prompts, parts, length=length, max_new=max_new)
+        else:
+            done = prefill_block(self.runner, pool, prompts, length=length, max_new=max_new)
+        rows = [
+            Row(
+                requests[r],
+                stop_window=stop_window(requests[r].sampling.stop),
+                prompt_slots=None if done.prompt_slots is None else done.prompt_slots[k],
+            )
+            for k, r in enumerate(done.order)
+        ]
+        cache = done.cache
+        self.runner.decode(
+            rows,
+            done.logits,
+            cache,
+            done.positions,
+            done.attn,
+            done.kv_len,
+            cancelled,
+            static=True,
+            on_leave=on_leave,
+        )
+        by_request = [rows[k] for k in sorted(range(len(rows)), key=done.order.__getitem__)]
+        return Decoded(by_request, shared_tokens, started, cache, True)
 
     def prefill_tokens(self, prompts: list[tuple[int, ...]]) -> int:
         """The token rows this path would feed the model to prefill ``prompts`` (padding included, a shared

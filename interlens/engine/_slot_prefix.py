@@ -53,6 +53,14 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def nbytes(self) -> int:
+        """Bytes the kept blocks hold now."""
+        return self._bytes
+
+    def room(self) -> int:
+        """Bytes the store may still take before it evicts (what the engine's batch budget leaves it)."""
+        return max(0, self.capacity - self._bytes)
+
     def clear(self) -> None:
         """Drop every kept block (``LocalEngine.clear_reuse``, and so before an out-of-memory retry)."""
         self._blocks.clear()

@@ -6,8 +6,10 @@ be replayed. :class:`StaticDecoder` decodes the same batch through a
 :class:`~._static_step.StaticDecodeStep` per bucket key (row bucket, length bucket, sampler variant,
 recording), kept between batches, whose caches are views of the engine's one :class:`~._kv_pool.KVPool`:
 
-* ``begin`` lays the prefilled batch cache (any prefill path: plain, shared prefix, grouped, kept KV laid
-  out) into the pool's front rows and draws the first tokens from the prefill's logits;
+* the prefill wrote the batch's KV straight into the pool (every plain and kept-KV prefill path asks
+  :meth:`StaticDecoder.layout` where, and writes through ``KVPool.span`` views: ``_pool_prefill``), so
+  ``begin`` finds it in place (counted in :attr:`StaticDecoder.stats`; a cache of the batch's own is copied
+  into the pool's front rows) and draws the first tokens from the prefill's logits;
 * each step runs the step's function (a replayed graph on CUDA: ``_decode_graphs``) and queues the copy of
   its chosen tokens (-1 for a row whose logits went non-finite) to pinned host memory; the loop is
   pipelined: step n+1 is launched before the host waits for step n's tokens (its one wait a step, on that
@@ -20,6 +22,12 @@ recording), kept between batches, whose caches are views of the engine's one :cl
   leaving rows, then the live rows move to the pool's front rows (``hand_over``) and the smaller bucket's
   step carries on. The length bucket is chosen once per batch (its longest prompt plus its largest token
   cap), so no step runs out of slots.
+
+The pool is sized once from the engine's batch budget where the engine gives one (CUDA: ``budget``, the
+scheduler's first token budget): a batched batch is split by the engine into pieces whose padded layouts fit
+it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row past the whole pool, a kept-KV
+layout wider than its prompts) decodes in the eager loop in its own cache. Without a budget (the CPU) the
+pool grows by need, reallocated (steps and graphs rebuilt) when a batch needs more slots than any before.
 
 Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
 eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
@@ -67,15 +75,18 @@ ENV_SWITCH = "INTERLENS_STATIC_DECODE"
 MAX_STEPS = 32
 
 
-def static_decoder_for(runner: ModelRunner) -> StaticDecoder | None:
+def static_decoder_for(
+    runner: ModelRunner, *, budget: Callable[[], int | None] | None = None
+) -> StaticDecoder | None:
     """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
-    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices."""
+    ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices. ``budget``: the pool's
+    size in slots, asked when first needed (:class:`StaticDecoder`)."""
     switch = os.environ.get(ENV_SWITCH, "")
     if switch == "0" or (switch != "1" and not runner.device.startswith("cuda")):
         return None
     if len({p.device for p in runner.model.parameters()}) > 1:
         return None  # a model split over devices: each layer's KV lives on its own device, not in one pool
-    return StaticDecoder(runner)
+    return StaticDecoder(runner, budget=budget)
 
 
 class StaticDecoder:
@@ -89,8 +100,14 @@ class StaticDecoder:
         quantum: int = LENGTH_QUANTUM,
         graphs: GraphRunner | None = None,
         grouped_attention: bool | None = None,
+        budget: Callable[[], int | None] | None = None,
     ) -> None:
         self.runner = runner
+        #: the pool's size in slots, asked once when it is first needed (the engine's ``token_budget``:
+        #: the scheduler's first batch budget in tokens); None, or a budget that says None (the CPU): the
+        #: pool grows by need
+        self.budget = budget
+        self._plain_model: bool | None = None  # whether the model's cache layers are plain static ones
         if grouped_attention is None:
             grouped_attention = runner.device.startswith("cuda")
         #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
@@ -107,10 +124,12 @@ class StaticDecoder:
         self._generation = self.pool.generation
         self._host: list[torch.Tensor] | None = None  # two host buffers the launched steps' tokens go to
         self._flip = 0
+        self._slots: int | None = None  # the pool's size from the budget, once asked (0: by need)
 
-    def serves(self, rows: list[Row], cache: Any, static: bool) -> bool:
+    def serves(self, rows: list[Row], cache: Any, static: bool, kv_len: int) -> bool:
         """Whether this batch can decode here: a static cache of plain layers, rows within the largest
-        bucket, no forward hooks on the model (counted in :attr:`stats` when not)."""
+        bucket, no forward hooks on the model, and (a cache not prefilled in the pool) room in the pool for
+        its layout (counted in :attr:`stats` when not)."""
         if not static or getattr(cache, "feed", None) is not None or len(rows) > ROW_BUCKETS[-1]:
             return False
         if not plain_static(cache):
@@ -119,13 +138,85 @@ class StaticDecoder:
         if _hooked(self.runner.model):
             self.stats["eager batches: forward hooks"] += 1
             return False
+        if self.pool.holds(cache):
+            return True
+        need = kv_len + max(r.request.sampling.max_new_tokens for r in rows)
+        if not self._room(row_bucket(len(rows)), length_bucket(need, quantum=self.quantum)):
+            self.stats["eager batches: pool full"] += 1
+            return False
         return True
+
+    def layout(self, rows: int, need: int) -> int | None:
+        """Where a batch of ``rows`` rows needing ``need`` slots (prompt width + largest token cap) is to
+        be prefilled: the length bucket of its layout in the pool, made to hold it (the prefill then writes
+        straight into :meth:`KVPool.span` views of it, which the steps read), or None where the batch will
+        not decode here (too many rows, cache layers that are not plain static ones, forward hooks on the
+        model, no room in a pool sized from the budget): the prefill then builds its own cache."""
+        if not 1 <= rows <= ROW_BUCKETS[-1] or _hooked(self.runner.model) or not self._plain():
+            return None
+        length = length_bucket(need, quantum=self.quantum)
+        if not self._room(row_bucket(rows), length):
+            return None
+        return length
+
+    def chunks(self, prompts: list[int], caps: list[int]) -> list[list[int]]:
+        """Rows (prompt lengths ``prompts``, token caps ``caps``) in consecutive batches whose padded layouts
+        (row bucket x length bucket of the longest prompt + the largest cap) fit a pool sized from the
+        budget: all in one where it is sized by need; a row alone past the pool is a batch of its own,
+        which then decodes eagerly in its own cache (``serves``)."""
+        slots = self._budget_slots()
+        if slots is None:
+            return [list(range(len(prompts)))]
+        out: list[list[int]] = []
+        for i in range(len(prompts)):
+            if out:
+                batch = [*out[-1], i]
+                need = max(prompts[j] for j in batch) + max(caps[j] for j in batch)
+                fits = row_bucket(len(batch)) * length_bucket(need, quantum=self.quantum) <= slots
+                if len(batch) <= ROW_BUCKETS[-1] and fits:
+                    out[-1].append(i)
+                    continue
+            out.append([i])
+        return out
 
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
         self._steps.clear()
         self.graphs.clear()
         self.pool.release()
+        self._slots = None  # measured again from the budget when next needed
+
+    def _plain(self) -> bool:
+        """Whether the model's cache layers are all plain static ones (the pool's layout), checked once."""
+        if self._plain_model is None:
+            from transformers import StaticCache
+
+            self._plain_model = plain_static(StaticCache(config=self.pool.config, max_cache_len=1))
+        return self._plain_model
+
+    def _budget_slots(self) -> int | None:
+        """The pool's size in slots from the budget (asked once, until :meth:`release`); None: by need."""
+        if self._slots is None and self.budget is not None:
+            self._slots = self.budget() or 0
+        return self._slots or None
+
+    def _room(self, rows: int, length: int) -> bool:
+        """Make the pool hold a ``rows`` x ``length`` layout if it can: grown by need, or allocated once at
+        the budget's size (then False where the layout does not fit). Steps and graphs over a storage that
+        is reallocated are dropped."""
+        slots = self._budget_slots()
+        if slots is not None:
+            if rows * length > max(slots, self.pool.slots):
+                return False
+            grown = self.pool.reserve_slots(slots)
+            self.pool.reserve(rows, length)  # within the storage: the largest layout, for figures
+        else:
+            grown = self.pool.reserve(rows, length)
+        if grown or self._generation != self.pool.generation:
+            self._steps.clear()
+            self.graphs.clear()
+            self._generation = self.pool.generation
+        return True
 
     def decode(
         self,
@@ -149,6 +240,8 @@ class StaticDecoder:
         variant = variant_for(settings)
         length = length_bucket(kv_len + max(s.max_new_tokens for s in settings), quantum=self.quantum)
         self.stats["batches"] += 1
+        # prefilled straight into the pool (``_pool_prefill``), or in a cache of its own that begin() copies
+        self.stats["prefills: in the pool" if self.pool.holds(cache) else "prefills: copied in"] += 1
         step, mode = self._step(row_bucket(len(rows)), length, variant, record)
         prompt_mask = (
             attn[:, :kv_len] if attn is not None else torch.ones(len(rows), kv_len, dtype=torch.long)
@@ -202,6 +295,8 @@ class StaticDecoder:
         hand_out(recorded)
         if on_leave is not None:
             on_leave(list(range(len(active))), active, step.cache, kv_len)
+        if any(row.failure is not None for row in rows):
+            self.pool.clear()  # its NaN / inf KV would reach a later batch's masked slots
 
     def _launch(self, step: StaticDecodeStep, n: int, mode: str) -> _Launched:
         """Run one step and queue the copy of its first ``n`` rows' tokens to the host (pinned memory on
@@ -233,12 +328,8 @@ class StaticDecoder:
 
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[StaticDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""
-        if self._generation != self.pool.generation or self.pool.rows < rows or self.pool.length < length:
-            # the pool grows (or was released): every view, step and graph built on it is stale
-            self._steps.clear()
-            self.graphs.clear()
-            self.pool.reserve(max(rows, self.pool.rows), max(length, self.pool.length))
-            self._generation = self.pool.generation
+        if not self._room(rows, length):  # serves() or layout() made room for the batch's layout
+            raise AssertionError(f"no room in the KV pool for {rows} x {length} slots")
         key = (rows, length, variant, record)
         step = self._steps.get(key)
         if step is None:

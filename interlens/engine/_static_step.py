@@ -12,10 +12,10 @@ allocated once:
 * outputs: the chosen tokens (-1 where a row's logits were not usable, so one host read brings both),
   whether each row's logits were usable (``finite``), and with recording the chosen tokens'
   log-probabilities under the model's and the sampling distribution (rows, 2);
-* its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every bucket's view lays a
-  row's slots at the same address), or a ``StaticCache`` of its own initialised to rows x length up front;
-  its layers keep their write position in a tensor (``cumulative_length``) advanced in place by the
-  forward itself.
+* its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every row bucket of one
+  length bucket lays a row's slots at the same address), or a ``StaticCache`` of its own initialised to
+  rows x length up front; its layers keep their write position in a tensor (``cumulative_length``)
+  advanced in place by the forward itself.
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
@@ -186,7 +186,8 @@ class StaticDecodeStep:
     ) -> Choice:
         """Start a batch of ``len(settings)`` real rows (at most :attr:`rows`): ``kv`` a cache prefilled
         with their left-padded prompts (any transformers cache whose layers have ``keys`` / ``values`` of
-        ``prompt_mask``'s width, batch-first), ``prompt_mask`` (real rows x prompt width, 1 = a prompt token)
+        ``prompt_mask``'s width, batch-first; where it is this step's own pool region, as the engine's
+        prefills write it, nothing is copied), ``prompt_mask`` (real rows x prompt width, 1 = a prompt token)
         and ``logits`` (real rows x vocab): the prefill's last-position logits. Every buffer is filled in
         place (nothing is allocated that a step reads); the first tokens are drawn from ``logits`` by the
         eager sampler (whose uniform streams the steps carry on) and returned as its :class:`Choice`."""
@@ -275,10 +276,10 @@ class StaticDecodeStep:
         k, slot = len(keep), self._slot
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         with torch.no_grad():
-            # Rows already where they go (the front rows of one pool's storage: every bucket's view lays a
-            # row's slots at the same address) do not move; others are gathered first (index_select
-            # copies), so a step handing over within its own storage reads before it writes, then
-            # index_copy_'d into the front rows.
+            # Rows already where they go (the front rows of one pool's layout: every row bucket of one
+            # length bucket lays a row's slots at the same address) do not move; others are gathered
+            # first (index_select copies), so a step handing over within its own storage reads before it
+            # writes, then index_copy_'d into the front rows.
             in_place = list(keep) == list(range(k)) and all(
                 a.keys.data_ptr() == b.keys.data_ptr() and a.keys.stride() == b.keys.stride()
                 for a, b in zip(self.cache.layers, to.cache.layers, strict=True)
