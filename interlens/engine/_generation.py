@@ -47,6 +47,7 @@ from ._load_options import require_transformers
 from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
+from ._slot_decode import slot_decoder_for
 from ._slot_rows import SlotLayout, padded_rows
 from ._static_decode import static_decoder_for
 from ._verdicts import Verdicts
@@ -111,6 +112,7 @@ class LocalEngine:
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
         runner.static_decode = static_decoder_for(runner)  # None: the eager loop (the CPU's default)
+        self._slots.decoder = slot_decoder_for(runner)  # deterministic rows' static steps (None: eager)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -204,7 +206,11 @@ class LocalEngine:
         slots = self._slots
         size = padded_rows(rows, buckets=slots.buckets)  # on CUDA its row bucket: one probe per bucket
         if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
-            kernels = {"fixed_linear_rows": slots.fixed_linear_rows, "fixed_norms": slots.fixed_norms}
+            kernels = {
+                "fixed_linear_rows": slots.fixed_linear_rows,
+                "fixed_norms": slots.fixed_norms,
+                "static_steps": slots.static_steps(),
+            }
             probe = {"rows": size, "bucket": slots.buckets, **kernels, **probe_definition()}
             key, known = self._verdicts.lookup(probe, ("invariant",))
             with torch.inference_mode():
@@ -228,7 +234,8 @@ class LocalEngine:
         kept on disk for this very key (``_verdicts``) is used instead; one computed here is kept."""
         slots = self._slots
         fields = ("invariant", "fixed_linear_rows")
-        key, known = self._verdicts.lookup({"rows": None, **probe_definition()}, fields)
+        probe = {"rows": None, "static_steps": slots.static_steps(), **probe_definition()}
+        key, known = self._verdicts.lookup(probe, fields)
         if known:
             slots.fixed_linear_rows = known["fixed_linear_rows"]
             return bool(known["invariant"])
@@ -412,6 +419,8 @@ class LocalEngine:
         self.clear_reuse()
         if self._runner.static_decode is not None:
             self._runner.static_decode.release()  # the decode steps' KV pool, steps and graphs
+        if self._slots.decoder is not None:
+            self._slots.decoder.release()  # the deterministic rows' pool, steps and graphs
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             for member in self._memory_devices.split(","):  # every GPU of a group
