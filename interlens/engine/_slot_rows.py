@@ -310,7 +310,7 @@ class SlotLayout:
         self-test's steps run in one."""
         model = self.runner.model
         with contextlib.ExitStack() as stack:
-            stack.enter_context(at_any_row_count())
+            stack.enter_context(at_any_row_count(model))
             if self.fixed_norms:
                 stack.enter_context(fixed_order_norms(model))
             if self.fixed_linear_rows:
