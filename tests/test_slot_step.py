@@ -122,9 +122,13 @@ def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(load
     assert decoder.pool.nbytes() == 0
     assert static.batch_invariant is True and eager.batch_invariant is True
     assert decoder.pool.nbytes() > 0 and decoder.stats["batches"] == 0
-    eager_key, _ = eager._verdicts.lookup({"rows": None, "static_steps": False}, ("invariant",))
-    static_key, _ = static._verdicts.lookup({"rows": None, "static_steps": True}, ("invariant",))
+    fields = ("invariant", "fixed_linear_rows")
+    eager_key, eager_verdict = eager._verdicts.lookup(eager._self_test_probe(rows=None), fields)
+    static_key, static_verdict = static._verdicts.lookup(static._self_test_probe(rows=None), fields)
     assert eager_key is not None and static_key is not None and eager_key.path != static_key.path
+    assert static_key.parts["probe"]["static_steps"] is True
+    assert "static_steps" not in eager_key.parts["probe"]
+    assert eager_verdict is not None and static_verdict is not None and static_verdict["invariant"] is True
 
 
 def test_a_static_slot_step_reads_the_device_once(

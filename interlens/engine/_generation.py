@@ -206,12 +206,8 @@ class LocalEngine:
         slots = self._slots
         size = padded_rows(rows, buckets=slots.buckets)  # on CUDA its row bucket: one probe per bucket
         if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
-            kernels = {
-                "fixed_linear_rows": slots.fixed_linear_rows,
-                "fixed_norms": slots.fixed_norms,
-                "static_steps": slots.static_steps(),
-            }
-            probe = {"rows": size, "bucket": slots.buckets, **kernels, **probe_definition()}
+            kernels = {"fixed_linear_rows": slots.fixed_linear_rows, "fixed_norms": slots.fixed_norms}
+            probe = {**self._self_test_probe(rows=size), "bucket": slots.buckets, **kernels}
             key, known = self._verdicts.lookup(probe, ("invariant",))
             with torch.inference_mode():
                 passed = known["invariant"] if known else invariant_at(self._slots, size)
@@ -228,14 +224,22 @@ class LocalEngine:
                     )
         return rows if size <= self._invariant_rows else self._invariant_rows
 
+    def _self_test_probe(self, *, rows: int | None) -> dict[str, Any]:
+        """What a verdict of the self-test (``rows`` None) or of a batch size probed depends on besides the
+        model and machine (``_verdicts``): the test's definition, and whether it probed the static slot
+        steps (``_slot_decode``; said only when it did, so the eager steps' verdicts keep their keys)."""
+        probe: dict[str, Any] = {"rows": rows, **probe_definition()}
+        if self._slots.static_steps():
+            probe["static_steps"] = True
+        return probe
+
     def _passes_self_test(self) -> bool:
         """The self-test on the stock kernels, else with every linear layer in fixed-row chunks (slower, so
         only where the stock kernels pick their kernel by the batch's row count: ``_slot_rows``). A verdict
         kept on disk for this very key (``_verdicts``) is used instead; one computed here is kept."""
         slots = self._slots
         fields = ("invariant", "fixed_linear_rows")
-        probe = {"rows": None, "static_steps": slots.static_steps(), **probe_definition()}
-        key, known = self._verdicts.lookup(probe, fields)
+        key, known = self._verdicts.lookup(self._self_test_probe(rows=None), fields)
         if known:
             slots.fixed_linear_rows = known["fixed_linear_rows"]
             return bool(known["invariant"])
