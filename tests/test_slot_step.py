@@ -21,7 +21,7 @@ from test_static_step import AddressCheckingGraph
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interlens import ConfigurationError
+from interlens import ConfigurationError, GenerationError
 from interlens.engine._decode_graphs import GraphRunner
 from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.engine._slot_decode import SlotDecoder
@@ -187,6 +187,36 @@ def test_the_slot_step_compiles_to_one_frame_per_bucket_with_the_eager_tokens(
     for x, y in zip(got, expected, strict=True):
         assert x.token_ids == y.token_ids
         assert x.model_logprobs == pytest.approx(y.model_logprobs, abs=1e-5)
+
+
+def test_a_row_whose_logits_go_non_finite_fails_alone_and_leaves_nothing_in_the_pool(
+    loaded: tuple[Any, Any], qwen2_path: str
+) -> None:
+    """A token's embedding set to NaN: the row that generates it fails with the eager slot path's error, the
+    others carry on to the same tokens; restored, the next batch over the same pool rows (where the failed
+    row's KV went NaN) gets the eager path's tokens again: ``begin`` zeroes the slots past a prefill."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path, dtype=loaded[0].dtype).eval()
+    eager, static = engines((model, loaded[1]))
+    prompts = [tuple(loaded[1](f"row {i} speaks").input_ids) for i in range(4)]
+    before = ok(eager.generate_batch(requests(prompts, [12] * 4), mode=DET))
+    poisoned = before[2].token_ids[4]
+    weight = model.get_input_embeddings().weight
+    saved = weight[poisoned].clone()
+    with torch.no_grad():
+        weight[poisoned] = float("nan")
+    expected = eager.generate_batch(requests(prompts, [12] * 4), mode=DET)
+    assert isinstance(expected[2], GenerationError)
+    got = static.generate_batch(requests(prompts, [12] * 4), mode=DET)
+    assert isinstance(got[2], GenerationError) and str(got[2]) == str(expected[2])
+    assert [r.token_ids for r in ok(got[:2] + got[3:])] == [
+        r.token_ids for r in ok(expected[:2] + expected[3:])
+    ]
+    with torch.no_grad():
+        weight[poisoned] = saved
+    again = ok(static.generate_batch(requests(prompts[::-1], [12] * 4), mode=DET))
+    assert [r.token_ids for r in again] == [
+        r.token_ids for r in ok(eager.generate_batch(requests(prompts[::-1], [12] * 4), mode=DET))
+    ]
 
 
 def test_sliding_window_models_keep_the_eager_slot_steps() -> None:
