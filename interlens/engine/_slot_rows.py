@@ -38,6 +38,10 @@ engine co-steps rows on this layout only after its self-test (``_batch_invarianc
 together through this very path and found every submodule output bitwise equal. Only for models whose
 layers are full or sliding-window attention (:meth:`SlotLayout.supported`); others run deterministic rows
 alone through the plain batch path.
+
+The decode steps here (``SlotCache.feed``, ``reorder_cache``) pad, mask and compact with new tensors every
+step. Where :attr:`SlotLayout.decoder` is set (on CUDA; ``_slot_decode``) the same layout's steps run as
+static shapes over a KV pool instead, replayed as CUDA graphs; the self-test then probes those.
 """
 
 from __future__ import annotations
@@ -134,7 +138,8 @@ class SlotSteps(Protocol):
 
 class SlotLayout:
     """The deterministic path on the batch-invariant layout, over one model runner (see the module
-    docstring). :meth:`fill` and :meth:`first` are the calls the self-test (``_batch_invariance``) probes."""
+    docstring). :meth:`fill` and :meth:`first` (or the :attr:`decoder`'s steps) are the calls the self-test
+    (``_batch_invariance``) probes."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
