@@ -100,14 +100,14 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
         for x, y in zip(got, expected, strict=True):
             assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
             assert (x.model_logprobs, x.sampling_logprobs) == (y.model_logprobs, y.sampling_logprobs)
-        for i in (0, 1, 3, 9):
+        for i in (0, 2, 9):  # greedy, seeded nucleus, seeded tempered
             alone = ok(static.generate_batch(requests(prompts, new)[i : i + 1], mode=DET))[0]
             assert alone.token_ids == got[i].token_ids, (turn, i)
         prompts = [
             (*p, *r.token_ids, *tokenizer(" then").input_ids) for p, r in zip(prompts, got, strict=True)
         ]
     assert static._slots.prefixes.hits > 0  # the second turn's prefill loaded kept blocks
-    assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 8
+    assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 6
     assert not any(key.startswith("steps: eager") for key in decoder.stats)
     replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
     assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0  # less each check at capture
