@@ -11,6 +11,8 @@ engine now runs the slot layout with cuBLAS without split-K (a deterministic wor
 * ``norm``: the fixed-order RMSNorm of rows computed 4, 8 and 16 at a time against each alone, bitwise;
 * ``self_test``: the engine's self-test (rows up to ``PROBED_ROWS``) and the probe of each larger row
   bucket (``invariant_at``, as the engine runs before a bucket's first use): passed and seconds;
+* ``slot_steps``: how the deterministic decode steps ran (graph replays of ``engine/_slot_decode``'s static
+  slot steps, or eager and why; captures, failures);
 * ``throughput``: at each of ``rows``, one ``generate_batch`` of random ``prompt``-token prompts, ``new``
   seeded tokens each (T = 0.9), batched then deterministic after a warm-up of each: tok/s, the ratio and
   the deterministic rows' batch size (co-stepped or alone). Where the self-test failed, deterministic rows
@@ -115,7 +117,11 @@ def deterministic_bench(
         fig["norm"] = _norm_check(int(model.config.hidden_size), device, model.dtype)
         engine = LocalEngine(model, _NoText(), device=device)
         slots = engine._slots
-        fig["layout"] = {"fixed_norms": slots.fixed_norms, "buckets": slots.buckets}
+        fig["layout"] = {
+            "fixed_norms": slots.fixed_norms,
+            "buckets": slots.buckets,
+            "static_steps": slots.static_steps(),  # on CUDA: graphs of ``engine/_slot_decode``
+        }
         tests: dict[str, Any] = {}
         fig["self_test"] = tests
         t0 = time.perf_counter()
@@ -166,6 +172,11 @@ def deterministic_bench(
             entry["ratio"] = round(entry["deterministic"]["tok_s"] / entry["batched"]["tok_s"], 3)
             speed[str(n)] = entry
             print(f"  {name}, {n} rows: {entry}", flush=True)
+            flush()
+        decoder = getattr(slots, "decoder", None)
+        if decoder is not None:  # how the deterministic steps ran: graph replays, or eager and why
+            graphs = {f"graphs: {key}": n for key, n in decoder.graphs.stats.items()}
+            fig["slot_steps"] = {**decoder.stats, **graphs, "graphs failed": decoder.graphs.failed}
             flush()
         del engine, slots, model
         gc.collect()

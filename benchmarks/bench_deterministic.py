@@ -1,6 +1,7 @@
 """Deterministic vs batched rollout throughput on the 4-turn debate, side by side (issue #14).
 
     python benchmarks/bench_deterministic.py [--rollouts 16] [--turns 4] [--new-tokens 32] [--repeats 3]
+        [--slot-steps]
 
 The same two-speaker debate (one local Qwen2, random weights, T = 0.9), rolled out ``--rollouts`` times
 ``batched=True`` and ``batched=False``, interleaved (batched, deterministic, batched, ...) after one warm-up
@@ -8,6 +9,9 @@ of each. Deterministic turns co-step only where the engine's batch-invariance se
 (``interlens.engine._batch_invariance``); the script prints the verdict for this model, device and dtype,
 what the self-test costs, and the turns' batch sizes, so the ratio can be read for what it is. Prints
 generated tok/s, medians with (min-max) spread, and the ratio deterministic / batched (goal >= 0.8x).
+With ``--slot-steps`` a third side runs the deterministic turns through the static slot steps
+(``interlens/engine/_slot_decode.py``: CUDA's graph path, eager steps on the CPU), interleaved with the two
+others, and the ratio static / eager slot steps is printed too.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ def main() -> None:
         "with an empty store: the repeats' prompts are identical)",
     )
     parser.add_argument(
+        "--slot-steps",
+        action="store_true",
+        help="also time the deterministic turns through the static slot steps (CUDA's graph path)",
+    )
+    parser.add_argument(
         "--no-kv-reuse",
         action="store_true",
         help="both modes prefill every turn in full (deterministic turns never reuse a kept KV cache): the "
@@ -103,28 +112,48 @@ def main() -> None:
         + ("; linear layers in fixed-row chunks (the stock kernels failed it)" if chunked else "")
     )
 
-    runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
-    seen: dict[bool, tuple[set[int], set[Any]]] = {}
+    static = None
+    if args.slot_steps:
+        from interlens.engine._batch_invariance import batch_invariant
+        from interlens.engine._slot_decode import SlotDecoder
+
+        static = SlotDecoder(engine._runner)
+        engine._slots.decoder = static
+        import torch
+
+        with torch.inference_mode():
+            print(f"self-test through the static slot steps: {batch_invariant(engine._slots)}")
+        engine._slots.decoder = None
+    sides = {"batched=True ": (True, None), "batched=False": (False, None)}
+    if static is not None:
+        sides["batched=False, static slot steps"] = (False, static)
+    runs: dict[str, list[tuple[float, int]]] = {label: [] for label in sides}
+    seen: dict[str, tuple[set[int], set[Any]]] = {}
     fresh = None if args.keep_prefixes else engine
-    for batched in (True, False):
+    for batched, decoder in sides.values():
+        engine._slots.decoder = decoder
         run_once(conv, args.rollouts, batched=batched, engine=fresh)  # warm-up
     for _ in range(args.repeats):
-        for batched in (True, False):
+        for label, (batched, decoder) in sides.items():
+            engine._slots.decoder = decoder
             seconds, tokens, sizes, invariant = run_once(conv, args.rollouts, batched=batched, engine=fresh)
-            runs[batched].append((seconds, tokens))
-            seen[batched] = (sizes, invariant)
-    rates = {b: [tok / s for s, tok in r] for b, r in runs.items()}
-    for batched, label in ((True, "batched=True "), (False, "batched=False")):
-        r = rates[batched]
-        sizes, invariant = seen[batched]
+            runs[label].append((seconds, tokens))
+            seen[label] = (sizes, invariant)
+    rates = {label: [tok / s for s, tok in r] for label, r in runs.items()}
+    for label, r in rates.items():
+        sizes, invariant = seen[label]
         print(
             f"  {label}: {statistics.median(r):7.1f} tok/s (min {min(r):.1f}, max {max(r):.1f}); "
             f"batch sizes {sorted(sizes)}; batch_invariant {sorted(map(str, invariant))}"
         )
     store = engine._slots.prefixes
     print(f"  prompt blocks of the last deterministic run: {store.hits} loaded, {store.misses} prefilled")
-    ratio = statistics.median(rates[False]) / statistics.median(rates[True])
+    ratio = statistics.median(rates["batched=False"]) / statistics.median(rates["batched=True "])
     print(f"  deterministic / batched = {ratio:.2f}x   (goal >= 0.8x)")
+    if static is not None:
+        label = "batched=False, static slot steps"
+        steps = statistics.median(rates[label]) / statistics.median(rates["batched=False"])
+        print(f"  static / eager slot steps = {steps:.2f}x; the static steps ran: {dict(static.stats)}")
 
 
 if __name__ == "__main__":

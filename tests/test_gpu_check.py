@@ -9,6 +9,7 @@ decode step through a stand-in graph that checks every buffer's address.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,20 +58,24 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
 
 def test_the_deterministic_part_rehearses_every_piece_on_the_cpu(tmp_path: Path) -> None:
     """Part 10 (issue 37 §2) on a tiny shape: the norm bitwise at every row count, the self-test and the
-    16-row bucket's probe passed, deterministic rows co-stepped at 16 rows beside batched ones."""
-    parts = _run_script(tmp_path, "--parts", "10")
+    16-row bucket's probe passed, deterministic rows co-stepped at 16 rows beside batched ones, through the
+    static slot steps a GPU replays as graphs (switched on here: eager on the CPU, and said so)."""
+    parts = _run_script(tmp_path, "--parts", "10", env={"INTERLENS_STATIC_DECODE": "1"})
     (title,) = [t for t in parts if t.startswith("10.")]
     part = parts[title]
     assert part["ok"], part.get("error")
     assert part["split_k_off"] is False  # the rehearsal runs without the variables, and says so
     shape = part["3 layers"]
     assert shape["norm"] == {"4": True, "8": True, "16": True}
-    assert shape["layout"] == {"fixed_norms": False, "buckets": False}  # the CPU: stock norms, row blocks
+    # the CPU: stock norms, row blocks; the static slot steps where switched on
+    assert shape["layout"] == {"fixed_norms": False, "buckets": False, "static_steps": True}
     tests = shape["self_test"]
     assert [t["passed"] for t in tests.values()] == [True, True] and list(tests)[1] == "16"
     speed = shape["throughput"]["16"]
     assert speed["deterministic"]["batch_size"] == 16 and speed["batched"]["batch_size"] == 16
     assert speed["deterministic"]["failed"] == speed["batched"]["failed"] == 0 and speed["ratio"] > 0
+    steps = shape["slot_steps"]
+    assert steps["batches"] == 2 and steps["steps: eager: not CUDA"] > 0 and steps["graphs failed"] is None
 
 
 def _check_graphs_part(graphs: dict[str, Any]) -> None:
@@ -146,14 +151,15 @@ def test_parts_runs_only_the_parts_named(tmp_path: Path) -> None:
     assert parts[next(t for t in parts if t.startswith("0b."))]["batched"] == 1.0625
 
 
-def _run_script(out: Path, *args: str) -> dict[str, dict[str, Any]]:
-    """The script in a fresh process as the GPU machine runs it (``python -u``, figures to ``--out``): the
-    figures it wrote, by part title."""
+def _run_script(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The script in a fresh process as the GPU machine runs it (``python -u``, figures to ``--out``; ``env``
+    on top of this process's environment): the figures it wrote, by part title."""
     done = subprocess.run(
         [sys.executable, "-u", str(SCRIPT), *args, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, **(env or {})},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     parts: dict[str, dict[str, Any]] = json.loads((out / "gpu_check.json").read_text())["parts"]

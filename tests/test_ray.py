@@ -272,3 +272,33 @@ def test_cluster_and_its_devices_are_checked_before_anything_runs(qwen2_path: st
         conv.rollout(cluster="slurm")
     with pytest.raises(DeviceError, match=r"devices\[1\] is 'cuda:0'; with cluster='ray' each entry"):
         conv.rollout(cluster="ray", devices=["cpu", "cuda:0"])
+
+
+async def test_a_deterministic_cuda_actor_starts_with_cublas_without_split_k_and_a_batched_one_without(
+    ray_session: RaySession,
+) -> None:
+    """The launcher's actor for a CUDA worker, started as a deterministic run's slot starts it: its process
+    had the cuBLAS settings in its environment from its start (``/proc/<pid>/environ`` is the environment a
+    process started with, not what ``open`` set later); a batched run's actor did not; neither has an API
+    key. The cluster here has no GPU, so the actor is placed without one (placement is ``ray_plans``')."""
+    from dataclasses import replace
+
+    from interlens.scheduler._placement import DETERMINISTIC_CUDA_ENV
+    from interlens.scheduler.workers._ray_worker import launcher, ray_plans
+
+    (plan,) = ray_plans(["cuda"], {"GPU": 1.0, "CPU": 2.0})
+    assert plan.options["num_gpus"] == 1
+    plan = replace(plan, options={"num_cpus": 1})
+    launch = launcher(plan, start_timeout=120)
+    started: dict[str, dict[str, str]] = {}
+    for mode, worker in (("deterministic", plan.worker.deterministic()), ("batched", plan.worker)):
+        link = await launch(worker)
+        try:
+            raw = Path(f"/proc/{link.pid}/environ").read_bytes()
+        finally:
+            await link.stop(grace=0)
+        started[mode] = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    for name, value in DETERMINISTIC_CUDA_ENV.items():
+        assert started["deterministic"].get(name) == value
+        assert name not in started["batched"]
+    assert not [name for env in started.values() for name in env if name.endswith("API_KEY")]

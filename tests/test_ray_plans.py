@@ -12,7 +12,7 @@ import pytest
 
 from interlens import ConfigurationError, Conversation, ScriptedParticipant
 from interlens.scheduler import DeviceError, check_ray_devices
-from interlens.scheduler.workers._ray_worker import ray_plans
+from interlens.scheduler.workers._ray_worker import actor_options, ray_plans
 
 
 def test_by_default_one_gpu_actor_per_gpu_of_the_cluster_each_seeing_its_gpu_as_cuda_0() -> None:
@@ -20,6 +20,18 @@ def test_by_default_one_gpu_actor_per_gpu_of_the_cluster_each_seeing_its_gpu_as_
     assert [p.worker.device for p in plans] == [f"ray/cuda:{i}" for i in range(16)]
     assert {p.worker.inner for p in plans} == {"cuda:0"}
     assert all(p.options == {"num_gpus": 1, "num_cpus": 1} for p in plans)
+
+
+def test_only_a_deterministic_cuda_actor_gets_cublas_settings_in_its_runtime_env() -> None:
+    """What the actor is created with (a real actor's start-up environment: ``test_ray.py``)."""
+    gpu, cpu = ray_plans(["cuda", "cpu"], {"GPU": 1.0, "CPU": 4.0})
+    assert actor_options(gpu, gpu.worker.deterministic()) == {
+        "num_gpus": 1,
+        "num_cpus": 1,
+        "runtime_env": {"env_vars": {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}},
+    }
+    assert actor_options(gpu, gpu.worker) == gpu.options == {"num_gpus": 1, "num_cpus": 1}
+    assert actor_options(cpu, cpu.worker.deterministic()) == cpu.options  # a CPU's kernels read no such thing
 
 
 def test_a_cluster_without_gpus_gets_one_cpu_actor_that_sees_no_gpu() -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _slot_rows
-from ._slot_rows import DECODE_CHUNK_ROWS, ROW_BLOCK, SLOT_BLOCK
+from ._slot_rows import DECODE_CHUNK_ROWS, ROW_BLOCK, SLOT_BLOCK, padded_rows
 
 if TYPE_CHECKING:
     import torch
@@ -153,11 +153,10 @@ def _run(
 ) -> _Trace:
     """Each row's trace through the slot path: the batch prefill (each row's own positions), the first step
     (its last prompt token), then the decode loop's steps; the first row leaves the batch after step
-    ``drop_first_at`` as a finished row does (``reorder_cache``), so its trace is shorter."""
-    import torch
-
+    ``drop_first_at`` as a finished row does, so its trace is shorter. The steps are the ones the engine
+    runs: the static steps of ``_slot_decode`` where the layout has them, else the eager slot steps."""
     runner = layout.runner
-    device = runner.device
+    static = layout.static_steps()
     rows = [tuple(p) for p in prompts]
     out: _Trace = [[] for _ in prompts]
     seen: list[torch.Tensor] = []
@@ -173,7 +172,8 @@ def _run(
         )
     )
     try:
-        cache = layout.fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
+        # the static path's prefill cache holds only the prefill (its steps' KV lives in the pool)
+        cache = layout.fill(rows, 1 if static else max(len(p) for p in prompts) + _STEPS + slack)
         block = _slot_rows.PREFILL_BLOCK  # the prefill's outputs, block by block: (rows, block, ...)
         for k, p in enumerate(prompts):  # each row's own tokens (the last-position logits are a pad's)
             trace = []
@@ -189,28 +189,92 @@ def _run(
             out[k].append(trace)
         seen.clear()
         handles.pop().remove()
-        logits = layout.first(rows, rows, cache)
-        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-        active = list(range(len(prompts)))
-        for step in range(_STEPS + 1):
-            for k, r in enumerate(active):
-                out[r].append([logits[k].clone()] + [t[k].clone() for t in seen if t.shape[0] == cache.rows])
-            if step == _STEPS:
-                break
-            if step == drop_first_at and len(active) > 1:
-                keep = torch.arange(1, len(active), dtype=torch.long, device=device)
-                cache.reorder_cache(keep)
-                positions = positions.index_select(0, keep)
-                active = active[1:]
-            tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
-            seen.clear()
-            with layout.invariant_kernels(DECODE_CHUNK_ROWS):  # as the slot path's decode loop runs its steps
-                logits = runner.step(tokens, positions, None, cache, 0, True)
-            positions = positions + 1
+        steps = _static_steps if static else _eager_steps
+        steps(layout, prompts, feeds, cache, seen, out, slack=slack, drop_first_at=drop_first_at)
     finally:
         for handle in handles:
             handle.remove()
     return out
+
+
+def _eager_steps(
+    layout: SlotLayout,
+    prompts: list[list[int]],
+    feeds: list[list[int]],
+    cache: Any,
+    seen: list[torch.Tensor],
+    out: _Trace,
+    *,
+    slack: int,
+    drop_first_at: int | None,
+) -> None:
+    """The eager slot steps (``SlotLayout.first``, ``ModelRunner.step``; ``reorder_cache`` drops a row)."""
+    import torch
+
+    runner = layout.runner
+    device = runner.device
+    rows = [tuple(p) for p in prompts]
+    logits = layout.first(rows, rows, cache)
+    positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    active = list(range(len(prompts)))
+    for step in range(_STEPS + 1):
+        for k, r in enumerate(active):
+            out[r].append([logits[k].clone()] + [t[k].clone() for t in seen if t.shape[0] == cache.rows])
+        if step == _STEPS:
+            break
+        if step == drop_first_at and len(active) > 1:
+            keep = torch.arange(1, len(active), dtype=torch.long, device=device)
+            cache.reorder_cache(keep)
+            positions = positions.index_select(0, keep)
+            active = active[1:]
+        tokens = torch.tensor([[feeds[r][step]] for r in active], dtype=torch.long, device=device)
+        seen.clear()
+        with layout.invariant_kernels(DECODE_CHUNK_ROWS):  # as the slot path's decode loop runs its steps
+            logits = runner.step(tokens, positions, None, cache, 0, True)
+        positions = positions + 1
+
+
+def _static_steps(
+    layout: SlotLayout,
+    prompts: list[list[int]],
+    feeds: list[list[int]],
+    cache: Any,
+    seen: list[torch.Tensor],
+    out: _Trace,
+    *,
+    slack: int,
+    drop_first_at: int | None,
+) -> None:
+    """The static slot steps (``_slot_step``) over the decoder's pool, run eagerly (the forward hooks see
+    them; a graph replays these very kernels, checked bit for bit at capture: ``_decode_graphs``): a row
+    leaves by a hand-over into the next smaller row count's step, as in the decode loop. A batch mate
+    asking for more tokens makes the batch's slots a length quantum longer than a row's alone."""
+    from ._sampling import SamplingSettings
+    from ._slot_decode import SlotDecoder
+
+    decoder = layout.decoder
+    assert isinstance(decoder, SlotDecoder)
+    n = len(prompts)
+    extra = decoder.quantum + 3 if slack else 0
+    length = decoder.length_for(max(len(p) for p in prompts) + _STEPS + extra)
+    step = decoder.probe_step(padded_rows(n, buckets=layout.buckets), length)
+    greedy = SamplingSettings(max_new_tokens=_STEPS + 1, temperature=0)
+    step.begin([greedy] * n, prefill=cache, index=list(range(n)), prompts=prompts)
+    del cache
+    active = list(range(n))
+    with layout.invariant_kernels(DECODE_CHUNK_ROWS):  # as the decoder runs its steps
+        for s in range(_STEPS + 1):
+            seen.clear()
+            step.step()
+            for k, r in enumerate(active):
+                out[r].append([t[k].clone() for t in seen if t.shape[0] == step.rows])
+            if s == _STEPS:
+                break
+            if s == drop_first_at and len(active) > 1:
+                to = decoder.probe_step(padded_rows(len(active) - 1, buckets=layout.buckets), length)
+                step.hand_over(list(range(1, len(active))), to)
+                step, active = to, active[1:]
+            step.feed([feeds[r][s] for r in active])
 
 
 def _keep(seen: list[Any], out: Any) -> None:

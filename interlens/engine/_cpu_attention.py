@@ -57,15 +57,28 @@ FEWEST_ROWS = 8
 _ANY_ROW_COUNT: contextvars.ContextVar[bool] = contextvars.ContextVar("any_row_count", default=False)
 
 
+#: The attribute :func:`at_any_row_count` sets on a model's modules: read where the attention function is
+#: called (its ``module``), so a ``torch.compile`` of a step sees a module attribute (a context variable
+#: breaks Dynamo's graph) and another engine's model in another thread is not affected.
+_ANY_ROWS_ATTR = "_interlens_any_row_count"
+
+
 @contextlib.contextmanager
-def at_any_row_count() -> Iterator[None]:
+def at_any_row_count(model: Any = None) -> Iterator[None]:
     """Within it, decode steps take this module's path at every row count, not only from
     :data:`FEWEST_ROWS` rows: a deterministic row must be computed the same way alone and co-stepped
-    (``_slot_rows``, whose self-test compares them bit for bit)."""
+    (``_slot_rows``, whose self-test compares them bit for bit). With ``model``, said on its modules too
+    (what a compiled step reads); without, in this context only."""
     token = _ANY_ROW_COUNT.set(True)
+    modules = list(model.modules()) if model is not None else []
+    for module in modules:
+        setattr(module, _ANY_ROWS_ATTR, True)
     try:
         yield
     finally:
+        for module in modules:
+            with contextlib.suppress(AttributeError):
+                delattr(module, _ANY_ROWS_ATTR)
         _ANY_ROW_COUNT.reset(token)
 
 
@@ -115,11 +128,7 @@ def _grouped_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> Any:
     """:data:`GROUPED_DECODE_ATTENTION`: :func:`_attention` at every row count and on every device."""
-    token = _ANY_ROW_COUNT.set(True)
-    try:
-        return _attention(module, query, key, value, attention_mask, any_device=True, **kwargs)
-    finally:
-        _ANY_ROW_COUNT.reset(token)
+    return _attention(module, query, key, value, attention_mask, any_device=True, any_rows=True, **kwargs)
 
 
 def _attention(
@@ -133,6 +142,7 @@ def _attention(
     is_causal: bool | None = None,
     position_bias: Any = None,
     any_device: bool = False,
+    any_rows: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """transformers' attention-function contract: ``query`` (batch, heads, q_len, dim), ``key``/``value``
@@ -141,7 +151,10 @@ def _attention(
 
     if (
         query.shape[2] != 1
-        or (query.shape[0] < FEWEST_ROWS and not _ANY_ROW_COUNT.get())
+        or (
+            query.shape[0] < FEWEST_ROWS
+            and not (any_rows or getattr(module, _ANY_ROWS_ATTR, False) or _ANY_ROW_COUNT.get())
+        )
         or (query.device.type != "cpu" and not any_device)
         or dropout
         or position_bias is not None

@@ -23,20 +23,32 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
-
-from ._static_step import StaticDecodeStep
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("interlens")
 
-__all__ = ["MAX_GRAPHS", "GraphRunner"]
+__all__ = ["MAX_GRAPHS", "Capturable", "GraphRunner"]
 
 #: Most captured graphs kept at once (least recently used dropped first): each holds its own
 #: intermediates (the logits and the sampler's float32 passes at its row bucket) in the shared pool.
 MAX_GRAPHS = 24
+
+
+class Capturable(Protocol):
+    """A step a graph can hold: :class:`~._static_step.StaticDecodeStep` (batched rows) or
+    :class:`~._slot_step.SlotDecodeStep` (deterministic rows). Its function runs over fixed buffers (the
+    inputs and outputs ``_replay_differs`` names, its cache's layers), its next write at ``positions``."""
+
+    device: str
+    length: int
+    cache: Any
+    positions: torch.Tensor
+    run: Callable[[], None]
+
+    def _forward_and_sample(self) -> None: ...
 
 
 class GraphRunner:
@@ -59,13 +71,13 @@ class GraphRunner:
         self.cap = cap
         self.graph_type = graph_type
         self.stats: Counter[str] = Counter()
-        self._graphs: OrderedDict[Hashable, tuple[Any, StaticDecodeStep]] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, tuple[Any, Capturable]] = OrderedDict()
         self._pool: Any = None  # CUDA's graph memory pool, shared by every graph
         #: why capture was given up (every later step runs eagerly); ``capture=False``: from the start (a
         #: benchmark's eager side)
         self.failed: str | None = None if capture else "capture off"
 
-    def mode(self, key: Hashable, step: StaticDecodeStep) -> str:
+    def mode(self, key: Hashable, step: Capturable) -> str:
         """Make ``step`` (built for ``key``) run as a graph if it can: ``"graph"``, else ``"eager: why"``.
         Sets ``step.run``. Call only between steps (a capture's warm-up writes the step's last slot)."""
         if key in self._graphs:
@@ -118,7 +130,7 @@ class GraphRunner:
     def __contains__(self, key: object) -> bool:
         return key in self._graphs
 
-    def _capture(self, step: StaticDecodeStep) -> Any:
+    def _capture(self, step: Capturable) -> Any:
         """Warm up and capture ``step``'s function, each run writing only the step's last slot."""
         if self.graph_type is not None:
             _at_last_slot(step)
@@ -144,7 +156,7 @@ class GraphRunner:
         return graph
 
 
-def _at_last_slot(step: StaticDecodeStep) -> None:
+def _at_last_slot(step: Capturable) -> None:
     """Point the step's next run at its last cache slot (module docstring: no live row has written it)."""
     last = step.length - 1
     for layer in step.cache.layers:
@@ -156,7 +168,7 @@ _INPUTS = ("input_ids", "mask", "uniforms", "temperature", "top_p", "greedy")
 _OUTPUTS = ("tokens", "finite", "logprobs")
 
 
-def _replay_differs(step: StaticDecodeStep, graph: Any) -> str | None:
+def _replay_differs(step: Capturable, graph: Any) -> str | None:
     """None when one replay of ``graph`` gives the eager step's outputs bit for bit on the same inputs, else
     the outputs that differ (module docstring). Runs at the last slot; ``begin``/``hand_over`` refill the
     inputs afterwards, as after the warm-up."""

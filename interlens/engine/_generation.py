@@ -47,6 +47,7 @@ from ._load_options import require_transformers
 from ._prefill import PlainBatch
 from ._prefill import prefill_groups as _prefill_groups
 from ._sampling import SamplingSettings
+from ._slot_decode import slot_decoder_for
 from ._slot_rows import SlotLayout, padded_rows
 from ._static_decode import static_decoder_for
 from ._verdicts import Verdicts
@@ -112,6 +113,7 @@ class LocalEngine:
         self._slots = SlotLayout(runner)
         # None: the eager loop (the CPU's default); its KV pool sized from the batch budget (CUDA)
         runner.static_decode = static_decoder_for(runner, budget=self.token_budget)
+        self._slots.decoder = slot_decoder_for(runner)  # deterministic rows' static steps (None: eager)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -206,7 +208,7 @@ class LocalEngine:
         size = padded_rows(rows, buckets=slots.buckets)  # on CUDA its row bucket: one probe per bucket
         if size > self._invariant_rows and (self._variant_rows is None or size < self._variant_rows):
             kernels = {"fixed_linear_rows": slots.fixed_linear_rows, "fixed_norms": slots.fixed_norms}
-            probe = {"rows": size, "bucket": slots.buckets, **kernels, **probe_definition()}
+            probe = {**self._self_test_probe(rows=size), "bucket": slots.buckets, **kernels}
             key, known = self._verdicts.lookup(probe, ("invariant",))
             with torch.inference_mode():
                 passed = known["invariant"] if known else invariant_at(self._slots, size)
@@ -223,13 +225,22 @@ class LocalEngine:
                     )
         return rows if size <= self._invariant_rows else self._invariant_rows
 
+    def _self_test_probe(self, *, rows: int | None) -> dict[str, Any]:
+        """What a verdict of the self-test (``rows`` None) or of a batch size probed depends on besides the
+        model and machine (``_verdicts``): the test's definition, and whether it probed the static slot
+        steps (``_slot_decode``; said only when it did, so the eager steps' verdicts keep their keys)."""
+        probe: dict[str, Any] = {"rows": rows, **probe_definition()}
+        if self._slots.static_steps():
+            probe["static_steps"] = True
+        return probe
+
     def _passes_self_test(self) -> bool:
         """The self-test on the stock kernels, else with every linear layer in fixed-row chunks (slower, so
         only where the stock kernels pick their kernel by the batch's row count: ``_slot_rows``). A verdict
         kept on disk for this very key (``_verdicts``) is used instead; one computed here is kept."""
         slots = self._slots
         fields = ("invariant", "fixed_linear_rows")
-        key, known = self._verdicts.lookup({"rows": None, **probe_definition()}, fields)
+        key, known = self._verdicts.lookup(self._self_test_probe(rows=None), fields)
         if known:
             slots.fixed_linear_rows = known["fixed_linear_rows"]
             return bool(known["invariant"])
@@ -422,13 +433,14 @@ class LocalEngine:
 
     def memory_held(self) -> dict[str, int]:
         """Bytes the engine holds between batches, by holder: the kept KV caches, the deterministic path's
-        kept prompt blocks (``_slot_prefix``), the static decoder's KV pool; :meth:`release_memory` (the
-        out-of-memory retry) frees them all, and :meth:`token_budget` counts them."""
-        decoder = self._runner.static_decode
+        kept prompt blocks (``_slot_prefix``), the static decoders' KV pools (the batched rows' and the
+        deterministic rows'); :meth:`release_memory` (the out-of-memory retry) frees them all, and
+        :meth:`token_budget` counts them."""
+        pools = [d.pool for d in (self._runner.static_decode, self._slots.decoder) if d is not None]
         return {
             "kept_kv": self._kept.kept_bytes(),
             "prefix_store": self._slots.prefixes.nbytes(),
-            "kv_pool": decoder.pool.nbytes() if decoder is not None else 0,
+            "kv_pool": sum(pool.nbytes() for pool in pools),  # the batched and the deterministic rows' pools
         }
 
     def release_memory(self) -> None:
@@ -441,6 +453,8 @@ class LocalEngine:
         self.clear_reuse()
         if self._runner.static_decode is not None:
             self._runner.static_decode.release()  # the decode steps' KV pool, steps and graphs
+        if self._slots.decoder is not None:
+            self._slots.decoder.release()  # the deterministic rows' pool, steps and graphs
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             for member in self._memory_devices.split(","):  # every GPU of a group

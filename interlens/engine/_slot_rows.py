@@ -38,6 +38,10 @@ engine co-steps rows on this layout only after its self-test (``_batch_invarianc
 together through this very path and found every submodule output bitwise equal. Only for models whose
 layers are full or sliding-window attention (:meth:`SlotLayout.supported`); others run deterministic rows
 alone through the plain batch path.
+
+The decode steps here (``SlotCache.feed``, ``reorder_cache``) pad, mask and compact with new tensors every
+step. Where :attr:`SlotLayout.decoder` is set (on CUDA; ``_slot_decode``) the same layout's steps run as
+static shapes over a KV pool instead, replayed as CUDA graphs; the self-test then probes those.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..interp import text_config
 from ._buckets import ROW_BUCKETS, row_bucket
@@ -60,6 +64,8 @@ from ._slot_prefix import PrefixStore
 if TYPE_CHECKING:
     import torch
 
+    from ._kv_pool import KVPool
+
 __all__ = [
     "DECODE_CHUNK_ROWS",
     "PREFILL_BLOCK",
@@ -67,6 +73,7 @@ __all__ = [
     "ROW_BLOCK",
     "SLOT_BLOCK",
     "SlotLayout",
+    "SlotSteps",
     "padded_rows",
     "slot_cache",
 ]
@@ -111,9 +118,33 @@ def padded_rows(n: int, *, buckets: bool) -> int:
     return _round_up(n, ROW_BLOCK)
 
 
+class SlotSteps(Protocol):
+    """What :meth:`SlotLayout.generate` hands its decode steps to when it serves the layout
+    (``_slot_decode.SlotDecoder``: static-shape steps over a KV pool, replayed as graphs on CUDA); kept
+    abstract here so this module does not import it."""
+
+    #: the deterministic rows' KV pool (the engine's memory figures count it)
+    pool: KVPool
+
+    def serves(self, layout: SlotLayout) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def decode(
+        self,
+        rows: list[Row],
+        prefill: Any,
+        index: Sequence[int],
+        cancelled: threading.Event | None,
+        *,
+        buckets: bool,
+    ) -> None: ...
+
+
 class SlotLayout:
     """The deterministic path on the batch-invariant layout, over one model runner (see the module
-    docstring). :meth:`fill` and :meth:`first` are the calls the self-test (``_batch_invariance``) probes."""
+    docstring). :meth:`fill` and :meth:`first` (or the :attr:`decoder`'s steps) are the calls the self-test
+    (``_batch_invariance``) probes."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -132,6 +163,14 @@ class SlotLayout:
         )
         #: Prompt blocks' KV kept by their tokens (``_slot_prefix``): what a later turn need not prefill.
         self.prefixes = PrefixStore(block=PREFILL_BLOCK)
+        #: The decode steps as static shapes over a KV pool (graphs on CUDA: ``_slot_decode``); None: the
+        #: eager slot steps below. The engine sets it (``slot_decoder_for``); the self-test probes the one
+        #: set.
+        self.decoder: SlotSteps | None = None
+
+    def static_steps(self) -> bool:
+        """Whether this model's decode steps run through :attr:`decoder` (what the self-test must probe)."""
+        return self.decoder is not None and self.decoder.serves(self)
 
     def supported(self) -> bool:
         """Whether every layer of the model is full or sliding-window attention over a plain static cache
@@ -169,12 +208,19 @@ class SlotLayout:
         prompts = [r.prompt_ids for r in requests]
         length = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
         distinct = list(dict.fromkeys(prompts))
-        cache = self.fill(distinct, length, reuse=True)
-        logits = self.first(prompts, distinct, cache)
         rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
-        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
-        with self.invariant_kernels(DECODE_CHUNK_ROWS):
-            runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
+        if self.decoder is not None and self.static_steps():
+            # the prefill's own cache holds only its blocks; the decode steps' KV lives in the pool
+            cache = self.fill(distinct, 1, reuse=True)
+            index = {p: i for i, p in enumerate(distinct)}
+            with self.invariant_kernels(DECODE_CHUNK_ROWS):
+                self.decoder.decode(rows, cache, [index[p] for p in prompts], cancelled, buckets=self.buckets)
+        else:
+            cache = self.fill(distinct, length, reuse=True)
+            logits = self.first(prompts, distinct, cache)
+            positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=runner.device)
+            with self.invariant_kernels(DECODE_CHUNK_ROWS):
+                runner.decode(rows, logits, cache, positions, None, 0, cancelled, static=True)
         seconds = time.perf_counter() - started
         uses = {p: prompts.count(p) for p in set(prompts)}
         return [
@@ -274,7 +320,7 @@ class SlotLayout:
         self-test's steps run in one."""
         model = self.runner.model
         with contextlib.ExitStack() as stack:
-            stack.enter_context(at_any_row_count())
+            stack.enter_context(at_any_row_count(model))
             if self.fixed_norms:
                 stack.enter_context(fixed_order_norms(model))
             if self.fixed_linear_rows:

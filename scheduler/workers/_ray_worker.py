@@ -51,11 +51,11 @@ import anyio
 from interlens.store import SecretGuard
 
 from .._errors import DeviceError, SchedulerConfigError, WorkerStartError
-from .._placement import WORKER_CREDENTIALS, WorkerPlan
+from .._placement import DETERMINISTIC_CUDA_ENV, WORKER_CREDENTIALS, WorkerPlan
 from ._subprocess import Launch
 from ._wire import Init, Message
 
-__all__ = ["RayPlan", "RaySession", "WorkerActor", "launcher", "ray_plans"]
+__all__ = ["RayPlan", "RaySession", "WorkerActor", "actor_options", "launcher", "ray_plans"]
 
 
 def _ray() -> Any:
@@ -106,6 +106,24 @@ def ray_plans(devices: list[str] | None, resources: Mapping[str, float]) -> list
             env = {"CUDA_VISIBLE_DEVICES": ""}
             plans.append(RayPlan(WorkerPlan(name, "cpu", env), {"num_cpus": cpu_share}))
     return plans
+
+
+def actor_options(plan: RayPlan, worker: WorkerPlan) -> dict[str, Any]:
+    """Ray's options for ``plan``'s actor started as ``worker`` (the plan its slot launches: a
+    deterministic run's CUDA worker adds ``DETERMINISTIC_CUDA_ENV``). Those variables go in the actor's
+    ``runtime_env``: cuBLAS reads them once, when it starts in a process, and Ray may hand an actor a
+    worker process it keeps started (one where a task already ran cuBLAS), so setting them in
+    :meth:`WorkerActor.open` could come too late; with a ``runtime_env`` of its own the actor gets a fresh
+    process with them from its start (about a second more, only for deterministic CUDA actors). Nothing
+    else goes there: the other variables (never an API key: ``WorkerPlan.env`` holds none) are set by
+    ``open``."""
+    options = dict(plan.options)
+    start = {name: worker.env[name] for name in DETERMINISTIC_CUDA_ENV if name in worker.env}
+    if start:
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **start}
+        options["runtime_env"] = runtime_env
+    return options
 
 
 # --- connecting ---
@@ -171,13 +189,14 @@ def _without_credentials() -> Iterator[None]:
 
 
 def launcher(plan: RayPlan, *, start_timeout: float) -> Launch:
-    """The ``launch`` of a ``SubprocessWorker`` whose workers are Ray actors made from ``plan``."""
+    """The ``launch`` of a ``SubprocessWorker`` whose workers are Ray actors made from ``plan`` (started as
+    the worker plan the slot gives: :func:`actor_options`)."""
 
-    async def launch(_: WorkerPlan) -> _ActorLink:
-        actor = _actor_class().options(**plan.options).remote()
+    async def launch(worker: WorkerPlan) -> _ActorLink:
+        actor = _actor_class().options(**actor_options(plan, worker)).remote()
         try:
             with anyio.fail_after(start_timeout):  # an actor Ray cannot place waits forever
-                pid, node = await actor.open.remote(plan.worker.env)
+                pid, node = await actor.open.remote(worker.env)
         except BaseException as exc:
             _kill(actor)
             if not isinstance(exc, Exception):  # cancelled: the run is stopping
@@ -341,7 +360,8 @@ class WorkerActor:
 
         ``env`` is set here, before the worker imports anything, not as Ray's ``runtime_env``: an actor with
         its own ``runtime_env`` cannot use the worker processes Ray keeps started, and starting one costs
-        about a second. CUDA reads ``CUDA_VISIBLE_DEVICES`` when it initializes, after this."""
+        about a second. CUDA reads ``CUDA_VISIBLE_DEVICES`` when it initializes, after this. (Only a
+        deterministic CUDA actor's cuBLAS settings are in its ``runtime_env`` too: :func:`actor_options`.)"""
         import ray
 
         os.environ.update(env)

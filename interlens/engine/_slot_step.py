@@ -1,0 +1,342 @@
+"""A deterministic (slot layout) decode step of static shapes over static buffers: what a CUDA graph can
+capture once per (row bucket, slot-length bucket) and replay every step.
+
+The slot layout's eager step (``_slot_rows.SlotCache.feed``) pads the rows with ``torch.cat``, builds its
+mask with a fresh ``arange``, and compacts into new tensors (``reorder_cache``): shapes and addresses change
+every step, so it cannot be replayed. :class:`SlotDecodeStep` keeps the layout's arithmetic (every row's KV at
+the slot equal to its position, the mask of the slots up to each row's own position, the rows padded with
+copies of the last real row, a cache length that is a multiple of ``SLOT_BLOCK``) and owns every tensor a
+step touches, allocated once:
+
+* inputs: the tokens fed (rows, 1), each row's position (rows, 1), the row each padding row copies
+  (``source``), and per row its uniform, temperature, top-p and greedy flag;
+* outputs: the chosen tokens (-1 where a row's logits were not usable), ``finite``, and with recording the
+  chosen tokens' log-probabilities (rows, 2), as the batched static step (``_static_step``) writes them;
+* its cache: views of a persistent ``_kv_pool.KVPool`` (``(rows, heads, slots, head dim)``: row ``r``'s slot
+  ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot.
+
+:meth:`SlotDecodeStep._forward_and_sample` is the function a graph holds: the mask from the positions, the
+model's forward, the sampler over the batched tensors (``_static_sampler.sample_rows``), the outputs, then
+the next inputs advanced in place (the chosen tokens fed, the padding rows given their source row's, the
+positions + 1). No host read and no Python branch on a tensor's value.
+
+A batch starts from the slot layout's block prefill (``SlotLayout.fill``: a cache of its own, not captured)
+in :meth:`SlotDecodeStep.begin`, which copies the rows' prefilled slots into the pool views; the first step
+feeds each row its last prompt token (what ``SlotLayout.first`` did eagerly). At a row bucket edge
+:meth:`SlotDecodeStep.hand_over` carries the live rows on in a smaller bucket's step over the same pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._core import ConfigurationError
+from ._sampler import Sampler
+from ._sampling import SamplingSettings
+from ._static_sampler import VARIANTS, sample_rows, variant_for
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._kv_pool import KVPool
+
+__all__ = ["SlotDecodeStep"]
+
+_BUFFERS = (
+    "input_ids",
+    "positions",
+    "mask",
+    "source",
+    "slot_ids",
+    "row_ids",
+    "uniforms",
+    "temperature",
+    "top_p",
+    "greedy",
+    "tokens",
+    "finite",
+    "logprobs",
+)
+
+
+class SlotDecodeStep:
+    """One slot-layout decode step's static buffers and its capturable function (module docstring).
+
+    ``rows``: the padded row count (``_slot_rows.padded_rows``: a multiple of ``ROW_BLOCK``, or on CUDA a
+    row bucket); ``length``: the slots (a multiple of ``SLOT_BLOCK``); ``variant`` / ``record``: as the
+    batched step's (``_static_sampler``); ``pool``: the KV pool whose views hold the cache.
+    """
+
+    def __init__(self, model: Any, *, rows: int, length: int, variant: str, record: bool, pool: KVPool):
+        import torch
+
+        if variant not in VARIANTS:
+            raise ConfigurationError(
+                f"SlotDecodeStep(variant={variant!r}): variant must be one of {', '.join(VARIANTS)}; "
+                "variant_for(settings) gives the cheapest one for a batch"
+            )
+        self.model = model
+        self.rows = rows
+        self.length = length
+        self.variant = variant
+        self.record = record
+        device = next(model.parameters()).device
+        self.device = str(device)
+        self.pool = pool
+        self.cache = _pool_slot_cache_class()(model.config, pool.views(rows, length), self)
+        self.generation = pool.generation  # after views(), which may have grown the pool
+        self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.mask = torch.ones((rows, length), dtype=torch.long, device=device)
+        self.source = torch.arange(rows, dtype=torch.long, device=device)
+        self.slot_ids = torch.arange(length, dtype=torch.long, device=device)
+        self.row_ids = torch.arange(rows, dtype=torch.long, device=device)
+        self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, device=device)
+        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.finite = torch.ones(rows, dtype=torch.bool, device=device)
+        self.logprobs = torch.zeros((rows, 2), dtype=torch.float32, device=device)
+        #: what a step runs: this eager function, or what compiled / captured it
+        self.run: Callable[[], None] = self._forward_and_sample
+        self._sampler: Sampler | None = None
+        self._sampling_idx: torch.Tensor | None = None
+        self._n = 0  # the real rows of the batch begun
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every static tensor a step reads or writes, by name (a captured graph holds these addresses)."""
+        named = {name: getattr(self, name) for name in _BUFFERS}
+        for i, layer in enumerate(self.cache.layers):
+            named[f"cache.{i}.keys"] = layer.keys
+            named[f"cache.{i}.values"] = layer.values
+            named[f"cache.{i}.cumulative_length"] = layer.cumulative_length
+        return named
+
+    # ------------------------------------------------------------------ the host's part
+
+    def begin(
+        self,
+        settings: Sequence[SamplingSettings],
+        *,
+        prefill: Any,
+        index: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+    ) -> None:
+        """Start a batch of ``len(settings)`` real rows: ``prefill`` a slot cache from ``SlotLayout.fill``
+        (its rows the distinct prompts), ``index`` each row's row in it, ``prompts`` each row's prompt ids.
+        Each row's prefilled slots are copied into the pool views (padding rows: the last row's), the slots
+        past them zeroed (a masked slot must hold a finite value: ``0 * NaN`` would reach the row), and the
+        first step set to feed each row its last prompt token. Nothing a step reads is allocated."""
+        import torch
+
+        n = len(settings)
+        if not 1 <= n <= self.rows or len(index) != n or len(prompts) != n:
+            raise ConfigurationError(
+                f"SlotDecodeStep.begin(): {n} settings, {len(index)} prefill rows and {len(prompts)} prompts "
+                f"in a step of {self.rows} rows; give one of each per row, at most {self.rows} rows"
+            )
+        if max(len(p) for p in prompts) > self.length:
+            raise ConfigurationError(
+                f"SlotDecodeStep.begin(): a prompt of {max(len(p) for p in prompts)} tokens does not fit the "
+                f"step's {self.length} slots; build the step for a longer slot-length bucket"
+            )
+        self._check_variant(settings, "begin")
+        copies = [min(j, n - 1) for j in range(self.rows)]  # padding rows copy the last real row
+        written = max(len(p) for p in prompts) - 1  # slots the prefill wrote (all but each last token)
+        device = self.device
+        with torch.no_grad():
+            gather = torch.tensor([index[j] for j in copies], dtype=torch.long, device=device)
+            sources = getattr(prefill, "slot_layers", None) or [None] * len(self.cache.layers)
+            for src, dst in zip(sources, self.cache.layers, strict=True):
+                if written and src is not None and src.is_initialized:
+                    dst.keys[:, :, :written].copy_(src.keys[:, :, :written].index_select(0, gather))
+                    dst.values[:, :, :written].copy_(src.values[:, :, :written].index_select(0, gather))
+                    dst.keys[:, :, written:].zero_()
+                    dst.values[:, :, written:].zero_()
+                else:
+                    dst.keys.zero_()
+                    dst.values.zero_()
+            self.input_ids[:, 0].copy_(torch.tensor([prompts[j][-1] for j in copies]))
+            self.positions[:, 0].copy_(torch.tensor([len(prompts[j]) - 1 for j in copies]))
+            self.source.copy_(torch.tensor(copies))
+            self._settings_into(settings)
+        self._sampler = Sampler(settings, device, record=self.record)
+        self._start(self._sampler, n)
+
+    def step(self) -> None:
+        """One decode step: this step's uniforms into their buffer (one copy), then :attr:`run`."""
+        if self._sampler is None:
+            raise ConfigurationError(
+                "SlotDecodeStep.step(): no batch begun; call begin(settings, prefill=..., index=..., "
+                "prompts=...) first"
+            )
+        if self._sampling_idx is not None:
+            self.uniforms.index_copy_(0, self._sampling_idx, self._sampler.uniforms.next())
+        self.run()
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Feed the real rows ``tokens`` at the next step instead of their chosen tokens (the self-test's
+        probe rows: ``_batch_invariance``); padding rows get the last one."""
+        import torch
+
+        padded = [tokens[min(j, len(tokens) - 1)] for j in range(self.rows)]
+        self.input_ids[:, 0].copy_(torch.tensor(padded))
+
+    def hand_over(self, keep: Sequence[int], to: SlotDecodeStep) -> None:
+        """Carry the real rows ``keep`` (ascending indices among this batch's rows) on in ``to`` (a step of
+        the same slots, at most as many rows; this step itself compacts in place): each row's KV, position,
+        next token and settings copied into ``to``'s buffers in place (none of its tensors moves), its
+        padding rows the last kept row's, each row's uniform stream carrying on (``Sampler.select``). Off
+        the hot path: once per row bucket edge."""
+        import torch
+
+        if self._sampler is None:
+            raise ConfigurationError("SlotDecodeStep.hand_over(): no batch begun on this step")
+        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
+            raise ConfigurationError(
+                f"SlotDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
+                f"batch's {self._n} rows, at least one"
+            )
+        if len(keep) > to.rows or to.length != self.length or (self.record and not to.record):
+            raise ConfigurationError(
+                f"SlotDecodeStep.hand_over(): {len(keep)} rows cannot go to a step of {to.rows} rows, "
+                f"{to.length} slots, record={to.record} from one of {self.length} slots, "
+                f"record={self.record}; build it with room for the rows, the same slots and recording"
+            )
+        settings = [self._sampler.settings[j] for j in keep]
+        to._check_variant(settings, "hand_over")
+        k = len(keep)
+        copies = [keep[min(j, k - 1)] for j in range(to.rows)]
+        with torch.no_grad():
+            gather = torch.tensor(copies, dtype=torch.long, device=self.device)
+            # gathered first (index_select copies), so a hand-over within one storage reads before it writes
+            kv = [
+                (s.keys.index_select(0, gather), s.values.index_select(0, gather)) for s in self.cache.layers
+            ]
+            state = {name: getattr(self, name).index_select(0, gather) for name in ("positions", "input_ids")}
+            kept = {
+                name: getattr(self, name).index_select(0, gather[:k])
+                for name in ("temperature", "top_p", "greedy")
+            }
+            for (keys, values), dst in zip(kv, to.cache.layers, strict=True):
+                dst.keys.copy_(keys)
+                dst.values.copy_(values)
+            del kv
+            to.positions.copy_(state["positions"])
+            to.input_ids.copy_(state["input_ids"])
+            to.source.copy_(torch.tensor([min(j, k - 1) for j in range(to.rows)]))
+            for name, fill in (("temperature", 1.0), ("top_p", 1.0), ("greedy", True)):
+                buffer = getattr(to, name)
+                buffer.fill_(fill)
+                buffer[:k].copy_(kept[name])
+            to.uniforms.fill_(0.5)
+        sampler = self._sampler.select(list(keep))
+        self._sampler = None
+        to._start(sampler, k)
+
+    def _settings_into(self, settings: Sequence[SamplingSettings]) -> None:
+        """The real rows' settings into their buffers (padding rows: greedy, 1.0)."""
+        import torch
+
+        n = len(settings)
+        greedy = [s.temperature <= 0 for s in settings]
+        self.greedy.fill_(True)
+        self.greedy[:n].copy_(torch.tensor(greedy, dtype=torch.bool))
+        self.temperature.fill_(1.0)
+        self.temperature[:n].copy_(
+            torch.tensor([1.0 if g else s.temperature for g, s in zip(greedy, settings, strict=True)])
+        )
+        self.top_p.fill_(1.0)
+        self.top_p[:n].copy_(
+            torch.tensor([1.0 if g else s.top_p for g, s in zip(greedy, settings, strict=True)])
+        )
+        self.uniforms.fill_(0.5)
+
+    def _start(self, sampler: Sampler, n: int) -> None:
+        import torch
+
+        self._sampler = sampler
+        sampling = sampler.greedy.sampling
+        self._sampling_idx = (
+            torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
+        )
+        self._n = n
+
+    def _check_variant(self, settings: Sequence[SamplingSettings], who: str) -> None:
+        needed = variant_for(settings)
+        if VARIANTS.index(needed) > VARIANTS.index(self.variant):
+            raise ConfigurationError(
+                f"SlotDecodeStep.{who}(): these settings need the {needed!r} sampler variant, this step is "
+                f"built for {self.variant!r}; build it with variant=variant_for(settings)"
+            )
+
+    # ------------------------------------------------------------------ the captured part
+
+    def _forward_and_sample(self) -> None:
+        """The step a graph holds (module docstring), in place over the static buffers."""
+        import torch
+
+        with torch.no_grad():
+            self.mask.copy_(self.slot_ids.unsqueeze(0) <= self.positions)
+            top = self.positions.max()  # the causal mask's query offset: the furthest row (no host read)
+            for layer in self.cache.layers:
+                layer.cumulative_length.copy_(top)
+            out = self.model(
+                input_ids=self.input_ids,
+                attention_mask=self.mask,
+                position_ids=self.positions,
+                cache=self.cache,
+                use_cache=True,
+            )
+            tokens, finite, logprobs = sample_rows(
+                out.logits[:, -1, :],
+                temperature=self.temperature,
+                top_p=self.top_p,
+                greedy=self.greedy,
+                uniforms=self.uniforms,
+                variant=self.variant,
+                record=self.record,
+            )
+            self.tokens.copy_(torch.where(finite, tokens, -1))
+            self.finite.copy_(finite)
+            if logprobs is not None:
+                self.logprobs.copy_(logprobs)
+            # the next step feeds this one's tokens (a bad row: a valid id, ignored); a padding row its
+            # source row's; a row past its last slot (a finished row still in the batch) stays there
+            fed = torch.where(finite, tokens, 0).index_select(0, self.source)
+            self.input_ids.copy_(fed.unsqueeze(1))
+            self.positions.add_(1).clamp_(max=self.length - 1)
+
+
+@functools.cache
+def _pool_slot_cache_class() -> type:
+    """The cache class, built on first use (``import interlens`` does not import transformers)."""
+    from transformers import StaticCache
+
+    class PoolSlotCache(StaticCache):
+        """A static cache over a pool's views (``KVPool.views``) whose steps write each row's token at that
+        row's own slot, its position (the step's ``positions`` buffer)."""
+
+        def __init__(self, config: Any, views: Any, step: SlotDecodeStep) -> None:
+            super().__init__(config=config, max_cache_len=step.length)
+            self.layers = views.layers
+            self.step = step
+
+        def update(
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            *args: Any,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            layer: Any = self.layers[layer_idx]
+            rows, slots = self.step.row_ids, self.step.positions[:, 0]
+            layer.keys[rows, :, slots] = key_states[:, :, 0]
+            layer.values[rows, :, slots] = value_states[:, :, 0]
+            return layer.keys, layer.values
+
+    return PoolSlotCache

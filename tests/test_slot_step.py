@@ -1,0 +1,256 @@
+"""Deterministic rows' static slot steps (``engine/_slot_step.py``, ``engine/_slot_decode.py``) on the CPU:
+what a CUDA run replays as graphs.
+
+Two engines over one tiny model in the dtype that co-steps on this CPU: the slot layout's eager steps in one,
+its static steps in the other (the address-checking stand-in for a CUDA graph, as
+``tests/test_static_decode.py`` uses). Deterministic rows of every kind of setting get the eager slot path's
+tokens and log-probabilities and each row's tokens alone, across hand-overs between row buckets and a second
+turn whose prompts load kept prefill blocks, with no static buffer moving; the self-test probes the static
+steps; a step reads the device once; ``torch.compile(fullgraph=True)`` takes each bucket's step as one frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from test_engine_syncs import per_step
+from test_static_step import AddressCheckingGraph
+from torch._dynamo.testing import CompileCounter
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from interlens import ConfigurationError, GenerationError
+from interlens.engine._decode_graphs import GraphRunner
+from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
+from interlens.engine._slot_decode import SlotDecoder
+from interlens.engine._slot_step import SlotDecodeStep
+from interlens.engine._static_decode import ENV_SWITCH
+from interlens.scheduler import ExecutionMode
+from interlens.testing import tiny_model
+
+DET = ExecutionMode.DETERMINISTIC
+
+#: greedy, seeded tempered, seeded nucleus, seeded tempered nucleus
+MIX = (
+    {"temperature": 0.0},
+    {"temperature": 0.8, "seed": 11},
+    {"temperature": 1.0, "top_p": 0.7, "seed": -5},
+    {"temperature": 1.3, "top_p": 0.9, "seed": 2},
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(co_step_dtype: str) -> tuple[Any, Any]:
+    path = tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, co_step_dtype)).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def engines(loaded: tuple[Any, Any], graph: Any = AddressCheckingGraph) -> tuple[LocalEngine, LocalEngine]:
+    """(eager slot steps, static slot steps under ``graph``) over the one model."""
+    eager, static = LocalEngine(*loaded, device="cpu"), LocalEngine(*loaded, device="cpu")
+    eager._slots.decoder = None
+    static._slots.decoder = SlotDecoder(static._runner, graphs=GraphRunner(device="cpu", graph_type=graph))
+    return eager, static
+
+
+def decoder_of(engine: LocalEngine) -> SlotDecoder:
+    decoder = engine._slots.decoder
+    assert isinstance(decoder, SlotDecoder)
+    return decoder
+
+
+def requests(prompts: Sequence[tuple[int, ...]], new: Sequence[int]) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt_ids=p,
+            sampling=SamplingSettings(max_new_tokens=n, **MIX[i % len(MIX)]),  # type: ignore[arg-type]
+            record_logprobs=True,
+        )
+        for i, (p, n) in enumerate(zip(prompts, new, strict=True))
+    ]
+
+
+def ok(results: Sequence[Any]) -> list[GenerationResult]:
+    assert all(isinstance(r, GenerationResult) for r in results), results
+    return list(results)
+
+
+def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
+    loaded: tuple[Any, Any],
+) -> None:
+    """Ten deterministic rows (caps 3 to 30: hand-overs 12 -> 8 -> 4 rows), then a second turn whose
+    prompts extend the first's (its prefill loads the kept blocks): the eager slot path's tokens and
+    log-probabilities bit for bit, each row's tokens alone; every step a stand-in graph replay over
+    buffers that never moved, on one pool never reallocated."""
+    eager, static = engines(loaded)
+    decoder = decoder_of(static)
+    assert static.batch_invariant  # the self-test first: its probes grow the pool (to 12 x 192 slots)
+    decoder.pool.reserve(12, 256)
+    generation = decoder.pool.generation
+    tokenizer = loaded[1]
+    prompts = [tuple(tokenizer(f"row {i}: " + "tabs and spaces " * (i % 5)).input_ids) for i in range(10)]
+    new = [3, 30, 5, 8, 12, 4, 16, 6, 9, 28]
+    for turn in range(2):
+        expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+        got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+        assert [r.batch_size for r in got] == [10] * 10
+        for x, y in zip(got, expected, strict=True):
+            assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+            assert (x.model_logprobs, x.sampling_logprobs) == (y.model_logprobs, y.sampling_logprobs)
+        for i in (0, 2, 9):  # greedy, seeded nucleus, seeded tempered
+            alone = ok(static.generate_batch(requests(prompts, new)[i : i + 1], mode=DET))[0]
+            assert alone.token_ids == got[i].token_ids, (turn, i)
+        prompts = [
+            (*p, *r.token_ids, *tokenizer(" then").input_ids) for p, r in zip(prompts, got, strict=True)
+        ]
+    assert static._slots.prefixes.hits > 0  # the second turn's prefill loaded kept blocks
+    assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 6
+    assert not any(key.startswith("steps: eager") for key in decoder.stats)
+    replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
+    assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0  # less each check at capture
+    assert decoder.graphs.failed is None and decoder.pool.generation == generation
+
+
+def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(loaded: tuple[Any, Any]) -> None:
+    """With the decoder on, the self-test runs the static steps over the decoder's pool (before any batch
+    decoded), passes, and its verdict is kept apart from the eager steps' one."""
+    eager, static = engines(loaded)
+    decoder = decoder_of(static)
+    assert decoder.pool.nbytes() == 0
+    assert static.batch_invariant is True and eager.batch_invariant is True
+    assert decoder.pool.nbytes() > 0 and decoder.stats["batches"] == 0
+    fields = ("invariant", "fixed_linear_rows")
+    eager_key, eager_verdict = eager._verdicts.lookup(eager._self_test_probe(rows=None), fields)
+    static_key, static_verdict = static._verdicts.lookup(static._self_test_probe(rows=None), fields)
+    assert eager_key is not None and static_key is not None and eager_key.path != static_key.path
+    assert static_key.parts["probe"]["static_steps"] is True
+    assert "static_steps" not in eager_key.parts["probe"]
+    assert eager_verdict is not None and static_verdict is not None and static_verdict["invariant"] is True
+
+
+def test_a_static_slot_step_reads_the_device_once(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tests/test_engine_syncs.py``'s count for deterministic rows with the switch on (the engine builds its
+    slot decoder): one host read a step (the chosen tokens), the seeded uniforms' block copies at most."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert LocalEngine(*loaded, device="cpu")._slots.decoder is not None
+    steps = per_step(loaded, DET)
+    assert steps["host_read"] == 1.0
+    assert steps["to_device"] <= 1 / 8
+    monkeypatch.setenv(ENV_SWITCH, "")
+    assert LocalEngine(*loaded, device="cpu")._slots.decoder is None
+
+
+class CompiledGraph:
+    """Stands in for a CUDA graph with ``torch.compile(fullgraph=True)`` of the step's function (a counting
+    backend: Dynamo must take the whole step as one frame; inductor is the GPU session's part)."""
+
+    counter = CompileCounter()
+
+    def __init__(self, step: SlotDecodeStep) -> None:
+        self.step = step
+        self.compiled: Any = None
+
+    def capture(self) -> None:
+        self.compiled = torch.compile(self.step._forward_and_sample, fullgraph=True, backend=self.counter)
+
+    def replay(self) -> None:
+        self.compiled()
+
+
+def test_the_slot_step_compiles_to_one_frame_per_bucket_with_the_eager_tokens(
+    loaded: tuple[Any, Any],
+) -> None:
+    """Five rows with fixed-order norms (as on CUDA; the chunked linears off, as there): 48 steps over two
+    row buckets (8 rows, then 4 once a row ended), each bucket's step one frame whatever the positions,
+    every step compiled (no eager step, no recompile), the eager slot path's tokens and log-probabilities."""
+    eager, static = engines(loaded, graph=CompiledGraph)
+    for engine in (eager, static):
+        engine._slots.fixed_norms = True
+    tokenizer = loaded[1]
+    prompts = [tuple(tokenizer(f"compiled row {i}").input_ids) for i in range(5)]
+    new = [12, 48, 48, 48, 48]
+    expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+    before = CompiledGraph.counter.frame_count
+    got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+    assert eager._slots.fixed_linear_rows is False and static._slots.fixed_linear_rows is False
+    decoder = decoder_of(static)
+    assert decoder.graphs.stats["captures"] == 2 and decoder.stats["hand-overs"] == 1
+    assert CompiledGraph.counter.frame_count - before == 2
+    assert decoder.stats["steps: graph"] >= 47 and not any(
+        k.startswith("steps: eager") for k in decoder.stats
+    )
+    for x, y in zip(got, expected, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.model_logprobs == pytest.approx(y.model_logprobs, abs=1e-5)
+
+
+def test_a_row_whose_logits_go_non_finite_fails_alone_and_leaves_nothing_in_the_pool(
+    loaded: tuple[Any, Any], qwen2_path: str
+) -> None:
+    """A token's embedding set to NaN: the row that generates it fails with the eager slot path's error, the
+    others carry on to the same tokens; restored, the next batch over the same pool rows (where the failed
+    row's KV went NaN) gets the eager path's tokens again: ``begin`` zeroes the slots past a prefill."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_path, dtype=loaded[0].dtype).eval()
+    eager, static = engines((model, loaded[1]))
+    prompts = [tuple(loaded[1](f"row {i} speaks").input_ids) for i in range(4)]
+    before = ok(eager.generate_batch(requests(prompts, [12] * 4), mode=DET))
+    poisoned = before[2].token_ids[4]
+    weight = model.get_input_embeddings().weight
+    saved = weight[poisoned].clone()
+    with torch.no_grad():
+        weight[poisoned] = float("nan")
+    expected = eager.generate_batch(requests(prompts, [12] * 4), mode=DET)
+    assert isinstance(expected[2], GenerationError)
+    got = static.generate_batch(requests(prompts, [12] * 4), mode=DET)
+    assert isinstance(got[2], GenerationError) and str(got[2]) == str(expected[2])
+    assert [r.token_ids for r in ok(got[:2] + got[3:])] == [
+        r.token_ids for r in ok(expected[:2] + expected[3:])
+    ]
+    with torch.no_grad():
+        weight[poisoned] = saved
+    again = ok(static.generate_batch(requests(prompts[::-1], [12] * 4), mode=DET))
+    assert [r.token_ids for r in again] == [
+        r.token_ids for r in ok(eager.generate_batch(requests(prompts[::-1], [12] * 4), mode=DET))
+    ]
+
+
+def test_sliding_window_models_keep_the_eager_slot_steps() -> None:
+    path = tiny_model("gemma2")
+    engine = LocalEngine(
+        AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), device="cpu"
+    )
+    decoder = SlotDecoder(engine._runner)
+    engine._slots.decoder = decoder
+    assert not engine._slots.static_steps()
+    assert decoder.stats["eager batches: sliding layers"] == 1
+
+
+def test_refuses_what_it_cannot_serve(loaded: tuple[Any, Any]) -> None:
+    model = loaded[0]
+    _, static = engines(loaded)
+    decoder = decoder_of(static)
+    with pytest.raises(ConfigurationError, match=r"SlotDecoder\(quantum=96\).*multiple of SLOT_BLOCK \(64\)"):
+        SlotDecoder(static._runner, quantum=96)
+    with pytest.raises(ConfigurationError, match="variant must be one of greedy, sample, top_p"):
+        SlotDecodeStep(model, rows=4, length=64, variant="nucleus", record=False, pool=decoder.pool)
+    step = decoder.probe_step(4, 64)
+    with pytest.raises(ConfigurationError, match=r"step\(\): no batch begun"):
+        step.step()
+    sampled = SamplingSettings(max_new_tokens=4, temperature=0.7, seed=1)
+    with pytest.raises(ConfigurationError, match="need the 'sample' sampler variant"):
+        step.begin([sampled], prefill=None, index=[0], prompts=[(1, 2)])
+    with pytest.raises(ConfigurationError, match=r"5 settings, 5 prefill rows and 5 prompts in a step of 4"):
+        step.begin([SamplingSettings(max_new_tokens=4)] * 5, prefill=None, index=[0] * 5, prompts=[(1,)] * 5)
+    greedy = SamplingSettings(max_new_tokens=4, temperature=0)
+    step.begin([greedy, greedy], prefill=None, index=[0, 0], prompts=[(5,), (6,)])
+    step.step()
+    assert step.tokens.shape == (4,)
+    with pytest.raises(ConfigurationError, match=r"keep=\[1, 0\]\): keep must be ascending indices"):
+        step.hand_over([1, 0], step)
+    with pytest.raises(ConfigurationError, match=r"cannot go to a step of 4 rows, 128 slots"):
+        step.hand_over([0], decoder.probe_step(4, 128))
