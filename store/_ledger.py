@@ -41,7 +41,7 @@ from ._schema import (
     migration_script,
 )
 from ._secrets import redacting_logger
-from ._token_rows import GeneratedIds, split_text, stored_values, unmarked_digest
+from ._token_rows import GeneratedIds, split_text, stored_values, unmarked_digest, unmarked_local
 from ._turn_ops import committed_turns_op, record_turn_op, unknown_job
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ _MARK_DONE = (
 
 def _split_part(text: str, part: int) -> Any:
     """The migrations' SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    if part == -2:
+        return unmarked_local(text)
     if part < 0:
         return unmarked_digest(text)
     stored, row = split_text(text)

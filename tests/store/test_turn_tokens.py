@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from crash_testkit import lines
-from ledger_testkit import as_schema
+from ledger_testkit import as_schema, inline_records
 
 from interlens import ConfigurationError, Message, TokenRecord, Transcript
 from interlens.report import ledger_rows, ledger_token_rows
@@ -121,7 +121,7 @@ async def test_an_old_ledger_with_base64_records_is_read_as_it_is_and_upgraded_i
         assert await ledger.committed_turns("job_1") == written[1:]
         await ledger.end_run("completed")
     with LedgerReader(tmp_path) as reader:
-        assert reader.summary()["schema_version"] == 6
+        assert reader.summary()["schema_version"] == 7
         assert _tokens(reader, "job_0") == _tokens(reader, "job_1") == expected
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM turn_tokens").fetchone()[0] == 10
@@ -131,12 +131,28 @@ async def test_an_old_ledger_with_base64_records_is_read_as_it_is_and_upgraded_i
         )
 
 
+def _overwrite_stream(db: sqlite3.Connection, job_id: str, idx: int, cut: bool) -> None:
+    """Zero the stream's bytes of one row (or cut the stream short from them: ``cut``)."""
+    (facts,) = db.execute(
+        "SELECT facts_json FROM turn_tokens WHERE job_id = ? AND idx = ?", (job_id, idx)
+    ).fetchone()
+    at, *sizes = json.loads(facts)["stream"]
+    key, data = db.execute("SELECT k, data FROM token_stream ORDER BY k DESC LIMIT 1").fetchone()
+    assert key == 0  # these records are small: one segment holds them all
+    end = at + sum(max(n, 0) for n in sizes)
+    data = data[:at] if cut else data[:at] + bytes(end - at) + data[end:]
+    db.execute("UPDATE token_stream SET data = ? WHERE k = 0", (data,))
+
+
 @pytest.mark.parametrize(
     "damage",
     [
-        "model_logprobs = substr(model_logprobs, 1, 5)",  # cut short
+        "model_logprobs = substr(model_logprobs, 1, 5)",  # cut short (a row in its own columns)
         "ids = ids || x'0000'",  # a wrong length
         "sampling_logprobs = zeroblob(length(sampling_logprobs))",  # right length, wrong bytes
+        "stream overwritten",  # schema 7: the row's bytes in the stream, zeroed
+        "stream cut",  # the stream ends before the row's bytes
+        "row missing",  # the turns row says it has a record; its turn_tokens row is gone
     ],
 )
 async def test_a_damaged_record_is_named_by_job_and_turn_and_the_rest_reads(
@@ -144,13 +160,19 @@ async def test_a_damaged_record_is_named_by_job_and_turn_and_the_rest_reads(
 ) -> None:
     written = await _write(tmp_path)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
-        db.execute(f"UPDATE turn_tokens SET {damage} WHERE job_id = 'job_1' AND idx = 0")
+        if damage.startswith("stream"):
+            _overwrite_stream(db, "job_1", 0, cut=damage == "stream cut")
+        elif damage == "row missing":
+            db.execute("DELETE FROM turn_tokens WHERE job_id = 'job_1' AND idx = 0")
+        else:
+            inline_records(db)  # as schema 6 stored rows (and a migrated ledger keeps them)
+            db.execute(f"UPDATE turn_tokens SET {damage} WHERE job_id = 'job_1' AND idx = 0")
     with LedgerReader(tmp_path) as reader:
         with pytest.raises(UnreadableRecordError, match=r"job 'job_1'.s turn 0 .*turn_tokens") as caught:
             reader.result_tokens("job_1")
         assert (caught.value.job_id, caught.value.idx) == ("job_1", 0)
         assert reader.result("job_1")["conversation"]["transcript"][1]["content"] == written[1]["content"]
-        assert _tokens(reader, "job_0") == [m.tokens for m in Transcript.from_json(written)]
+        assert _tokens(reader, "job_0") == [m.tokens for m in Transcript.from_json(written)]  # before it
         assert reader.unreadable_records() == []  # the turn's JSON itself reads
     async with await Ledger.open(tmp_path) as ledger:  # a resume that would replay it names it too
         with pytest.raises(UnreadableRecordError, match=r"job 'job_1'.s turn 0: its token record"):
