@@ -14,9 +14,9 @@ its own it filled a 4 KiB page alone, so the file grew by ~3.4x the turns' text 
 2. **The writer**: the same turns recorded through ``Ledger.record_turn`` (64 jobs at a time, group commit)
    with the records in the stream (schema 7), as rows in their own columns (schema 6's layout: the stream's
    append replaced by the row's values as they are), and as those rows in a file of 32 KiB pages (the
-   other way to fill pages); interleaved, ``--repeats`` each: committed turns/s (median (min-max)), and what
-   the records grow each file by against a ledger without records of the same page size (as written, WAL
-   checkpointed, no ``VACUUM``).
+   other way to fill pages); interleaved, ``--repeats`` each: committed turns/s (median (min-max)) and each
+   repeat's ratio to schema 6's layout timed next to it, and what the records grow each file by against a
+   ledger without records of the same page size (as written, WAL checkpointed, no ``VACUUM``).
 
 Records: each turn's token count is 256 (80 %) or 60-255 (a turn that ended early), ~4.7 bytes of text a
 token (SmolLM2's tokenizer on English), random ids and log-probabilities (incompressible, as real float32
@@ -208,11 +208,13 @@ def writer_layouts(jobs: int, turns: int, tokens: int, repeats: int) -> None:
                     turn_ops.append = streamed  # type: ignore[assignment]
                 rates[way].append(jobs * turns / seconds)
                 growth[way] = (_size(out) - plain[page]) / text
+    base = rates["rows in columns (schema 6)"]
     for way, values in rates.items():
+        ratios = [a / b for a, b in zip(values, base, strict=True)]  # each repeat's, timed next to each other
         print(
             f"  {way:<28} {statistics.median(values):>8,.0f} committed turns/s "
-            f"({min(values):,.0f}-{max(values):,.0f}); the records grow the file by {growth[way]:.2f}x "
-            "the text"
+            f"({min(values):,.0f}-{max(values):,.0f}), / schema 6's {statistics.median(ratios):.3f} "
+            f"({min(ratios):.3f}-{max(ratios):.3f}); the records grow the file by {growth[way]:.2f}x the text"
         )
 
 
