@@ -145,9 +145,11 @@ class LedgerReader:
         rows = self._all(f"SELECT {self._job_columns} FROM jobs WHERE job_id = ?", (job_id,))
         return job_from_row(rows[0]) if rows else None
 
-    def result(self, job_id: str) -> dict[str, Any] | None:
+    def result(self, job_id: str, *, token_markers: bool = True) -> dict[str, Any] | None:
         """``{"conversation", "analysis", "tokens_generated"}`` of a finished job (or a failed one whose
-        conversation was kept), else None."""
+        conversation was kept), else None. ``token_markers=False``: a local turn's message without the marker
+        of its record (schema 7 stores it in the turns row, not the JSON: a reader that has no use for it,
+        a plain export, is spared it; schema 5-6 ledgers keep theirs in the JSON)."""
         if self._version < 3:
             rows = self._all(
                 "SELECT r.conversation_json, r.analysis_json, j.tokens_generated FROM results r "
@@ -167,15 +169,16 @@ class LedgerReader:
             if not rows:
                 return None
             lineup, *stored, analysis, tokens = rows[0]
-            turns, marked = self._result_turns([job_id])
+            turns, marked = self._result_turns([job_id], token_markers)
             with self._unreadable_as_error(job_id):
                 conversation = self._assemble(lineup, stored, turns.get(job_id, {}), marked.get(job_id, ()))
                 return _result(conversation, analysis, tokens)
 
     def iter_results(
-        self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256
+        self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256, token_markers: bool = True
     ) -> Iterator[tuple[JobRecord, dict[str, Any] | None]]:
-        """Lazily yield ``(job, result or None)`` in job order for jobs in ``states``.
+        """Lazily yield ``(job, result or None)`` in job order for jobs in ``states`` (``token_markers``: see
+        :meth:`result`).
 
         Reads ``page_size`` rows per short read transaction, so memory stays flat and rows committed while
         iterating may appear in later pages.
@@ -199,7 +202,7 @@ class LedgerReader:
                 turns: dict[str, dict[int, str]] = {}
                 marked: dict[str, set[int]] = {}
                 if self._version >= 3:
-                    turns, marked = self._result_turns([row[1] for row in rows if row[-5]])
+                    turns, marked = self._result_turns([row[1] for row in rows if row[-5]], token_markers)
             for row in rows:
                 job = job_from_row(row[1:-5])
                 has_result, *parts, analysis = row[-5:]
@@ -247,17 +250,20 @@ class LedgerReader:
         finally:
             self._conn.execute("COMMIT")
 
-    def _result_turns(self, job_ids: Sequence[str]) -> tuple[dict[str, dict[int, str]], dict[str, set[int]]]:
+    def _result_turns(
+        self, job_ids: Sequence[str], token_markers: bool = True
+    ) -> tuple[dict[str, dict[int, str]], dict[str, set[int]]]:
         """Every turns row (idx → text) of each of ``job_ids``, from which their transcripts are read, and
         per job the idx of those whose record is in ``turn_tokens`` (schema 7: their marker is not in the
-        JSON)."""
+        JSON; none without ``token_markers``)."""
         out: dict[str, dict[int, str]] = {}
         marked: dict[str, set[int]] = {}
+        flag = self._stored_tokens if token_markers else "NULL"
         for marks, piece in chunks(job_ids):
-            sql = f"SELECT job_id, idx, turn_json, {self._stored_tokens} FROM turns WHERE job_id IN ({marks})"
-            for job_id, idx, text, flag in self._all(sql, piece):
+            sql = f"SELECT job_id, idx, turn_json, {flag} FROM turns WHERE job_id IN ({marks})"
+            for job_id, idx, text, flagged in self._all(sql, piece):
                 out.setdefault(job_id, {})[int(idx)] = text
-                if flag:
+                if flagged:
                     marked.setdefault(job_id, set()).add(int(idx))
         return out, marked
 
