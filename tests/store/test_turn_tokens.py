@@ -92,6 +92,9 @@ async def test_records_round_trip_bit_for_bit_and_leave_the_turns_json(tmp_path:
             markers = [m["metadata"].get("tokens") for m in stored]
             assert [m and m["stored"] for m in markers] == ["turn_tokens"] * 5 + [None]
             assert markers[4]["reported_by"] == "openai" and markers[4]["n"] == 3
+    exported = json.loads(next(iter(ledger_rows(tmp_path)))["transcript"])  # a plain export: no records,
+    hosted = {"stored": "turn_tokens", "n": 3, "reported_by": "openai"}  # so no local turn's marker either
+    assert [m["metadata"].get("tokens") for m in exported] == [None] * 4 + [hosted, None]
     async with await Ledger.open(tmp_path) as ledger:  # what a resumed attempt replays: the records whole
         assert await ledger.committed_turns("job_0") == written[1:]
     with pytest.raises(ConfigurationError, match="stored in the ledger's turn_tokens table"):
