@@ -11,8 +11,9 @@ what says it is there:
 
 - a local turn (schema 7): nothing in its JSON; its turns row's ``stored_tokens`` column is 1, and the
   readers put the marker ``{"stored": "turn_tokens"}`` back into the message they return (:func:`put_marker`)
-  without parsing it (schemas 5-6 kept it in the JSON, which every reader of turns parses: a plain export
-  paid ~5 % for it, ``benchmarks/bench_token_reads.py``);
+  without parsing it, unless asked not to (a plain export, which has no use for it:
+  ``LedgerReader.iter_results(token_markers=False)``). Schemas 5-6 kept it in the JSON, which every reader
+  of turns parses: a plain export paid ~5 % for it (``benchmarks/bench_token_reads.py``);
 - a hosted turn: the marker ``{"stored": "turn_tokens", "n", "reported_by"}`` in its JSON (what ``show
   --metadata`` prints of it without reading the table), and ``stored_tokens`` 1 too.
 
