@@ -52,12 +52,35 @@ def _strip_records(src: str, dst: str) -> None:
     shutil.copy(src, dst)
     db = sqlite3.connect(dst, isolation_level=None)
     db.execute("DELETE FROM turn_tokens")
+    db.execute("DELETE FROM token_stream")
+    db.execute("UPDATE turns SET stored_tokens = NULL")
     db.execute(
         "UPDATE turns SET turn_json = json_remove(turn_json, '$.metadata.tokens') "
         "WHERE json_type(turn_json, '$.metadata.tokens') IS NOT NULL"
     )
     db.execute("VACUUM")
     db.close()
+
+
+def _in_columns(src: str, dst: str) -> int:
+    """The size of the ledger at ``src`` as schema 6 stored the same records (each ``turn_tokens`` row's
+    BLOBs in its own columns, a local turn's marker in its JSON: ``tests/ledger_testkit``'s downgrade),
+    after ``VACUUM``."""
+    import os
+    import shutil
+    import sqlite3
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ledger_testkit import as_schema
+
+    shutil.copy(src, dst)
+    as_schema(Path(dst), 6)
+    db = sqlite3.connect(dst, isolation_level=None)
+    db.execute("VACUUM")
+    db.close()
+    return os.path.getsize(dst)
 
 
 def _rerecord(source: str, out: str) -> int:
@@ -105,6 +128,7 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int, source: s
     import tempfile
 
     from interlens.store._token_rows import resolved
+    from interlens.store._token_stream import filled
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
@@ -116,30 +140,35 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int, source: s
         seconds = time.perf_counter() - start
         ledger = os.path.join(out, "ledger.sqlite")
         db = sqlite3.connect(ledger)
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        live = os.path.getsize(ledger)  # as the run left it (schema 7: records' bytes in token_stream)
         turns = [json.loads(text) for (text,) in db.execute("SELECT turn_json FROM turns")]
-        rows = db.execute(
+        stored = db.execute(
             "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids "
             "FROM turn_tokens"
         ).fetchall()
+        segments = {int(k): bytes(data) for k, data in db.execute("SELECT k, data FROM token_stream")}
+        rows = [(job, idx, *filled(values, segments)) for job, idx, *values in stored]
         db.execute("VACUUM")
         db.close()  # the write-ahead log folded in: the file's size is the ledger's
         size = os.path.getsize(ledger)
         _strip_records(ledger, os.path.join(out, "plain.sqlite"))
         plain = os.path.getsize(os.path.join(out, "plain.sqlite"))
+        v6 = _in_columns(ledger, os.path.join(out, "v6.sqlite"))
     sources: dict[str, dict[int, bytes]] = {}
     for job, idx, _, ids, *_ in rows:
         if ids is not None:
             sources.setdefault(job, {})[idx] = ids
     parts = {"ids + both log-probability arrays": 0, "prompts (literal ids)": 0, "facts (references)": 0}
     literal_prompts = 0  # the prompts' new ids had every one been stored literally (schema 5)
-    for job, _, facts, ids, model, sampling, prompt in rows:
+    for (job, _, facts, ids, model, sampling, prompt), row in zip(rows, stored, strict=True):
         parts["ids + both log-probability arrays"] += len(ids or b"") + len(model) + len(sampling or b"")
         parts["prompts (literal ids)"] += len(prompt or b"")
-        parts["facts (references)"] += len(facts)
+        parts["facts (references)"] += len(row[2])  # as stored: with the stream's pointer
         whole = resolved((facts, ids, model, sampling, prompt), sources.get(job, {}))
         literal_prompts += len(whole.prompt_ids or b"")
     markers = sum(len(json.dumps(t["metadata"]["tokens"])) for t in turns if "tokens" in t["metadata"])
-    parts["markers in the turns' JSON"] = markers
+    parts["markers in the turns' JSON (hosted turns' only, schema 7)"] = markers
     text = sum(len(t["content"].encode()) for t in turns)
     records = sum(parts.values())
     tokens = sum(t["metadata"].get("n_tokens", 0) for t in turns)
@@ -158,7 +187,12 @@ def ledger_sizes(path: str, dtype: str, new_tokens: int, debates: int, source: s
     )
     print(
         f"  the records grow the ledger by {(size - plain) / 1024:.0f} KiB: {(size - plain) / plain:.2f}x "
-        f"the ledger without them, {(size - plain) / text:.2f}x the turns' text"
+        f"the ledger without them, {(size - plain) / text:.2f}x the turns' text (as written, before VACUUM: "
+        f"{live / 1024:.0f} KiB)"
+    )
+    print(
+        f"  the same records as schema 6 stored them (each row in its own columns, the marker in the JSON) "
+        f"grow it by {(v6 - plain) / 1024:.0f} KiB: {(v6 - plain) / text:.2f}x the turns' text"
     )
 
 

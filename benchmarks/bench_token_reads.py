@@ -6,11 +6,12 @@ Writes two ledgers of ``--jobs`` finished jobs x ``--turns`` turns of ~1 KB of t
 without token records, one where every turn has one (``--tokens`` ids, two float32 arrays, a prompt that
 is a difference from its speaker's previous turn, as a debate's are). Then times, side by side and
 interleaved (``--repeats`` each, medians), ``interlens status``'s facts (``run_status``) and a plain export
-(``ledger_rows``: every job's row, transcripts included). Schema 6 keeps the records in ``turn_tokens``,
-which neither reads, and a marker of ~24 bytes in each recorded turn's JSON, so both should take the same
-time. For reference the same ledger as schema 5 stored it (a marker with the count and digest, ~50 bytes)
-and as schema 4 did (the records back in the turns' JSON as base64) are timed too (``ledger_testkit``'s
-downgrades, then ``VACUUM``).
+(``ledger_rows``: every job's row, transcripts included). Schema 7 keeps the records in ``turn_tokens`` and
+``token_stream``, which neither reads, and a local turn's marker in its turns row (``stored_tokens``), not
+its JSON, so both should take the same time. For reference the same ledger as schema 6 stored it (the
+marker ``{"stored":"turn_tokens"}`` in each recorded turn's JSON) is timed too, and with ``--older``
+as schema 5 (a marker with the count and digest) and schema 4 (the records back in the turns' JSON as
+base64) stored it (``ledger_testkit``'s downgrades, then ``VACUUM``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ def _as_schema(src: Path, dst: Path, version: int) -> None:
     conn.close()
 
 
+def _stripped(src: Path, dst: Path) -> None:
+    """``src``'s ledger without its records (rows, stream, flags), compacted: the ledger written without
+    records commits its turns in another order (the writer's timing differs), which alone moves a plain
+    export by a few per cent either way; this one differs from ``src`` by the records only."""
+    dst.mkdir()
+    shutil.copy(src / "ledger.sqlite", dst / "ledger.sqlite")
+    conn = sqlite3.connect(dst / "ledger.sqlite", isolation_level=None)
+    conn.execute("DELETE FROM turn_tokens")
+    conn.execute("DELETE FROM token_stream")
+    conn.execute("UPDATE turns SET stored_tokens = NULL")
+    conn.execute("VACUUM")
+    conn.close()
+
+
 def _status(out: Path) -> None:
     with LedgerReader(out) as reader:
         run_status(reader)
@@ -113,6 +128,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--older", action="store_true", help="also time schemas 5 and 4 (slower)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench_token_reads_"))
     try:
@@ -122,10 +138,15 @@ def main() -> None:
             anyio.run(_write, out, args.jobs, args.turns, args.tokens, label == "with records")
             size = (out / "ledger.sqlite").stat().st_size
             print(f"  wrote {label}: {time.perf_counter() - start:.1f} s, {size / 2**20:.0f} MiB")
-        dirs["schema 5 marker"] = root / "v5"
-        _as_schema(dirs["with records"], dirs["schema 5 marker"], 5)
-        dirs["schema 4 (base64 in JSON)"] = root / "v4"
-        _as_schema(dirs["with records"], dirs["schema 4 (base64 in JSON)"], 4)
+        dirs["the same, records stripped"] = root / "stripped"  # its rows in the same order (see _stripped)
+        _stripped(dirs["with records"], dirs["the same, records stripped"])
+        dirs["schema 6 (marker in JSON)"] = root / "v6"
+        _as_schema(dirs["with records"], dirs["schema 6 (marker in JSON)"], 6)
+        if args.older:
+            dirs["schema 5 marker"] = root / "v5"
+            _as_schema(dirs["with records"], dirs["schema 5 marker"], 5)
+            dirs["schema 4 (base64 in JSON)"] = root / "v4"
+            _as_schema(dirs["with records"], dirs["schema 4 (base64 in JSON)"], 4)
         for name, fn in (("status", _status), ("plain export", _export)):
             times: dict[str, list[float]] = {label: [] for label in dirs}
             for _ in range(args.repeats):

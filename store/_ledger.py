@@ -10,7 +10,6 @@ Requires the asyncio backend (aiosqlite is asyncio-only); anyio on asyncio is fi
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import time
@@ -24,10 +23,10 @@ import anyio
 import anyio.lowlevel
 
 from ._damage import unreadable_jobs
-from ._errors import LedgerSchemaError, StoreError, UnreadableRecordError
+from ._errors import LedgerSchemaError, StoreError
 from ._files import move_aside
 from ._group import GroupCommitter, Op
-from ._json import SecretGuard, dumps
+from ._json import SecretGuard
 from ._lock import WriterLock
 from ._provider_batches import open_batches_op, record_batch_op, update_batch_op
 from ._records import JOB_STATES, RUN_STATUSES, BatchRecord, JobRecord, RecordedJobs
@@ -42,19 +41,8 @@ from ._schema import (
     migration_script,
 )
 from ._secrets import redacting_logger
-from ._token_rows import (
-    TOKENS_KEY,
-    TOKENS_TABLE,
-    GeneratedIds,
-    TokenRow,
-    TokenRowError,
-    detach_later,
-    join,
-    split,
-    split_text,
-    stored_values,
-    unmarked_digest,
-)
+from ._token_rows import GeneratedIds, split_text, stored_values, unmarked_digest, unmarked_local
+from ._turn_ops import committed_turns_op, record_turn_op, unknown_job
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -70,12 +58,6 @@ _INSERT_JOB = (
     "INSERT OR IGNORE INTO jobs (job_id, lineup, seed, row_index, state, attempts, created_at, "
     "tokens_generated, input_fp) VALUES (?, ?, ?, ?, 'pending', 0, ?, 0, ?)"
 )
-_UPSERT_TURN = "INSERT OR REPLACE INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)"
-_UPSERT_TOKENS = (
-    f"INSERT OR REPLACE INTO {TOKENS_TABLE} (job_id, idx, facts_json, ids, model_logprobs, "
-    "sampling_logprobs, prompt_ids) VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-_DROP_TOKENS = f"DELETE FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ?"  # a turn re-recorded without one
 _MARK_DONE = (
     "UPDATE jobs SET state = 'done', finished_at = ?, tokens_generated = ?, run_id = ?, error_type = NULL, "
     "error_message = NULL, error_traceback = NULL WHERE job_id = ?"
@@ -84,6 +66,8 @@ _MARK_DONE = (
 
 def _split_part(text: str, part: int) -> Any:
     """The migrations' SQL function (``SPLIT_FUNCTION``): see ``_schema``."""
+    if part == -2:
+        return unmarked_local(text)
     if part < 0:
         return unmarked_digest(text)
     stored, row = split_text(text)
@@ -92,19 +76,13 @@ def _split_part(text: str, part: int) -> Any:
     return None if row is None else stored_values(row, {})[part - 1]
 
 
-def _unknown_job(action: str, job_id: str) -> StoreError:
-    return StoreError(
-        f"{action}: unknown job id {job_id!r}. Add the job with add_jobs() before recording for it."
-    )
-
-
 async def _finish_jobs(
     conn: aiosqlite.Connection, payloads: Sequence[tuple[EncodedResult, tuple[Any, ...]]]
 ) -> None:
     """The finish_job calls of one transaction, together: their results, then their jobs marked done."""
     unknown = await store_results(conn, [result for result, _ in payloads])
     if unknown:  # nothing was written; bisection isolates the call that named it
-        raise _unknown_job("finish_job", unknown[0])
+        raise unknown_job("finish_job", unknown[0])
     await conn.executemany(_MARK_DONE, [done for _, done in payloads])
 
 
@@ -425,77 +403,21 @@ class Ledger:
                 return int(rows[0][0])
             if await conn.execute_fetchall("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)):
                 raise StoreError(f"start_job: job {job_id!r} is already done; a done job is never run again")
-            raise _unknown_job("start_job", job_id)
+            raise unknown_job("start_job", job_id)
 
         attempts: int = await self._submit(Op(f"start_job({job_id!r})", apply=apply))
         return attempts
 
     async def record_turn(self, job_id: str, index: int, turn: Mapping[str, Any]) -> None:
         """Commit turn ``index`` of ``job_id``; durable on return. Re-recording an index replaces it."""
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-            raise ValueError(f"record_turn({job_id!r}): index must be an int >= 0, got {index!r}")
-        if not isinstance(turn, Mapping):
-            raise TypeError(
-                f"record_turn({job_id!r}, {index}): turn must be a mapping, got {type(turn).__name__}"
-            )
-        stored, row = split(turn)  # its token record, if any, to turn_tokens in the same transaction
-        text = dumps(dict(stored), what=f"turn {index} of job {job_id!r}", guard=self._guard)
-        tokens = (
-            (_DROP_TOKENS, (job_id, index))
-            if row is None
-            else (
-                _UPSERT_TOKENS,
-                (job_id, index, *stored_values(row, *self._generated.sources(job_id, index, row))),
-            )
-        )
-        stmts = ((_UPSERT_TURN, (job_id, index, text, time.time())), tokens)
-
-        async def again(conn: aiosqlite.Connection) -> None:  # a turn that may replace one others refer to
-            await detach_later(conn, job_id, index)
-            for sql, params in stmts:
-                await conn.execute(sql, params)
-
-        appends = self._generated.appends(job_id, index)
-        what, explain = f"record_turn({job_id!r}, {index})", lambda _exc: _unknown_job("record_turn", job_id)
-        await self._submit(
-            Op(what, stmts=stmts, explain=explain) if appends else Op(what, again, explain=explain)
-        )
+        op, row = record_turn_op(job_id, index, turn, guard=self._guard, generated=self._generated)
+        await self._submit(op)
         self._generated.remember(job_id, index, row)  # committed: later turns of the job may refer to it
 
     async def committed_turns(self, job_id: str) -> list[dict[str, Any]]:
         """The committed turns of ``job_id`` in index order (what a resumed attempt replays), token records
         included as they were recorded: the replayed conversation is the one that ran."""
-
-        async def apply(conn: aiosqlite.Connection) -> list[dict[str, Any]]:
-            rows = await conn.execute_fetchall(
-                "SELECT t.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
-                f"k.prompt_ids FROM turns t LEFT JOIN {TOKENS_TABLE} k "
-                "ON k.job_id = t.job_id AND k.idx = t.idx "
-                "WHERE t.job_id = ? AND t.idx >= 0 ORDER BY t.idx",
-                (job_id,),
-            )
-            turns: list[dict[str, Any]] = []
-            sources = {idx: values[1] for idx, _, *values in rows if values[1] is not None}
-            self._generated.forget(job_id)
-            for idx, text, *values in rows:
-                turn = json.loads(text)
-                if values[0] is not None:
-                    meta = turn["metadata"]
-                    try:
-                        turn["metadata"] = {**meta, TOKENS_KEY: join(meta[TOKENS_KEY], values, sources)}
-                        self._generated.remember(job_id, idx, TokenRow(*values))
-                    except TokenRowError as exc:
-                        raise UnreadableRecordError(
-                            f"job {job_id!r}'s turn {len(turns)}: its token record ({TOKENS_TABLE}) does not "
-                            f"read: {exc}; the file was damaged there, so the job cannot replay it. Rerun it "
-                            "with resume=False or into another out_dir",
-                            job_id=job_id,
-                            idx=len(turns),
-                        ) from exc
-                turns.append(turn)
-            return turns
-
-        result: list[dict[str, Any]] = await self._submit(Op(f"committed_turns({job_id!r})", apply=apply))
+        result: list[dict[str, Any]] = await self._submit(committed_turns_op(job_id, self._generated))
         return result
 
     async def finish_job(
@@ -560,7 +482,7 @@ class Ledger:
                 (time.time(), int(tokens_generated), run_id, error_type, message, traceback, job_id),
             )
             if not rows:
-                raise _unknown_job("fail_job", job_id)
+                raise unknown_job("fail_job", job_id)
             if result is not None:
                 await store_results(conn, [result])
 
@@ -576,7 +498,7 @@ class Ledger:
                 "UPDATE jobs SET state = 'pending' WHERE job_id = ? AND state = 'running'", (job_id,)
             )
             if not await conn.execute_fetchall("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)):
-                raise _unknown_job("return_to_pending", job_id)
+                raise unknown_job("return_to_pending", job_id)
 
         await self._submit(Op(f"return_to_pending({job_id!r})", apply=apply))
         self._generated.forget(job_id)

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -32,7 +32,8 @@ from ._records import (
 )
 from ._results import assemble, chunks
 from ._schema import LEDGER_FILENAME, check_existing, ro_uri
-from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, is_marker, join
+from ._token_rows import TOKENS_KEY, TOKENS_TABLE, TokenRowError, is_marker, join, local_marker, put_marker
+from ._token_stream import STREAM_TABLE, filled, segments_of
 
 __all__ = ["LedgerReader"]
 
@@ -74,6 +75,7 @@ class LedgerReader:
         self._recipes: dict[str, str | None] = {}  # lineup → its recipe text (never changes once written)
         # A reader takes an older ledger as it is: columns it lacks read as NULL.
         self._job_columns = job_columns(version)
+        self._stored_tokens = "stored_tokens" if version >= 7 else "NULL"  # schema 7: a local turn's marker
         self._j_columns = ", ".join(
             c if c == "NULL" else f"j.{c}" for c in (c.strip() for c in self._job_columns.split(","))
         )
@@ -143,9 +145,11 @@ class LedgerReader:
         rows = self._all(f"SELECT {self._job_columns} FROM jobs WHERE job_id = ?", (job_id,))
         return job_from_row(rows[0]) if rows else None
 
-    def result(self, job_id: str) -> dict[str, Any] | None:
+    def result(self, job_id: str, *, token_markers: bool = True) -> dict[str, Any] | None:
         """``{"conversation", "analysis", "tokens_generated"}`` of a finished job (or a failed one whose
-        conversation was kept), else None."""
+        conversation was kept), else None. ``token_markers=False``: a local turn's message without the marker
+        of its record (schema 7 stores it in the turns row, not the JSON: a reader that has no use for it,
+        a plain export, is spared it; schema 5-6 ledgers keep theirs in the JSON)."""
         if self._version < 3:
             rows = self._all(
                 "SELECT r.conversation_json, r.analysis_json, j.tokens_generated FROM results r "
@@ -165,14 +169,16 @@ class LedgerReader:
             if not rows:
                 return None
             lineup, *stored, analysis, tokens = rows[0]
-            turns = self._result_turns([job_id]).get(job_id, {})
+            turns, marked = self._result_turns([job_id], token_markers)
             with self._unreadable_as_error(job_id):
-                return _result(self._assemble(lineup, stored, turns), analysis, tokens)
+                conversation = self._assemble(lineup, stored, turns.get(job_id, {}), marked.get(job_id, ()))
+                return _result(conversation, analysis, tokens)
 
     def iter_results(
-        self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256
+        self, *, states: Iterable[str] = ("done", "failed"), page_size: int = 256, token_markers: bool = True
     ) -> Iterator[tuple[JobRecord, dict[str, Any] | None]]:
-        """Lazily yield ``(job, result or None)`` in job order for jobs in ``states``.
+        """Lazily yield ``(job, result or None)`` in job order for jobs in ``states`` (``token_markers``: see
+        :meth:`result`).
 
         Reads ``page_size`` rows per short read transaction, so memory stays flat and rows committed while
         iterating may appear in later pages.
@@ -193,9 +199,10 @@ class LedgerReader:
         while True:
             with self._snapshot():
                 rows = self._all(sql, (last, *chosen, page_size))
-                turns = {}
+                turns: dict[str, dict[int, str]] = {}
+                marked: dict[str, set[int]] = {}
                 if self._version >= 3:
-                    turns = self._result_turns([row[1] for row in rows if row[-5]])
+                    turns, marked = self._result_turns([row[1] for row in rows if row[-5]], token_markers)
             for row in rows:
                 job = job_from_row(row[1:-5])
                 has_result, *parts, analysis = row[-5:]
@@ -207,7 +214,9 @@ class LedgerReader:
                         if self._version < 3:
                             conversation = json.loads(parts[0])
                         else:
-                            conversation = self._assemble(job.lineup, parts, turns.get(job.job_id, {}))
+                            conversation = self._assemble(
+                                job.lineup, parts, turns.get(job.job_id, {}), marked.get(job.job_id, ())
+                            )
                         result = _result(conversation, analysis, job.tokens_generated)
                 except UnreadableRecordError as exc:  # one job's loss: named, and the listing goes on
                     log.warning("%s; left out here", exc)
@@ -241,16 +250,26 @@ class LedgerReader:
         finally:
             self._conn.execute("COMMIT")
 
-    def _result_turns(self, job_ids: Sequence[str]) -> dict[str, dict[int, str]]:
-        """Every turns row (idx → text) of each of ``job_ids``, from which their transcripts are read."""
+    def _result_turns(
+        self, job_ids: Sequence[str], token_markers: bool = True
+    ) -> tuple[dict[str, dict[int, str]], dict[str, set[int]]]:
+        """Every turns row (idx → text) of each of ``job_ids``, from which their transcripts are read, and
+        per job the idx of those whose record is in ``turn_tokens`` (schema 7: their marker is not in the
+        JSON; none without ``token_markers``)."""
         out: dict[str, dict[int, str]] = {}
+        marked: dict[str, set[int]] = {}
+        flag = self._stored_tokens if token_markers else "NULL"
         for marks, piece in chunks(job_ids):
-            sql = f"SELECT job_id, idx, turn_json FROM turns WHERE job_id IN ({marks})"
-            for job_id, idx, text in self._all(sql, piece):
+            sql = f"SELECT job_id, idx, turn_json, {flag} FROM turns WHERE job_id IN ({marks})"
+            for job_id, idx, text, flagged in self._all(sql, piece):
                 out.setdefault(job_id, {})[int(idx)] = text
-        return out
+                if flagged:
+                    marked.setdefault(job_id, set()).add(int(idx))
+        return out, marked
 
-    def _assemble(self, lineup: str, stored: Sequence[Any], turns: Mapping[int, str]) -> dict[str, Any]:
+    def _assemble(
+        self, lineup: str, stored: Sequence[Any], turns: Mapping[int, str], marked: Container[int] = ()
+    ) -> dict[str, Any]:
         state_json, lineup_recipe, turn_order = stored
         recipe = None
         if lineup_recipe:
@@ -258,7 +277,7 @@ class LedgerReader:
                 rows = self._all("SELECT describe_json FROM lineups WHERE name = ?", (lineup,))
                 self._recipes[lineup] = rows[0][0] if rows else None
             recipe = self._recipes[lineup]
-        return assemble(state_json, recipe, turn_order, turns)
+        return assemble(state_json, recipe, turn_order, turns, marked)
 
     def turns(self, job_id: str) -> list[dict[str, Any]]:
         """The turns a job committed as it ran, in index order: what a resumed attempt replays. A stored
@@ -272,13 +291,15 @@ class LedgerReader:
     def turn_records(self, job_id: str) -> list[TurnRecord]:
         """Like :meth:`turns`, with index and commit time."""
         rows = self._all(
-            "SELECT idx, turn_json, committed_at FROM turns WHERE job_id = ? AND idx >= 0 ORDER BY idx",
+            f"SELECT idx, turn_json, committed_at, {self._stored_tokens} FROM turns "
+            "WHERE job_id = ? AND idx >= 0 ORDER BY idx",
             (job_id,),
         )
-        return [
-            TurnRecord(job_id, idx, loads(turn, record=UnreadableRecord(job_id, idx), path=self.path), at)
-            for idx, turn, at in rows
-        ]
+        out = []
+        for idx, text, at, flag in rows:
+            turn = loads(text, record=UnreadableRecord(job_id, idx), path=self.path)
+            out.append(TurnRecord(job_id, idx, put_marker(turn) if flag else turn, at))
+        return out
 
     def result_tokens(self, job_id: str) -> list[dict[str, Any] | None] | None:
         """The token records of ``job_id``'s result transcript, one per message in order (None where a
@@ -290,36 +311,50 @@ class LedgerReader:
         the rest of the ledger reads."""
         if self._version < 5:
             return None  # an older ledger keeps its records in the turns' JSON: result() has them
+        flag = "t.stored_tokens" if self._version >= 7 else "NULL"
         with self._snapshot():
             order = self._all("SELECT turn_order FROM results WHERE job_id = ?", (job_id,))
             if not order or order[0][0] is None:
                 return None
             rows = self._all(
-                "SELECT k.idx, t.turn_json, k.facts_json, k.ids, k.model_logprobs, k.sampling_logprobs, "
-                f"k.prompt_ids FROM {TOKENS_TABLE} k JOIN turns t ON t.job_id = k.job_id AND t.idx = k.idx "
-                "WHERE k.job_id = ?",
+                f"SELECT t.idx, t.turn_json, {flag}, k.facts_json, k.ids, k.model_logprobs, "
+                f"k.sampling_logprobs, k.prompt_ids FROM turns t LEFT JOIN {TOKENS_TABLE} k "
+                "ON k.job_id = t.job_id AND k.idx = t.idx WHERE t.job_id = ? "
+                f"AND (k.job_id IS NOT NULL OR {flag})",
                 (job_id,),
             )
+            keys = segments_of(row[3:] for row in rows if row[3] is not None)
+            segments: dict[int, bytes] = {}
+            for start in range(0, len(keys), 500):
+                piece = keys[start : start + 500]
+                sql = f"SELECT k, data FROM {STREAM_TABLE} WHERE k IN ({', '.join('?' * len(piece))})"
+                segments.update((int(k), bytes(data)) for k, data in self._all(sql, piece))
         with self._unreadable_as_error(job_id):
             indices = json.loads(order[0][0])
         records: dict[int, dict[str, Any]] = {}
-        sources = {int(idx): values[1] for idx, _, *values in rows if values[1] is not None}
-        for idx, text, *values in sorted(
-            rows, key=lambda row: int(row[0])
-        ):  # a source before what refers to it
-            record = UnreadableRecord(job_id, int(idx))
+        whole = [
+            (int(idx), text, flag, None if values[0] is None else filled(values, segments))
+            for idx, text, flag, *values in rows
+        ]
+        sources = {idx: v[1] for idx, _, _, v in whole if v is not None and v[1] is not None}
+        for idx, text, flag, values in sorted(whole, key=lambda row: row[0]):  # a source before its users
+            record = UnreadableRecord(job_id, idx)
             marker = (loads(text, record=record, path=self.path).get("metadata") or {}).get(TOKENS_KEY)
+            if marker is None and flag:
+                marker = local_marker()
             if not is_marker(marker):
                 continue  # re-recorded without a record: the JSON is what holds
             try:
-                records[int(idx)] = join(marker, values, sources)
+                if values is None:
+                    raise TokenRowError("its row is missing")
+                records[idx] = join(marker, values, sources)
             except TokenRowError as exc:
                 raise UnreadableRecordError(
                     f"{record.describe()} in {self.path}: its token record ({TOKENS_TABLE}) does not "
                     f"read: {exc}; the file was damaged there. The turn itself and the rest of the ledger "
                     "read (read the job without its tokens, or rerun it into another out_dir)",
                     job_id=job_id,
-                    idx=int(idx),
+                    idx=idx,
                 ) from exc
         return [records.get(idx) for idx in indices]
 

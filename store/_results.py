@@ -33,12 +33,12 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ._json import SecretGuard, dumps
-from ._token_rows import TOKENS_TABLE, TokenRow, split, stored_values
+from ._token_rows import TOKENS_TABLE, TokenRow, put_marker, split, stored_values
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -132,7 +132,7 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
                 stale.add(job_id)
             else:
                 committed.setdefault(job_id, {}).setdefault((text, digest), deque()).append(int(idx))
-    extra: list[tuple[str, int, str, float]] = []
+    extra: list[tuple[str, int, str, float, int | None]] = []
     extra_tokens: list[tuple[Any, ...]] = []  # the token records of those rows (schema 5)
     rows: list[tuple[str, str, int, str | None, str | None]] = []
     now = time.time()
@@ -150,7 +150,9 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
                 if same:
                     indices.append(same.popleft())
                 else:  # a message no turn row holds: its own row, numbered -1, -2, ...
-                    extra.append((job_id, -len(extra) - 1 + first_extra, text, now))
+                    extra.append(
+                        (job_id, -len(extra) - 1 + first_extra, text, now, None if row is None else 1)
+                    )
                     indices.append(extra[-1][1])
                     if row is not None:
                         extra_tokens.append((job_id, extra[-1][1], *stored_values(row, {})))
@@ -172,7 +174,8 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
         )
     if extra:
         await conn.executemany(
-            "INSERT INTO turns (job_id, idx, turn_json, committed_at) VALUES (?, ?, ?, ?)", extra
+            "INSERT INTO turns (job_id, idx, turn_json, committed_at, stored_tokens) VALUES (?, ?, ?, ?, ?)",
+            extra,
         )
     if extra_tokens:
         await conn.executemany(
@@ -189,14 +192,22 @@ async def store_results(conn: aiosqlite.Connection, results: Sequence[EncodedRes
 
 
 def assemble(
-    state_json: str, recipe_json: str | None, turn_order: str | None, turns: Mapping[int, str]
+    state_json: str,
+    recipe_json: str | None,
+    turn_order: str | None,
+    turns: Mapping[int, str],
+    marked: Container[int] = (),
 ) -> dict[str, Any]:
     """The conversation mapping a result was written from. ``recipe_json``: the lineup's recipe when the
-    result shares it, else None; ``turns``: the job's turns rows (idx → text), at least those it lists."""
+    result shares it, else None; ``turns``: the job's turns rows (idx → text), at least those it lists;
+    ``marked``: the idx of those whose record is in ``turn_tokens`` (schema 7), given their marker back."""
     conversation: dict[str, Any] = {}
     if recipe_json is not None:
         conversation[_RECIPE] = json.loads(recipe_json)
     if turn_order is not None:
-        conversation[_TRANSCRIPT] = [json.loads(turns[idx]) for idx in json.loads(turn_order)]
+        conversation[_TRANSCRIPT] = [
+            put_marker(json.loads(turns[idx])) if idx in marked else json.loads(turns[idx])
+            for idx in json.loads(turn_order)
+        ]
     conversation.update(json.loads(state_json))
     return conversation

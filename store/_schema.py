@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from ._errors import LedgerCorruptError, LedgerSchemaError
+from ._token_stream import TOKEN_STREAM
 
 __all__ = [
     "APPLICATION_ID",
@@ -28,7 +29,7 @@ __all__ = [
 LEDGER_FILENAME: Final = "ledger.sqlite"
 
 #: ``PRAGMA user_version``. Bump it with every schema change and add the step to :data:`MIGRATIONS`.
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 
 
 # Version 5 keeps turns' token records out of their JSON (store/_token_rows.py): one row per recorded turn.
@@ -47,7 +48,8 @@ _TURN_TOKENS: Final = """CREATE TABLE turn_tokens (
 #: The SQL function the v4 -> v5 step calls (registered by the writer on its connection before it runs):
 #: ``SPLIT_FUNCTION(turn_json, part)`` is part ``part`` of ``_token_rows.split_text(turn_json)``: 0 the turn's
 #: new JSON, 1-5 its row's values as stored (NULL for a turn without a record the store knows); the v5 -> v6
-#: step calls it with part -1: a version-5 turn's JSON without its marker's digest.
+#: step calls it with part -1: a version-5 turn's JSON without its marker's digest; the v6 -> v7 step with
+#: part -2: a version-6 turn's JSON without its local marker.
 SPLIT_FUNCTION: Final = "interlens_split_turn"
 _HAS_RECORD: Final = "json_valid(turn_json) AND json_type(turn_json, '$.metadata.tokens') = 'object'"
 _V4_TO_V5: Final = (
@@ -85,6 +87,28 @@ _V5_TO_V6: Final = (
     f"UPDATE turns SET turn_json = {SPLIT_FUNCTION}(turn_json, -1) WHERE EXISTS (SELECT 1 FROM v6_digests d "
     "WHERE d.job_id = turns.job_id AND d.idx = turns.idx)",
     "DROP TABLE temp.v6_digests",
+)
+
+# Version 7 stores a new row's BLOBs in token_stream (store/_token_stream.py: page-sized segments of one
+# byte stream, so that rows of ~3 KB no longer fill a 4 KiB page each) and a local turn's marker in its
+# turns row (stored_tokens = 1) instead of its JSON, which every reader of turns parses. A version-6 row
+# stays in its own columns (valid in version 7); each turn with a row gets stored_tokens = 1 (a hosted
+# turn's marker, which show --metadata prints, stays in its JSON); a local marker leaves the JSON (the SQL
+# function with part -2). An interlens that reads version 6 refuses version 7 by its number.
+_LOCAL_MARKER: Final = (
+    "json_valid(turn_json) AND json_extract(turn_json, '$.metadata.tokens') = '{\"stored\":\"turn_tokens\"}'"
+)
+_NOT_A_MARKER: Final = (  # a record the store did not know, kept in the JSON
+    "json_valid(turn_json) AND json_type(turn_json, '$.metadata.tokens') IS NOT NULL "
+    "AND coalesce(json_extract(turn_json, '$.metadata.tokens.stored'), '') != 'turn_tokens'"
+)
+_V6_TO_V7: Final = (
+    TOKEN_STREAM,
+    "ALTER TABLE turns ADD COLUMN stored_tokens INTEGER",
+    "UPDATE turns SET stored_tokens = 1 WHERE EXISTS (SELECT 1 FROM turn_tokens k "
+    f"WHERE k.job_id = turns.job_id AND k.idx = turns.idx) AND NOT ({_NOT_A_MARKER})",
+    f"UPDATE turns SET turn_json = {SPLIT_FUNCTION}(turn_json, -2) "
+    f"WHERE stored_tokens = 1 AND {_LOCAL_MARKER}",
 )
 
 # Version 4 keeps every result a later one replaced (see SCHEMA): one table, empty in a migrated ledger (the
@@ -163,7 +187,8 @@ _V2_TO_V3: Final = (
 #: transcript and recipe again per job (see :data:`SCHEMA`). Version 4 keeps the results later ones replaced
 #: (``superseded_results``), so that what they recorded (an analyzer's paid samples) stays counted. Version 5
 #: moves turns' token records out of their JSON into ``turn_tokens`` (calls :data:`SPLIT_FUNCTION`); version 6
-#: lets its rows refer to the ids of their job's earlier rows.
+#: lets its rows refer to the ids of their job's earlier rows; version 7 adds ``token_stream`` and
+#: ``turns.stored_tokens``.
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     1: (
         "ALTER TABLE jobs ADD COLUMN input_fp TEXT",
@@ -173,6 +198,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     3: (_SUPERSEDED,),
     4: _V4_TO_V5,
     5: _V5_TO_V6,
+    6: _V6_TO_V7,
 }
 
 #: ``PRAGMA application_id`` ("ILNS"): tells an interlens ledger from any other SQLite file.
@@ -184,7 +210,11 @@ _TABLES: Final = frozenset(
     {"runs", "lineups", "run_lineups", "jobs", "turns", "results", "batches", "batch_requests"}
 )
 #: The tables a ledger has from a version on (older ones lack them until the writer upgrades the file).
-_TABLES_SINCE: Final = {4: frozenset({"superseded_results"}), 5: frozenset({"turn_tokens"})}
+_TABLES_SINCE: Final = {
+    4: frozenset({"superseded_results"}),
+    5: frozenset({"turn_tokens"}),
+    7: frozenset({"token_stream"}),
+}
 
 # Text columns holding JSON are named *_json. Times are UNIX seconds (REAL). Job order is jobs.seq, the
 # rowid, i.e. the order add_jobs inserted them — not the lexical order of the ids. turns and results are
@@ -238,12 +268,14 @@ CREATE INDEX jobs_by_state ON jobs(state, job_id);
 -- Every message of a job, each stored once. idx >= 0: a turn the job committed as it ran (record_turn),
 -- replayed when the job resumes. idx < 0: a message of a stored result that no turn row held (a seeded
 -- context, messages the conversation had before the run, messages added after its last turn), written with
--- the result and never replayed.
+-- the result and never replayed. stored_tokens = 1: the message's token record is a turn_tokens row (a
+-- local turn's JSON then holds nothing of it: readers put its marker back; schema 7).
 CREATE TABLE turns (
     job_id      TEXT NOT NULL REFERENCES jobs(job_id),
     idx         INTEGER NOT NULL,
     turn_json   TEXT NOT NULL,
     committed_at REAL NOT NULL,
+    stored_tokens INTEGER,
     PRIMARY KEY (job_id, idx)
 );
 -- A job's result: its conversation is state_json plus what is stored once elsewhere. lineup_recipe = 1: its
@@ -264,8 +296,10 @@ CREATE TABLE results (
 -- result must still count (LedgerReader.result_values); whatever reads "the" result reads results only.
 {_SUPERSEDED};
 -- A turns row's token record (store/_token_rows.py): written with its turns row, in the same transaction;
--- its turn_json keeps a marker in metadata.tokens. Read only by what asks for tokens.
+-- the row's BLOBs in token_stream (store/_token_stream.py) where its facts_json says "stream". Read only
+-- by what asks for tokens.
 {_TURN_TOKENS};
+{TOKEN_STREAM};
 CREATE TABLE batches (
     provider    TEXT NOT NULL,
     batch_id    TEXT NOT NULL,

@@ -1,4 +1,4 @@
-"""Turns' token records in their own table (``turn_tokens``, schema 5-6), read only by what asks for tokens.
+"""Turns' token records in their own table (``turn_tokens``, schema 5-7), read only by what asks for tokens.
 
 A generated turn's token record (interlens' ``TokenRecord``: ids, two float32 log-probabilities per id and
 the prompt ids, or a hosted turn's token texts and its provider's log-probabilities) is several times the
@@ -6,26 +6,30 @@ turn's text. Kept in the turn's JSON (base64 in ``metadata["tokens"]``, as schem
 reader of the turn — ``status``, ``show``, reports, the resume scan, a plain export — its decoding and a
 third more bytes than the binary. So the writer takes it out where the turn is written (:func:`split`, in
 the same transaction as its turns row: no turn without its record, no record without its turn) into a
-``turn_tokens`` row of little-endian BLOBs, and leaves a small marker in the JSON::
+``turn_tokens`` row (its arrays' bytes in the ``token_stream``, schema 7: ``_token_stream``) and leaves
+what says it is there:
 
-    {"stored": "turn_tokens"}  (a hosted turn's: + "n" and "reported_by")
+- a local turn (schema 7): nothing in its JSON; its turns row's ``stored_tokens`` column is 1, and the
+  readers put the marker ``{"stored": "turn_tokens"}`` back into the message they return (:func:`put_marker`)
+  without parsing it, unless asked not to (a plain export, which has no use for it:
+  ``LedgerReader.iter_results(token_markers=False)``). Schemas 5-6 kept it in the JSON, which every reader
+  of turns parses: a plain export paid ~5 % for it (``benchmarks/bench_token_reads.py``);
+- a hosted turn: the marker ``{"stored": "turn_tokens", "n", "reported_by"}`` in its JSON (what ``show
+  --metadata`` prints of it without reading the table), and ``stored_tokens`` 1 too.
 
-A hosted turn's ``n`` (tokens) and ``reported_by`` are what ``show --metadata`` prints (of a local turn it
-prints the turn's ``n_tokens``). The marker is kept this small on purpose: every reader of turns parses it
-(``benchmarks/bench_token_reads.py``); schema 5's, ``{"stored", "n", "digest"}`` on every turn, cost
-``status`` and a plain export ~4-6 %. The row's ``digest`` (32 bits of a hash of the record's bytes,
-references resolved) is in its ``facts_json`` (schema 6): it lets a reader tell a damaged row (truncated,
-wrong length, overwritten, a reference that no longer reads) from a whole one, and keeps two turns that
-differ only in their records apart where a result's messages are matched to committed turns (``_results``:
-by text and digest).
+The row's ``digest`` (32 bits of a hash of the record's bytes, references resolved) is in its
+``facts_json`` (schema 6): it lets a reader tell a damaged row (truncated, wrong length, overwritten, a
+reference or a stream segment that no longer reads) from a whole one, and keeps two turns that differ only
+in their records apart where a result's messages are matched to committed turns (``_results``: by text and
+digest).
 
 The prompt ids stay as the turn's JSON stored them: a speaker's later prompt as a difference from its
 previous recorded turn (``keep`` leading ids, then its own); those new ids go to the ``prompt_ids`` BLOB,
 where runs of them that an earlier turn of the job generated (the other speakers' answers) are stored as
 references to that turn's row (schema 6, :func:`stored_values`, ``_token_refs``; the writer remembers each
 running job's generated ids in :class:`GeneratedIds`). A reference only points back, to a turn of a lower
-index: dropping a job's tail of turns never breaks one, and a turn recorded anew first makes later rows'
-runs of it literal (:func:`detach_later`).
+index: dropping a job's tail of turns never breaks one, and a turn recorded anew first makes later rows' runs
+of it literal (:func:`detach_later`).
 
 :func:`join` is the inverse: the record's JSON exactly as it was written (the same base64 of the same
 bytes), so everything above the store (``expand_turns``, ``TokenRecord.from_json``) reads it unchanged. The
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 from ._token_refs import Index, find_runs, index_ids, inline, resolve
+from ._token_stream import STREAM_TABLE, filled, segments_of
 
 if TYPE_CHECKING:
     import aiosqlite
@@ -58,13 +63,17 @@ __all__ = [
     "detach_later",
     "is_marker",
     "join",
+    "local_marker",
     "marked",
+    "put_marker",
+    "read_rows",
     "resolved",
     "restore",
     "split",
     "split_text",
     "stored_values",
     "unmarked_digest",
+    "unmarked_local",
 ]
 
 TOKENS_KEY: Final = "tokens"  # the message metadata key a record rides under (interlens' TOKENS_KEY)
@@ -155,16 +164,35 @@ def _row(record: Mapping[str, Any]) -> TokenRow | None:
         return None
 
 
-def marked(row: TokenRow) -> dict[str, Any]:
-    """The marker a turn's JSON keeps in place of the record ``row`` holds."""
+def local_marker() -> dict[str, Any]:
+    """The marker of a local turn's record, which its JSON does not keep (schema 7): readers put it back."""
+    return {MARKER_KEY: TOKENS_TABLE}
+
+
+def marked(row: TokenRow) -> dict[str, Any] | None:
+    """The marker a turn's JSON keeps in place of the record ``row`` holds: a hosted turn's (what show
+    --metadata prints of it; of a local one it prints the turn's n_tokens), None for a local turn's (its
+    turns row's ``stored_tokens`` says it, schema 7)."""
     facts = json.loads(row.facts_json)
-    if facts["format"] == 2:  # what show --metadata prints of a hosted turn (a local one: its n_tokens)
+    if facts["format"] == 2:
         return {
             MARKER_KEY: TOKENS_TABLE,
             "n": len(row.model_logprobs) // 4,
             "reported_by": facts["reported_by"],
         }
-    return {MARKER_KEY: TOKENS_TABLE}
+    return None
+
+
+def put_marker(turn: Any) -> Any:
+    """``turn`` (a message's parsed JSON whose turns row says it has a record) with the local marker put back
+    where its JSON has none: what a reader returns, as schemas 5-6 stored it."""
+    if isinstance(turn, dict):
+        metadata = turn.get("metadata")
+        if not isinstance(metadata, dict):
+            turn["metadata"] = {TOKENS_KEY: local_marker()}
+        elif TOKENS_KEY not in metadata:
+            metadata[TOKENS_KEY] = local_marker()
+    return turn
 
 
 def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
@@ -177,7 +205,11 @@ def split(turn: Mapping[str, Any]) -> tuple[Mapping[str, Any], TokenRow | None]:
     row = _row(record)
     if row is None:
         return turn, None
-    return {**turn, "metadata": {**metadata, TOKENS_KEY: marked(row)}}, row  # type: ignore[dict-item]
+    assert isinstance(metadata, Mapping)  # it holds the record
+    marker = marked(row)
+    if marker is None:  # a local turn's: its JSON keeps nothing of it (schema 7)
+        return {**turn, "metadata": {k: v for k, v in metadata.items() if k != TOKENS_KEY}}, row
+    return {**turn, "metadata": {**metadata, TOKENS_KEY: marker}}, row
 
 
 def unmarked_digest(text: str) -> str:
@@ -187,6 +219,13 @@ def unmarked_digest(text: str) -> str:
     marker = turn["metadata"][TOKENS_KEY]
     dropped = (_DIGEST,) if "reported_by" in marker else (_DIGEST, "n")
     turn["metadata"][TOKENS_KEY] = {k: v for k, v in marker.items() if k not in dropped}
+    return _dumps(turn)
+
+
+def unmarked_local(text: str) -> str:
+    """A version-6 turn's JSON as version 7 writes it: without its local marker (its row says it)."""
+    turn = json.loads(text)
+    del turn["metadata"][TOKENS_KEY]
     return _dumps(turn)
 
 
@@ -344,32 +383,52 @@ class GeneratedIds:
             self._indices.pop((job_id, width), None)
 
 
+async def read_rows(conn: aiosqlite.Connection, rows: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
+    """Stored rows' values (``TokenRow.values()`` order) with their BLOBs, streamed ones read from the
+    stream (schema 7, ``_token_stream``)."""
+    keys = segments_of(rows)
+    segments: dict[int, bytes] = {}
+    for start in range(0, len(keys), 500):
+        piece = keys[start : start + 500]
+        sql = f"SELECT k, data FROM {STREAM_TABLE} WHERE k IN ({', '.join('?' * len(piece))})"
+        segments.update((int(k), bytes(data)) for k, data in await conn.execute_fetchall(sql, piece))
+    return [filled(values, segments) for values in rows]
+
+
+_VALUES: Final = "facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids"
+
+
 async def detach_later(conn: aiosqlite.Connection, job_id: str, index: int) -> None:
     """Before turn ``index`` of ``job_id`` is recorded anew: every later row of the job that refers to the
-    ids it had takes them as literal ids (references point back only, so only later rows can)."""
-    old = list(
-        await conn.execute_fetchall(
-            f"SELECT ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ? AND ids IS NOT NULL",
-            (job_id, index),
-        )
+    ids it had takes them as literal ids (references point back only, so only later rows can); such a row
+    is stored in its own columns from then on (its old bytes stay in the stream)."""
+    old = await read_rows(
+        conn,
+        list(
+            await conn.execute_fetchall(
+                f"SELECT {_VALUES} FROM {TOKENS_TABLE} WHERE job_id = ? AND idx = ?", (job_id, index)
+            )
+        ),
     )
-    if not old:
+    if not old or old[0][1] is None:
         return
     later = await conn.execute_fetchall(
-        f"SELECT idx, facts_json, prompt_ids FROM {TOKENS_TABLE} WHERE job_id = ? AND idx > ? "
+        f"SELECT idx, {_VALUES} FROM {TOKENS_TABLE} WHERE job_id = ? AND idx > ? "
         "AND instr(facts_json, '\"refs\"') AND json_valid(facts_json)",  # a damaged row: left for readers
         (job_id, index),
     )
-    for idx, facts_json, prompt in later:
-        facts = json.loads(facts_json)
+    whole = await read_rows(conn, [tuple(row[1:]) for row in later])
+    for (idx, *_), values in zip(later, whole, strict=True):
+        facts = json.loads(values[0])
         try:
-            refs, literal = inline(facts[_REFS], prompt or b"", facts["id_bytes"], index, old[0][0])
+            refs, literal = inline(facts[_REFS], values[4] or b"", facts["id_bytes"], index, old[0][1])
         except (KeyError, TypeError, ValueError):
             continue  # a damaged row: left as it is, for its readers to name
         facts = {k: v for k, v in facts.items() if k != _REFS} | ({_REFS: refs} if refs else {})
         await conn.execute(
-            f"UPDATE {TOKENS_TABLE} SET facts_json = ?, prompt_ids = ? WHERE job_id = ? AND idx = ?",
-            (_dumps(facts), literal, job_id, idx),
+            f"UPDATE {TOKENS_TABLE} SET facts_json = ?, ids = ?, model_logprobs = ?, sampling_logprobs = ?, "
+            "prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (_dumps(facts), values[1], values[2], values[3], literal, job_id, idx),
         )
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
-__all__ = ["V2_RESULTS", "V2_SCHEMA", "as_schema"]
+__all__ = ["V2_RESULTS", "V2_SCHEMA", "as_schema", "inline_records", "token_rows"]
 
 #: The tables of schema version 2 that version 3 changed (every other table is unchanged).
 V2_RESULTS = """
@@ -148,6 +149,68 @@ def _to_v4(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA user_version = 4")
 
 
+def inline_records(conn: sqlite3.Connection) -> None:
+    """Every ``turn_tokens`` row whose bytes are in ``token_stream`` (schema 7) stored in its own columns
+    instead, as schema 6 wrote rows (valid in schema 7 too: migrated rows stay so), the stream emptied."""
+    from interlens.store._token_stream import SEGMENT
+
+    tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "token_stream" not in tables:
+        return  # an older schema's ledger: its rows are in their columns
+    stream = b"".join(data for (data,) in conn.execute("SELECT data FROM token_stream ORDER BY k"))
+    first = conn.execute("SELECT min(k) FROM token_stream").fetchone()[0] or 0
+    rows = conn.execute("SELECT job_id, idx, facts_json FROM turn_tokens").fetchall()
+    for job_id, idx, facts_json in rows:
+        facts = json.loads(facts_json)
+        if "stream" not in facts:
+            continue
+        at, *sizes = facts.pop("stream")
+        at -= first * SEGMENT
+        parts: list[bytes | None] = []
+        for size in sizes:
+            parts.append(None if size < 0 else stream[at : at + size])
+            at += max(size, 0)
+        conn.execute(
+            "UPDATE turn_tokens SET facts_json = ?, ids = ?, model_logprobs = ?, sampling_logprobs = ?, "
+            "prompt_ids = ? WHERE job_id = ? AND idx = ?",
+            (json.dumps(facts, ensure_ascii=False, separators=(",", ":")), *parts, job_id, idx),
+        )
+    conn.execute("DELETE FROM token_stream")
+
+
+def token_rows(path: Path, job_id: str) -> dict[int, tuple[Any, ...]]:
+    """``job_id``'s ``turn_tokens`` rows (idx → values, ``TokenRow.values()`` order) with their bytes, as
+    stored: in their columns or in the stream."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("BEGIN")
+        inline_records(conn)
+        rows = conn.execute(
+            "SELECT idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids FROM turn_tokens "
+            "WHERE job_id = ?",
+            (job_id,),
+        ).fetchall()
+        conn.rollback()
+    return {idx: tuple(values) for idx, *values in rows}
+
+
+def _to_v6(conn: sqlite3.Connection) -> None:
+    """Version 7 keeps a new row's BLOBs in token_stream and a local turn's marker in turns.stored_tokens;
+    version 6 kept the BLOBs in the row's columns and the marker in the turn's JSON."""
+    inline_records(conn)
+    flagged = conn.execute("SELECT job_id, idx, turn_json FROM turns WHERE stored_tokens = 1").fetchall()
+    for job_id, idx, text in flagged:
+        turn = json.loads(text)
+        if "tokens" not in turn["metadata"]:
+            turn["metadata"]["tokens"] = {"stored": "turn_tokens"}
+            conn.execute(
+                "UPDATE turns SET turn_json = ? WHERE job_id = ? AND idx = ?",
+                (json.dumps(turn, ensure_ascii=False, separators=(",", ":")), job_id, idx),
+            )
+    conn.execute("ALTER TABLE turns DROP COLUMN stored_tokens")
+    conn.execute("DROP TABLE token_stream")
+    conn.execute("PRAGMA user_version = 6")
+
+
 def _to_v5(conn: sqlite3.Connection) -> None:
     """Version 6 may store a prompt's ids as references to its job's earlier rows and keeps each row's digest
     in its facts; version 5 stored every id and kept the digest in the turn's marker."""
@@ -180,14 +243,16 @@ def _to_v5(conn: sqlite3.Connection) -> None:
 
 
 def as_schema(path: Path, version: int) -> None:
-    """Rewrite the closed ledger at ``path`` (schema 6) as schema ``version`` (5, 4, 3, 2 or 1) would hold
+    """Rewrite the closed ledger at ``path`` (schema 7) as schema ``version`` (6, 5, 4, 3, 2 or 1) would hold
     it."""
-    assert version in (1, 2, 3, 4, 5), version
+    assert version in (1, 2, 3, 4, 5, 6), version
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
         conn.execute("BEGIN")
-        _to_v5(conn)
+        _to_v6(conn)
+        if version < 6:
+            _to_v5(conn)
         if version < 5:
             _to_v4(conn)
         conn.execute("COMMIT")

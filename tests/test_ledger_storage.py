@@ -127,7 +127,7 @@ def test_a_rollout_ledger_of_schema_2_resumes_with_the_same_results(tmp_path: Pa
     assert conv is not None and [m.content for m in conv.transcript][-1] == "NOTE-Q2x"
     conn = sqlite3.connect(tmp_path / "ledger.sqlite")
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
         # The failed job's migrated result, replaced by the rerun's, is kept as a state (no transcript).
         assert conn.execute("SELECT job_id FROM superseded_results").fetchall() == [("row_00001",)]
     finally:

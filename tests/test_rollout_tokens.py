@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ledger_testkit import token_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interlens import (
@@ -62,29 +63,31 @@ def test_each_turn_keeps_its_tokens_through_the_ledger_and_a_resume(qwen2_path: 
 
 
 def test_the_record_is_compact_binary_in_the_ledger(qwen2_path: str, tmp_path: Path) -> None:
-    """Stored as little-endian BLOBs in the ledger's own table (schema 5-6, issue 40), never JSON floats nor
+    """Stored as little-endian bytes in the ledger's own tables (schema 5-7, issue 40), never JSON floats nor
     base64; ids in 2 bytes where the vocabulary allows; a greedy turn's sampling log-probabilities (all 0.0)
     not at all; a speaker's later prompts as their difference from its previous turn, stored once (the job's
-    result refers to the recorded turns). The turn's JSON keeps only a marker."""
+    result refers to the recorded turns). The turn's JSON keeps nothing of it: its turns row says it has one
+    (schema 7), and readers give the message its marker back."""
     report = _debate(qwen2_path).rollout(n=2, out_dir=tmp_path, seed=1)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
-        rows = list(db.execute("SELECT job_id, idx, turn_json FROM turns ORDER BY job_id, idx"))
-        blobs = {
-            (job, idx): (json.loads(facts), *parts)
-            for job, idx, facts, *parts in db.execute(
-                "SELECT job_id, idx, facts_json, ids, model_logprobs, sampling_logprobs, prompt_ids "
-                "FROM turn_tokens"
-            )
-        }
+        rows = list(
+            db.execute("SELECT job_id, idx, turn_json, stored_tokens FROM turns ORDER BY job_id, idx")
+        )
+    blobs = {
+        (job, idx): (json.loads(values[0]), *values[1:])
+        for job in {job for job, *_ in rows}
+        for idx, values in token_rows(tmp_path / "ledger.sqlite", job).items()
+    }
     turns = [
-        (job, idx, json.loads(text)) for job, idx, text in rows if json.loads(text)["author"] != "moderator"
+        (job, idx, json.loads(text))
+        for job, idx, text, flag in rows
+        if json.loads(text)["author"] != "moderator" and flag == 1
     ]
     assert [idx for _, idx, _ in turns] == [0, 1, 2, 3] * 2  # every generated turn, each stored once
     assert sorted(blobs) == sorted((job, idx) for job, idx, _ in turns)  # a row per recorded turn, no more
     for job, idx, turn in turns:
         n = turn["metadata"]["n_tokens"]
-        marker = turn["metadata"]["tokens"]
-        assert marker == {"stored": "turn_tokens"}  # its count, digest and bytes are in the row
+        assert "tokens" not in turn["metadata"]  # its count, digest and bytes are in the row
         facts, ids, model, sampling, prompt_ids = blobs[(job, idx)]
         prompt = report.results[job].transcript[1 + idx].tokens.prompt_ids  # type: ignore[union-attr]
         if idx < 2:  # each speaker's first turn: its whole prompt

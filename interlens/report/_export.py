@@ -170,8 +170,8 @@ def ledger_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
 
     Streams page by page (``LedgerReader.iter_results``), read-only: safe while a run is live.
     """
-    with LedgerReader(out_dir) as reader:
-        for job, result in reader.iter_results(states=JOB_STATES):
+    with LedgerReader(out_dir) as reader:  # a local turn's record marker left out: this export has no records
+        for job, result in reader.iter_results(states=JOB_STATES, token_markers=False):
             yield job_row(
                 job_id=job.job_id,
                 lineup=job.lineup,

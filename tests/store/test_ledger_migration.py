@@ -95,7 +95,7 @@ async def test_a_version_1_ledger_is_migrated_at_open_with_everything_kept(tmp_p
         assert reader.summary()["schema_version"] == SCHEMA_VERSION
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
         assert conn.execute("SELECT count(*) FROM superseded_results").fetchone()[0] == 0
         assert "input_fp" in _columns(conn, "jobs")
         assert "request_hash" in _columns(conn, "batch_requests")
@@ -322,7 +322,7 @@ async def test_a_version_3_ledger_gains_the_table_of_replaced_results_and_keeps_
         assert sorted(v[0]["calls"] for v in reader.result_values("$.spent")) == [1, 2, 3]
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()

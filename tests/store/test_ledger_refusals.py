@@ -152,7 +152,7 @@ async def test_a_ledger_from_a_newer_version_is_refused_untouched(tmp_path: Path
     with sqlite3.connect(path) as conn:
         conn.execute("PRAGMA user_version = 99")
     before = _digest(path)
-    with pytest.raises(LedgerSchemaError, match=r"schema version 99.*up to 6.*Upgrade interlens"):
+    with pytest.raises(LedgerSchemaError, match=r"schema version 99.*up to 7.*Upgrade interlens"):
         await Ledger.open(tmp_path)
     with pytest.raises(LedgerSchemaError):
         LedgerReader(tmp_path)

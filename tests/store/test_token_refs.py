@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ledger_testkit import as_schema
+from ledger_testkit import as_schema, inline_records, token_rows
 
 from interlens import Message, TokenRecord, Transcript
 from interlens.report import ledger_token_rows
@@ -62,15 +62,14 @@ async def _write(out_dir: Path, *, jobs: int = 2, turns: int = 4) -> list[dict[s
 
 
 def _rows(path: Path, job_id: str) -> dict[int, tuple[dict[str, Any], bytes]]:
-    with sqlite3.connect(path / "ledger.sqlite") as db:
-        rows = db.execute("SELECT idx, facts_json, prompt_ids FROM turn_tokens WHERE job_id = ?", (job_id,))
-        return {idx: (json.loads(facts), prompt) for idx, facts, prompt in rows}
+    rows = token_rows(path / "ledger.sqlite", job_id)
+    return {idx: (json.loads(values[0]), values[4]) for idx, values in rows.items()}
 
 
 def _markers(path: Path) -> list[dict[str, Any]]:
     with sqlite3.connect(path / "ledger.sqlite") as db:
         rows = db.execute("SELECT json_extract(turn_json, '$.metadata.tokens') FROM turns WHERE idx >= 0")
-        return [json.loads(text) for (text,) in rows]
+        return [None if text is None else json.loads(text) for (text,) in rows]
 
 
 def _read(reader: LedgerReader, job_id: str) -> list[dict[str, Any]]:
@@ -121,7 +120,8 @@ async def test_a_resumed_job_refers_to_the_turns_its_earlier_process_recorded(tm
     [
         ("UPDATE turn_tokens SET ids = zeroblob(length(ids)) WHERE idx = 1", 1, "digest differs"),
         ("UPDATE turn_tokens SET ids = substr(ids, 1, 10) WHERE idx = 1", 1, "digest differs"),
-        ("DELETE FROM turn_tokens WHERE idx = 1", 2, "turn 1, whose generated ids it refers to, has no"),
+        # its turns row says it has one (schema 7): the missing row itself is named, before what refers to it
+        ("DELETE FROM turn_tokens WHERE idx = 1", 1, "its row is missing"),
     ],
 )
 async def test_a_reference_whose_source_is_damaged_is_named_by_job_and_turn(
@@ -129,6 +129,7 @@ async def test_a_reference_whose_source_is_damaged_is_named_by_job_and_turn(
 ) -> None:
     written = await _write(tmp_path)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
+        inline_records(db)  # in their own columns, as schema 6 wrote them (the stream's: test_turn_tokens)
         db.execute(damage + " AND job_id = 'job_1'")
     with LedgerReader(tmp_path) as reader:
         with pytest.raises(UnreadableRecordError, match=rf"job 'job_1'.s turn {named} .*{says}") as caught:
@@ -140,7 +141,7 @@ async def test_a_reference_whose_source_is_damaged_is_named_by_job_and_turn(
             await ledger.committed_turns("job_1")
 
 
-async def test_a_version_5_ledger_is_upgraded_in_place_and_an_older_interlens_refuses_version_6(
+async def test_a_version_5_ledger_is_upgraded_in_place_and_an_older_interlens_refuses_version_7(
     tmp_path: Path,
 ) -> None:
     written = await _write(tmp_path)
@@ -152,21 +153,21 @@ async def test_a_version_5_ledger_is_upgraded_in_place_and_an_older_interlens_re
     assert all(len(m["digest"]) == 8 for m in _markers(tmp_path))  # version 5: the digest in the marker
     with LedgerReader(tmp_path) as reader:  # read as it is
         assert reader.summary()["schema_version"] == 5 and _read(reader, "job_0") == written
-    async with await Ledger.open(tmp_path) as ledger:  # 5 → 6 at open: nothing to rewrite
+    async with await Ledger.open(tmp_path) as ledger:  # 5 → 6 → 7 at open: digests, then markers move
         await ledger.begin_run({"l": "fp"}, versions={})
         assert await ledger.committed_turns("job_1") == written
         await ledger.end_run("completed")
     with LedgerReader(tmp_path) as reader:
-        assert reader.summary()["schema_version"] == 6 and _read(reader, "job_1") == written
-    assert all("digest" not in m for m in _markers(tmp_path))  # moved into the rows' facts
+        assert reader.summary()["schema_version"] == 7 and _read(reader, "job_1") == written
+    assert _markers(tmp_path) == [None] * 8  # local markers left the JSON for turns.stored_tokens
     assert all(len(facts["digest"]) == 8 for facts, _ in _rows(tmp_path, "job_1").values())
     import store._schema as schema
 
-    older = schema.SCHEMA_VERSION - 1  # what an interlens of version 5 checks against
+    older = schema.SCHEMA_VERSION - 1  # what an interlens of version 6 checks against
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(schema, "SCHEMA_VERSION", older)
         with pytest.raises(
-            schema.LedgerSchemaError, match="ledger schema version 6; this version understands up to 5"
+            schema.LedgerSchemaError, match="ledger schema version 7; this version understands up to 6"
         ):
             schema.check_existing(path, deep=False)
 
@@ -206,7 +207,8 @@ async def test_a_result_refers_to_the_turn_whose_record_it_has_when_texts_and_ma
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
         assert db.execute("SELECT turn_order FROM results").fetchone()[0] == "[1,0]"  # no row stored again
         markers = {t for (t,) in db.execute("SELECT json_extract(turn_json, '$.metadata.tokens') FROM turns")}
-    assert markers == {'{"stored":"turn_tokens"}'}  # the marker (schema 6): no count, no digest
+        flags = {f for (f,) in db.execute("SELECT stored_tokens FROM turns")}
+    assert markers == {None} and flags == {1}  # no marker in the JSON (schema 7): the turns row says it
     with LedgerReader(tmp_path) as reader:
         assert _read(reader, "job_0") == [second, first]
 

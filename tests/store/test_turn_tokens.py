@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from crash_testkit import lines
-from ledger_testkit import as_schema
+from ledger_testkit import as_schema, inline_records
 
 from interlens import ConfigurationError, Message, TokenRecord, Transcript
 from interlens.report import ledger_rows, ledger_token_rows
@@ -92,6 +92,9 @@ async def test_records_round_trip_bit_for_bit_and_leave_the_turns_json(tmp_path:
             markers = [m["metadata"].get("tokens") for m in stored]
             assert [m and m["stored"] for m in markers] == ["turn_tokens"] * 5 + [None]
             assert markers[4]["reported_by"] == "openai" and markers[4]["n"] == 3
+    exported = json.loads(next(iter(ledger_rows(tmp_path)))["transcript"])  # a plain export: no records,
+    hosted = {"stored": "turn_tokens", "n": 3, "reported_by": "openai"}  # so no local turn's marker either
+    assert [m["metadata"].get("tokens") for m in exported] == [None] * 4 + [hosted, None]
     async with await Ledger.open(tmp_path) as ledger:  # what a resumed attempt replays: the records whole
         assert await ledger.committed_turns("job_0") == written[1:]
     with pytest.raises(ConfigurationError, match="stored in the ledger's turn_tokens table"):
@@ -121,7 +124,7 @@ async def test_an_old_ledger_with_base64_records_is_read_as_it_is_and_upgraded_i
         assert await ledger.committed_turns("job_1") == written[1:]
         await ledger.end_run("completed")
     with LedgerReader(tmp_path) as reader:
-        assert reader.summary()["schema_version"] == 6
+        assert reader.summary()["schema_version"] == 7
         assert _tokens(reader, "job_0") == _tokens(reader, "job_1") == expected
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM turn_tokens").fetchone()[0] == 10
@@ -131,12 +134,122 @@ async def test_an_old_ledger_with_base64_records_is_read_as_it_is_and_upgraded_i
         )
 
 
+async def test_a_version_6_ledger_is_upgraded_in_place_and_an_older_interlens_refuses_version_7(
+    tmp_path: Path,
+) -> None:
+    written = await _write(tmp_path)
+    expected = [m.tokens for m in Transcript.from_json(written)]
+    path = tmp_path / "ledger.sqlite"
+    as_schema(path, 6)  # rows in their own columns, every marker in its turn's JSON
+    with sqlite3.connect(path) as db:
+        in_json = db.execute("SELECT count(*) FROM turns WHERE turn_json LIKE '%\"stored\"%'").fetchone()[0]
+    assert in_json == 10  # 4 local and 1 hosted marker per job (the seeded context's included)
+    with LedgerReader(tmp_path) as reader:  # read as it is
+        assert reader.summary()["schema_version"] == 6 and _tokens(reader, "job_0") == expected
+    async with await Ledger.open(tmp_path) as ledger:  # 6 → 7 at open, in its transaction
+        await ledger.begin_run({"l": "fp"}, versions={})
+        assert await ledger.committed_turns("job_1") == written[1:]
+        await ledger.record_turn("job_1", 5, _local("a", [1, 2, 3], [11, 12]))  # a new row: streamed
+        await ledger.end_run("completed")
+    with sqlite3.connect(path) as db:
+        markers = dict(
+            ((job, idx), (flag, json.loads(text)["metadata"].get("tokens")))
+            for job, idx, flag, text in db.execute("SELECT job_id, idx, stored_tokens, turn_json FROM turns")
+        )
+        facts = {
+            (j, i): json.loads(f) for j, i, f in db.execute("SELECT job_id, idx, facts_json FROM turn_tokens")
+        }
+    assert markers["job_0", 0] == (1, None)  # a local turn's marker left its JSON for the flag
+    assert markers["job_0", 3] == (
+        1,
+        {"stored": "turn_tokens", "n": 3, "reported_by": "openai"},
+    )  # hosted: kept
+    assert markers["job_0", 4] == (None, None) and markers["job_0", -1] == (
+        1,
+        None,
+    )  # no record; seeded context
+    assert (
+        "stream" not in facts["job_0", 0] and "stream" in facts["job_1", 5]
+    )  # old rows stay in their columns
+    with LedgerReader(tmp_path) as reader:
+        assert reader.summary()["schema_version"] == 7
+        assert _tokens(reader, "job_0") == _tokens(reader, "job_1") == expected
+        assert (
+            restore_tokens(
+                reader.result("job_0")["conversation"]["transcript"], reader.result_tokens("job_0")
+            )
+            == written
+        )  # the markers put back: what was written, record for record
+        assert reader.turns("job_1")[5]["metadata"]["tokens"] == {"stored": "turn_tokens"}
+    import store._schema as schema
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(schema, "SCHEMA_VERSION", schema.SCHEMA_VERSION - 1)  # what an interlens of 6 checks
+        with pytest.raises(
+            schema.LedgerSchemaError, match="ledger schema version 7; this version understands up to 6"
+        ):
+            schema.check_existing(path, deep=False)
+
+
+async def test_records_fill_the_stream_s_pages_whatever_their_size(tmp_path: Path) -> None:
+    """Records of ~2.7 KB (256 tokens) and of a few bytes, interleaved: every page of the stream but its last
+    is full to within a few bytes (a row of its own per record left a third of each 4 KiB page empty), and
+    every record, most of them across two segments, reads back bit for bit."""
+    from store._token_stream import SEGMENT
+
+    transcript = [
+        _local("ab"[k % 2], [1, 2, 3], [(97 * k + j) % 50_000 for j in range(256 if k % 3 else 5)])
+        for k in range(24)
+    ]
+    async with await Ledger.open(tmp_path) as ledger:
+        await ledger.begin_run({"l": "fp"}, versions={})
+        await ledger.add_jobs(JobRecord(f"job_{j}", "l", seed=j) for j in range(2))
+        for j in range(2):
+            await ledger.start_job(f"job_{j}", device="cpu")
+        for k, turn in enumerate(transcript):
+            for j in range(2):  # two jobs' turns interleaved, as a rollout commits them
+                await ledger.record_turn(f"job_{j}", k, turn)
+        for j in range(2):
+            await ledger.finish_job(
+                f"job_{j}", conversation={"transcript": transcript}, analysis=None, tokens_generated=1
+            )
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
+        sizes = [n for (n,) in db.execute("SELECT length(data) FROM token_stream ORDER BY k")]
+        pages = db.execute(
+            "SELECT unused FROM dbstat WHERE name = 'token_stream' AND pagetype = 'leaf' ORDER BY pageno"
+        ).fetchall()
+    assert len(sizes) > 20 and set(sizes[:-1]) == {SEGMENT}  # ~65 KB of records: whole segments
+    assert len(pages) == len(sizes) and sorted(u for (u,) in pages)[-2] < 40  # each page full but the last
+    with LedgerReader(tmp_path) as reader:
+        for j in range(2):
+            restored = restore_tokens(
+                reader.result(f"job_{j}")["conversation"]["transcript"], reader.result_tokens(f"job_{j}")
+            )
+            assert restored == transcript
+
+
+def _overwrite_stream(db: sqlite3.Connection, job_id: str, idx: int, cut: bool) -> None:
+    """Zero the stream's bytes of one row (or cut the stream short from them: ``cut``)."""
+    (facts,) = db.execute(
+        "SELECT facts_json FROM turn_tokens WHERE job_id = ? AND idx = ?", (job_id, idx)
+    ).fetchone()
+    at, *sizes = json.loads(facts)["stream"]
+    key, data = db.execute("SELECT k, data FROM token_stream ORDER BY k DESC LIMIT 1").fetchone()
+    assert key == 0  # these records are small: one segment holds them all
+    end = at + sum(max(n, 0) for n in sizes)
+    data = data[:at] if cut else data[:at] + bytes(end - at) + data[end:]
+    db.execute("UPDATE token_stream SET data = ? WHERE k = 0", (data,))
+
+
 @pytest.mark.parametrize(
     "damage",
     [
-        "model_logprobs = substr(model_logprobs, 1, 5)",  # cut short
+        "model_logprobs = substr(model_logprobs, 1, 5)",  # cut short (a row in its own columns)
         "ids = ids || x'0000'",  # a wrong length
         "sampling_logprobs = zeroblob(length(sampling_logprobs))",  # right length, wrong bytes
+        "stream overwritten",  # schema 7: the row's bytes in the stream, zeroed
+        "stream cut",  # the stream ends before the row's bytes
+        "row missing",  # the turns row says it has a record; its turn_tokens row is gone
     ],
 )
 async def test_a_damaged_record_is_named_by_job_and_turn_and_the_rest_reads(
@@ -144,13 +257,19 @@ async def test_a_damaged_record_is_named_by_job_and_turn_and_the_rest_reads(
 ) -> None:
     written = await _write(tmp_path)
     with sqlite3.connect(tmp_path / "ledger.sqlite") as db:
-        db.execute(f"UPDATE turn_tokens SET {damage} WHERE job_id = 'job_1' AND idx = 0")
+        if damage.startswith("stream"):
+            _overwrite_stream(db, "job_1", 0, cut=damage == "stream cut")
+        elif damage == "row missing":
+            db.execute("DELETE FROM turn_tokens WHERE job_id = 'job_1' AND idx = 0")
+        else:
+            inline_records(db)  # as schema 6 stored rows (and a migrated ledger keeps them)
+            db.execute(f"UPDATE turn_tokens SET {damage} WHERE job_id = 'job_1' AND idx = 0")
     with LedgerReader(tmp_path) as reader:
         with pytest.raises(UnreadableRecordError, match=r"job 'job_1'.s turn 0 .*turn_tokens") as caught:
             reader.result_tokens("job_1")
         assert (caught.value.job_id, caught.value.idx) == ("job_1", 0)
         assert reader.result("job_1")["conversation"]["transcript"][1]["content"] == written[1]["content"]
-        assert _tokens(reader, "job_0") == [m.tokens for m in Transcript.from_json(written)]
+        assert _tokens(reader, "job_0") == [m.tokens for m in Transcript.from_json(written)]  # before it
         assert reader.unreadable_records() == []  # the turn's JSON itself reads
     async with await Ledger.open(tmp_path) as ledger:  # a resume that would replay it names it too
         with pytest.raises(UnreadableRecordError, match=r"job 'job_1'.s turn 0: its token record"):
@@ -207,7 +326,8 @@ def test_a_sigkill_mid_burst_loses_no_acknowledged_turn_and_leaves_none_without_
 
 
 def _denying_reads_of_turn_tokens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every SQLite connection made from here on refuses to read turn_tokens (and lists who tried)."""
+    """Every SQLite connection made from here on refuses to read turn_tokens and token_stream (and lists who
+    tried)."""
     tried: list[str] = []
     connect = sqlite3.connect
 
@@ -215,7 +335,7 @@ def _denying_reads_of_turn_tokens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         conn = connect(*args, **kwargs)
 
         def authorizer(action: int, table: str | None, *_: Any) -> int:
-            if action == sqlite3.SQLITE_READ and table == "turn_tokens":
+            if action == sqlite3.SQLITE_READ and table in ("turn_tokens", "token_stream"):
                 tried.append(table)
                 return sqlite3.SQLITE_DENY
             return sqlite3.SQLITE_OK
