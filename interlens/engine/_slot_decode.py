@@ -36,7 +36,7 @@ from ._kv_pool import KVPool
 from ._slot_rows import SLOT_BLOCK, SlotLayout, padded_rows
 from ._slot_step import SlotDecodeStep
 from ._static_sampler import variant_for
-from ._step_loop import StepLoop, forward_hooked, static_wanted
+from ._step_loop import StepLoop, StepLoopOwner, forward_hooked, static_wanted
 
 __all__ = ["SlotDecoder", "slot_decoder_for"]
 
@@ -47,7 +47,7 @@ def slot_decoder_for(runner: ModelRunner) -> SlotDecoder | None:
     return SlotDecoder(runner) if static_wanted(runner) else None
 
 
-class SlotDecoder:
+class SlotDecoder(StepLoopOwner):
     """Static-shape decoding of slot-layout rows for one runner (module docstring). ``quantum``: the slot
     length's step (a multiple of ``SLOT_BLOCK``); ``graphs``: the graph runner (a test may give one)."""
 
@@ -70,15 +70,6 @@ class SlotDecoder:
             graphs=graphs if graphs is not None else GraphRunner(device=runner.device), stats=self.stats
         )
         self._generation = self.pool.generation
-
-    @property
-    def graphs(self) -> GraphRunner:
-        """The graph runner of this decoder's steps (its loop's; a test may put a stand-in one here)."""
-        return self.loop.graphs
-
-    @graphs.setter
-    def graphs(self, graphs: GraphRunner) -> None:
-        self.loop.graphs = graphs
 
     def serves(self, layout: SlotLayout) -> bool:
         """Whether the layout's rows decode here: every layer full attention, no forward hooks."""

@@ -59,7 +59,7 @@ from ._kv_pool import KVPool
 from ._prefill import plain_static
 from ._static_sampler import variant_for
 from ._static_step import StaticDecodeStep
-from ._step_loop import ENV_SWITCH, StepLoop, forward_hooked, static_wanted
+from ._step_loop import ENV_SWITCH, StepLoop, StepLoopOwner, forward_hooked, static_wanted
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +76,7 @@ def static_decoder_for(
     return StaticDecoder(runner, budget=budget) if static_wanted(runner) else None
 
 
-class StaticDecoder:
+class StaticDecoder(StepLoopOwner):
     """Static-shape decoding for one runner (module docstring). ``quantum``: the length bucket's step
     (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph)."""
 
@@ -114,15 +114,6 @@ class StaticDecoder:
         )
         self._generation = self.pool.generation
         self._slots: int | None = None  # the pool's size from the budget, once asked (0: by need)
-
-    @property
-    def graphs(self) -> GraphRunner:
-        """The graph runner of this decoder's steps (its loop's; a test may put a stand-in one here)."""
-        return self.loop.graphs
-
-    @graphs.setter
-    def graphs(self, graphs: GraphRunner) -> None:
-        self.loop.graphs = graphs
 
     def serves(self, rows: list[Row], cache: Any, static: bool, kv_len: int) -> bool:
         """Whether this batch can decode here: a static cache of plain layers, rows within the largest

@@ -44,6 +44,7 @@ __all__ = [
     "LaunchedStep",
     "LoopStep",
     "StepLoop",
+    "StepLoopOwner",
     "forward_hooked",
     "static_wanted",
 ]
@@ -229,3 +230,19 @@ class StepLoop(Generic[StepT]):
             self.stats["ignored steps"] += 1
         hand_out(recorded)
         return step, active
+
+
+class StepLoopOwner:
+    """A decoder whose steps a :class:`StepLoop` keeps: its :attr:`graphs` is its loop's graph runner (a
+    test may put a stand-in one there after the decoder is built)."""
+
+    loop: StepLoop[Any]
+
+    @property
+    def graphs(self) -> GraphRunner:
+        """The graph runner of this decoder's steps."""
+        return self.loop.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: GraphRunner) -> None:
+        self.loop.graphs = graphs
