@@ -137,6 +137,19 @@ class SampledStep:
         if self._sampling_idx is not None:
             self.uniforms.index_copy_(0, self._sampling_idx, sampler.uniforms.next())
 
+    def _begun_keeping(self, keep: Sequence[int]) -> Sampler:
+        """The begun batch's sampler, where ``keep`` (the rows a hand-over carries on) are ascending indices
+        of its rows, at least one; refused otherwise."""
+        who = type(self).__name__
+        if self._sampler is None:
+            raise ConfigurationError(f"{who}.hand_over(): no batch begun on this step")
+        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
+            raise ConfigurationError(
+                f"{who}.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
+                f"batch's {self._n} rows, at least one"
+            )
+        return self._sampler
+
     def _check_variant(self, settings: Sequence[SamplingSettings], who: str) -> None:
         """Refuse settings this step's sampler variant cannot serve (``who``: the method to name)."""
         needed = variant_for(settings)

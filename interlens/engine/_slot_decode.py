@@ -10,10 +10,10 @@ shape: a row's slot is its position), each captured as a graph on first use (``_
 * the rows are padded as the slot layout pads them (``padded_rows``: a multiple of ``ROW_BLOCK``, on CUDA
   the row bucket) and the slots to a multiple of the length quantum (``SLOT_BLOCK`` on the CPU, the graphs'
   ``LENGTH_QUANTUM`` on CUDA: both multiples of ``SLOT_BLOCK``, as the layout needs), chosen once a batch;
-* the loop is the batched static decoder's (``_static_decode``): pipelined (step n+1 launched before the
-  host reads step n's tokens: one wait a step, on that copy), finished rows stay in the batch until the live
-  ones fit a smaller row bucket, where the step in flight is drained and the live rows move to the pool's
-  front rows (``hand_over``).
+* the loop is the one the batched static decoder runs too (``_step_loop.StepLoop``): pipelined (step n+1
+  launched before the host reads step n's tokens: one wait a step, on that copy), finished rows stay in the
+  batch until the live ones fit a smaller row bucket, where the step in flight is drained and the live rows
+  move to the pool's front rows (``hand_over``).
 
 What the self-test (``_batch_invariance``) probes is this very step when the decoder is on (its verdicts
 are keyed by it), so a co-stepped row is still token-identical to the row alone. Used on CUDA by default,

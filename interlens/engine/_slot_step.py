@@ -11,7 +11,8 @@ step touches, allocated once:
 * inputs: the tokens fed (rows, 1), each row's position (rows, 1), the row each padding row copies
   (``source``), and per row its uniform, temperature, top-p and greedy flag;
 * outputs: the chosen tokens (-1 where a row's logits were not usable), ``finite``, and with recording the
-  chosen tokens' log-probabilities (rows, 2), as the batched static step (``_static_step``) writes them;
+  chosen tokens' log-probabilities (rows, 2): the sampler's buffers, shared with the batched static step
+  (``_sampled_step.SampledStep``);
 * its cache: views of a persistent ``_kv_pool.KVPool`` (``(rows, heads, slots, head dim)``: row ``r``'s slot
   ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot.
 
@@ -149,20 +150,14 @@ class SlotDecodeStep(SampledStep):
         the hot path: once per row bucket edge."""
         import torch
 
-        if self._sampler is None:
-            raise ConfigurationError("SlotDecodeStep.hand_over(): no batch begun on this step")
-        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
-            raise ConfigurationError(
-                f"SlotDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
-                f"batch's {self._n} rows, at least one"
-            )
+        sampler = self._begun_keeping(keep)
         if len(keep) > to.rows or to.length != self.length or (self.record and not to.record):
             raise ConfigurationError(
                 f"SlotDecodeStep.hand_over(): {len(keep)} rows cannot go to a step of {to.rows} rows, "
                 f"{to.length} slots, record={to.record} from one of {self.length} slots, "
                 f"record={self.record}; build it with room for the rows, the same slots and recording"
             )
-        settings = [self._sampler.settings[j] for j in keep]
+        settings = [sampler.settings[j] for j in keep]
         to._check_variant(settings, "hand_over")
         k = len(keep)
         copies = [keep[min(j, k - 1)] for j in range(to.rows)]
@@ -189,9 +184,9 @@ class SlotDecodeStep(SampledStep):
                 buffer.fill_(fill)
                 buffer[:k].copy_(kept[name])
             to.uniforms.fill_(0.5)
-        sampler = self._sampler.select(list(keep))
+        carried = sampler.select(list(keep))  # each kept row's uniform stream, where it was
         self._sampler = None
-        to._start(sampler, k)
+        to._start(carried, k)
 
     # ------------------------------------------------------------------ the captured part
 

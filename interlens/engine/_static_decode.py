@@ -29,6 +29,10 @@ it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row 
 layout wider than its prompts) decodes in the eager loop in its own cache. Without a budget (the CPU) the
 pool grows by need, reallocated (steps and graphs rebuilt) when a batch needs more slots than any before.
 
+The steps kept per key, the launch/read of a step and the loop itself live in ``_step_loop`` (shared with
+the deterministic rows' ``_slot_decode``); this module decides where a batch goes in the pool, begins it,
+and gives the loop its row buckets and the kept-KV collector.
+
 Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
 eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
 in :attr:`StaticDecoder.stats`.

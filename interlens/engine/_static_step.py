@@ -36,9 +36,10 @@ them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
 At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
 a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
 
-The engine drives it from ``_static_decode.StaticDecoder`` (steps kept per key over one pool, the
-pipelined loop, when to hand over) and captures :attr:`StaticDecodeStep.run` as a CUDA graph in
-``_decode_graphs``.
+The sampler's buffers and the sample-and-store tail are :class:`~._sampled_step.SampledStep`'s, shared with
+the deterministic rows' step (``_slot_step``). The engine drives it from ``_static_decode.StaticDecoder``
+(steps kept per key over one pool, the pipelined loop of ``_step_loop``, when to hand over) and captures
+:attr:`StaticDecodeStep.run` as a CUDA graph in ``_decode_graphs``.
 """
 
 from __future__ import annotations
@@ -190,14 +191,8 @@ class StaticDecodeStep(SampledStep):
         per bucket edge."""
         import torch
 
-        if self._sampler is None:
-            raise ConfigurationError("StaticDecodeStep.hand_over(): no batch begun on this step")
-        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
-            raise ConfigurationError(
-                f"StaticDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
-                f"batch's {self._n} rows, at least one"
-            )
-        settings = [self._sampler.settings[j] for j in keep]
+        sampler = self._begun_keeping(keep)
+        settings = [sampler.settings[j] for j in keep]
         to._check(settings, len(keep), self._slot, who="hand_over")
         if self.record and not to.record:
             raise ConfigurationError(
@@ -251,9 +246,9 @@ class StaticDecodeStep(SampledStep):
             to.greedy.fill_(True)
             to.greedy[:k].copy_(state["greedy"])
             to.uniforms.fill_(0.5)
-        sampler = self._sampler.select(list(keep))
+        carried = sampler.select(list(keep))  # each kept row's uniform stream, where it was
         self._sampler = None
-        to._start(sampler, k)
+        to._start(carried, k)
         to._slot = slot
 
     def _check(self, settings: Sequence[SamplingSettings], n: int, width: int, *, who: str = "begin") -> None:
