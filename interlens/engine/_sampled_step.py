@@ -11,9 +11,10 @@ slot layout's row-invariant kernels need). Their sampling is the same, so it liv
   and greedy flag (padding rows greedy at 1.0, so their computed-and-ignored weights stay finite), the
   tokens fed and their positions, the attention mask, and the outputs (tokens, ``finite``, the recorded
   log-probabilities);
-* :meth:`SampledStep._sample_into`, the tail of the function a graph holds: ``sample_rows`` over those
-  buffers, the tokens written with -1 where a row's logits went non-finite (so the host's one read of the
-  tokens brings that verdict along), and the next step's tokens fed in place;
+* :meth:`SampledStep._forward_and_sample_into`, the tail of the function a graph holds: the model's
+  forward over the step's buffers and cache, ``sample_rows`` over those buffers, the tokens written with -1
+  where a row's logits went non-finite (so the host's one read of the tokens brings that verdict along),
+  and the next step's tokens fed in place;
 * the host's part of a step: a batch's settings into their buffers, its sampler's uniform streams (only
   the sampling rows' uniforms are copied a step, one ``index_copy_``), the variant check.
 """
@@ -89,9 +90,10 @@ class SampledStep:
         self._sampler: Sampler | None = None
         self._sampling_idx: torch.Tensor | None = None  # the batch rows the uniforms go to
         self._n = 0  # the real rows of the batch begun
+        self.cache: Any = None  # the subclass's cache, set after these buffers
 
     def _forward_and_sample(self) -> None:
-        """The step a graph holds: each step's own forward, ending in :meth:`_sample_into`."""
+        """The step a graph holds: each step's own, ending in :meth:`_forward_and_sample_into`."""
         raise NotImplementedError
 
     def _buffers(self, names: Sequence[str], cache: Any) -> dict[str, torch.Tensor]:
@@ -159,14 +161,23 @@ class SampledStep:
                 f"step is built for {self.variant!r}; build it with variant=variant_for(settings)"
             )
 
-    def _sample_into(self, logits: torch.Tensor, *, source: torch.Tensor | None = None) -> None:
-        """Sample every row from ``logits`` (rows x vocab), write the outputs and feed the chosen tokens to
-        the next step, all in place: a row whose logits went bad gets -1 as its token and is fed 0 (a valid
-        id, ignored); ``source``: the row each row is fed from (a padding row copies a real row's)."""
+    def _forward_and_sample_into(self, *, source: torch.Tensor | None = None) -> None:
+        """The model's forward for one token per row over the step's buffers and its cache (the subclass's
+        ``cache``), then every row sampled from its last logits, the outputs written and the chosen tokens
+        fed to the next step, all in place: a row whose logits went bad gets -1 as its token and is fed 0 (a
+        valid id, ignored); ``source``: the row each row is fed from (a padding row copies a real row's).
+        Call under ``torch.no_grad()``; the positions are the subclass's to advance."""
         import torch
 
+        out = self.model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            cache=self.cache,
+            use_cache=True,
+        )
         tokens, finite, logprobs = sample_rows(
-            logits,
+            out.logits[:, -1, :],
             temperature=self.temperature,
             top_p=self.top_p,
             greedy=self.greedy,

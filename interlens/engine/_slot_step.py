@@ -199,16 +199,9 @@ class SlotDecodeStep(SampledStep):
             top = self.positions.max()  # the causal mask's query offset: the furthest row (no host read)
             for layer in self.cache.layers:
                 layer.cumulative_length.copy_(top)
-            out = self.model(
-                input_ids=self.input_ids,
-                attention_mask=self.mask,
-                position_ids=self.positions,
-                cache=self.cache,
-                use_cache=True,
-            )
             # the next step feeds this one's tokens, a padding row its source row's; a row past its last
             # slot (a finished row still in the batch) stays there
-            self._sample_into(out.logits[:, -1, :], source=self.source)
+            self._forward_and_sample_into(source=self.source)
             self.positions.add_(1).clamp_(max=self.length - 1)
 
 

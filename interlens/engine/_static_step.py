@@ -273,12 +273,5 @@ class StaticDecodeStep(SampledStep):
         import torch
 
         with torch.no_grad():
-            out = self.model(
-                input_ids=self.input_ids,
-                attention_mask=self.mask,
-                position_ids=self.positions,
-                cache=self.cache,
-                use_cache=True,
-            )
-            self._sample_into(out.logits[:, -1, :])
+            self._forward_and_sample_into()
             self.positions.add_(1)
