@@ -183,7 +183,7 @@ def test_the_pool_is_not_reallocated_across_a_rollout_of_growing_prompts(loaded:
             ]
             got = static.generate_batch(batch)
             same(got, eager.generate_batch(batch))
-            lengths |= {key[1] for key in decoder._steps}
+            lengths |= {key[1] for key in decoder.loop.steps}
             words = ids(tokenizer, " and then")
             prompts = [(*p, *r.token_ids[:-1], *words) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
         assert lengths == {96, 128}  # 4 x 128 slots at most: within the budget

@@ -109,7 +109,7 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
     assert static._slots.prefixes.hits > 0  # the second turn's prefill loaded kept blocks
     assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 6
     assert not any(key.startswith("steps: eager") for key in decoder.stats)
-    replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
+    replays = [decoder.graphs.graph(key).replays for key in decoder.loop.steps]
     assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0  # less each check at capture
     assert decoder.graphs.failed is None and decoder.pool.generation == generation
 

@@ -177,7 +177,7 @@ def test_kept_kv_across_turns_and_no_static_buffer_moves(loaded: tuple[Any, Any]
     for key in static._kept:
         assert static._kept[key].ids == eager._kept[key].ids
     assert decoder.pool.generation == generation
-    replays = [decoder.graphs.graph(key).replays for key in decoder._steps]
+    replays = [decoder.graphs.graph(key).replays for key in decoder.loop.steps]
     # each graph's first replay is its check against the eager step, at capture
     assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0
     assert decoder.graphs.stats["captures"] == len(replays) >= 2  # the 8-row step and smaller ones
@@ -225,7 +225,7 @@ def test_release_memory_drops_the_pool_and_the_next_batch_rebuilds_it(loaded: tu
     static.generate_batch(requests(prompts, new=[5, 5]))
     assert decoder.pool.nbytes() > 0 and decoder.graphs.stats["captures"] == 1
     static.release_memory()
-    assert decoder.pool.nbytes() == 0 and not decoder._steps
+    assert decoder.pool.nbytes() == 0 and not decoder.loop.steps
     same(
         static.generate_batch(requests(prompts, new=[5, 5])),
         eager.generate_batch(requests(prompts, new=[5, 5])),
@@ -263,7 +263,7 @@ def test_graphs_past_the_cap_are_dropped_and_captured_again(loaded: tuple[Any, A
     assert decoder.graphs.stats["captures"] == 3 and decoder.graphs.stats["evictions"] == 2
     (key,) = decoder.graphs._graphs
     assert key[0] == 2
-    four = next(step for k, step in decoder._steps.items() if k[0] == 4)
+    four = next(step for k, step in decoder.loop.steps.items() if k[0] == 4)
     assert four.run == four._forward_and_sample  # evicted: no longer replays its dropped graph
     assert decoder.stats["steps: graph"] == 3 * 5
 

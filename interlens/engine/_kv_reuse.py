@@ -106,14 +106,7 @@ class ReusedPrefixBatch:
             # the batch cache's rows shortest suffix first: each length group of the suffixes' prefill is then
             # a range of them (``_prefill_kept``); the rows come back in the requests' order
             order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) - reused[i])
-            laid = self._decode_laid_out(
-                [requests[i] for i in order],
-                [entries[i] for i in order],
-                [reused[i] for i in order],
-                cancelled,
-                collector,
-            )
-            rows = [row for _, row in sorted(zip(order, laid, strict=True), key=lambda pair: pair[0])]
+            rows = self._decode_in_order(order, requests, entries, reused, cancelled, collector)
             shared = [0] * len(rows)
         del entries
         seconds = time.perf_counter() - started
@@ -139,6 +132,26 @@ class ReusedPrefixBatch:
         else:
             laid = padded_tokens([*kept, *fresh], grouped=static)
         return laid <= REUSE_AT_MOST * self.plain.prefill_tokens(prompts)
+
+    def _decode_in_order(
+        self,
+        order: list[int],
+        requests: list[GenerationRequest],
+        entries: list[Kept | None],
+        reused: list[int],
+        cancelled: threading.Event | None,
+        collector: _Collector,
+    ) -> list[Row]:
+        """:meth:`_decode_laid_out` over the requests taken in ``order`` (the batch cache's row order a
+        layout needs), the rows given back in the requests' own order."""
+        laid = self._decode_laid_out(
+            [requests[i] for i in order],
+            [entries[i] for i in order],
+            [reused[i] for i in order],
+            cancelled,
+            collector,
+        )
+        return [row for _, row in sorted(zip(order, laid, strict=True), key=lambda pair: pair[0])]
 
     def _decode_laid_out(
         self,
@@ -178,15 +191,7 @@ class ReusedPrefixBatch:
         pooled = runner.pool_layout(batch, end + max_new) if static_batch else None
         if pooled is not None and split and kept != list(range(len(kept))):
             # in the pool, the kept rows and the fresh ones are each one range of rows (one view each)
-            order = kept + fresh
-            laid = self._decode_laid_out(
-                [requests[i] for i in order],
-                [entries[i] for i in order],
-                [reused[i] for i in order],
-                cancelled,
-                collector,
-            )
-            return [row for _, row in sorted(zip(order, laid, strict=True), key=lambda pair: pair[0])]
+            return self._decode_in_order(kept + fresh, requests, entries, reused, cancelled, collector)
         if pooled is not None:  # a static batch: laid out straight into the engine's KV pool
             pool, length = pooled
             cache, static = pool.span(0, batch, length=length, width=end), True

@@ -11,7 +11,8 @@ step touches, allocated once:
 * inputs: the tokens fed (rows, 1), each row's position (rows, 1), the row each padding row copies
   (``source``), and per row its uniform, temperature, top-p and greedy flag;
 * outputs: the chosen tokens (-1 where a row's logits were not usable), ``finite``, and with recording the
-  chosen tokens' log-probabilities (rows, 2), as the batched static step (``_static_step``) writes them;
+  chosen tokens' log-probabilities (rows, 2): the sampler's buffers, shared with the batched static step
+  (``_sampled_step.SampledStep``);
 * its cache: views of a persistent ``_kv_pool.KVPool`` (``(rows, heads, slots, head dim)``: row ``r``'s slot
   ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot.
 
@@ -29,13 +30,13 @@ feeds each row its last prompt token (what ``SlotLayout.first`` did eagerly). At
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._core import ConfigurationError
+from ._sampled_step import SAMPLER_BUFFERS, SampledStep
 from ._sampler import Sampler
 from ._sampling import SamplingSettings
-from ._static_sampler import VARIANTS, sample_rows, variant_for
 
 if TYPE_CHECKING:
     import torch
@@ -44,24 +45,11 @@ if TYPE_CHECKING:
 
 __all__ = ["SlotDecodeStep"]
 
-_BUFFERS = (
-    "input_ids",
-    "positions",
-    "mask",
-    "source",
-    "slot_ids",
-    "row_ids",
-    "uniforms",
-    "temperature",
-    "top_p",
-    "greedy",
-    "tokens",
-    "finite",
-    "logprobs",
-)
+#: the buffers a slot step adds to the sampler's: which row a padding row copies, the slots' and rows' ids
+_SLOT_BUFFERS = ("source", "slot_ids", "row_ids")
 
 
-class SlotDecodeStep:
+class SlotDecodeStep(SampledStep):
     """One slot-layout decode step's static buffers and its capturable function (module docstring).
 
     ``rows``: the padded row count (``_slot_rows.padded_rows``: a multiple of ``ROW_BLOCK``, or on CUDA a
@@ -72,48 +60,18 @@ class SlotDecodeStep:
     def __init__(self, model: Any, *, rows: int, length: int, variant: str, record: bool, pool: KVPool):
         import torch
 
-        if variant not in VARIANTS:
-            raise ConfigurationError(
-                f"SlotDecodeStep(variant={variant!r}): variant must be one of {', '.join(VARIANTS)}; "
-                "variant_for(settings) gives the cheapest one for a batch"
-            )
-        self.model = model
-        self.rows = rows
-        self.length = length
-        self.variant = variant
-        self.record = record
-        device = next(model.parameters()).device
-        self.device = str(device)
+        super().__init__(model, rows=rows, length=length, variant=variant, record=record, fed=0)
         self.pool = pool
         self.cache = _pool_slot_cache_class()(model.config, pool.views(rows, length), self)
         self.generation = pool.generation  # after views(), which may have grown the pool
-        self.input_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.mask = torch.ones((rows, length), dtype=torch.long, device=device)
+        device = self.input_ids.device
         self.source = torch.arange(rows, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(length, dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, dtype=torch.long, device=device)
-        self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, device=device)
-        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
-        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.finite = torch.ones(rows, dtype=torch.bool, device=device)
-        self.logprobs = torch.zeros((rows, 2), dtype=torch.float32, device=device)
-        #: what a step runs: this eager function, or what compiled / captured it
-        self.run: Callable[[], None] = self._forward_and_sample
-        self._sampler: Sampler | None = None
-        self._sampling_idx: torch.Tensor | None = None
-        self._n = 0  # the real rows of the batch begun
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every static tensor a step reads or writes, by name (a captured graph holds these addresses)."""
-        named = {name: getattr(self, name) for name in _BUFFERS}
-        for i, layer in enumerate(self.cache.layers):
-            named[f"cache.{i}.keys"] = layer.keys
-            named[f"cache.{i}.values"] = layer.values
-            named[f"cache.{i}.cumulative_length"] = layer.cumulative_length
-        return named
+        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS, self.cache)
 
     # ------------------------------------------------------------------ the host's part
 
@@ -173,8 +131,7 @@ class SlotDecodeStep:
                 "SlotDecodeStep.step(): no batch begun; call begin(settings, prefill=..., index=..., "
                 "prompts=...) first"
             )
-        if self._sampling_idx is not None:
-            self.uniforms.index_copy_(0, self._sampling_idx, self._sampler.uniforms.next())
+        self._next_uniforms(self._sampler)
         self.run()
 
     def feed(self, tokens: Sequence[int]) -> None:
@@ -193,20 +150,14 @@ class SlotDecodeStep:
         the hot path: once per row bucket edge."""
         import torch
 
-        if self._sampler is None:
-            raise ConfigurationError("SlotDecodeStep.hand_over(): no batch begun on this step")
-        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
-            raise ConfigurationError(
-                f"SlotDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
-                f"batch's {self._n} rows, at least one"
-            )
+        sampler = self._begun_keeping(keep)
         if len(keep) > to.rows or to.length != self.length or (self.record and not to.record):
             raise ConfigurationError(
                 f"SlotDecodeStep.hand_over(): {len(keep)} rows cannot go to a step of {to.rows} rows, "
                 f"{to.length} slots, record={to.record} from one of {self.length} slots, "
                 f"record={self.record}; build it with room for the rows, the same slots and recording"
             )
-        settings = [self._sampler.settings[j] for j in keep]
+        settings = [sampler.settings[j] for j in keep]
         to._check_variant(settings, "hand_over")
         k = len(keep)
         copies = [keep[min(j, k - 1)] for j in range(to.rows)]
@@ -233,45 +184,9 @@ class SlotDecodeStep:
                 buffer.fill_(fill)
                 buffer[:k].copy_(kept[name])
             to.uniforms.fill_(0.5)
-        sampler = self._sampler.select(list(keep))
+        carried = sampler.select(list(keep))  # each kept row's uniform stream, where it was
         self._sampler = None
-        to._start(sampler, k)
-
-    def _settings_into(self, settings: Sequence[SamplingSettings]) -> None:
-        """The real rows' settings into their buffers (padding rows: greedy, 1.0)."""
-        import torch
-
-        n = len(settings)
-        greedy = [s.temperature <= 0 for s in settings]
-        self.greedy.fill_(True)
-        self.greedy[:n].copy_(torch.tensor(greedy, dtype=torch.bool))
-        self.temperature.fill_(1.0)
-        self.temperature[:n].copy_(
-            torch.tensor([1.0 if g else s.temperature for g, s in zip(greedy, settings, strict=True)])
-        )
-        self.top_p.fill_(1.0)
-        self.top_p[:n].copy_(
-            torch.tensor([1.0 if g else s.top_p for g, s in zip(greedy, settings, strict=True)])
-        )
-        self.uniforms.fill_(0.5)
-
-    def _start(self, sampler: Sampler, n: int) -> None:
-        import torch
-
-        self._sampler = sampler
-        sampling = sampler.greedy.sampling
-        self._sampling_idx = (
-            torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
-        )
-        self._n = n
-
-    def _check_variant(self, settings: Sequence[SamplingSettings], who: str) -> None:
-        needed = variant_for(settings)
-        if VARIANTS.index(needed) > VARIANTS.index(self.variant):
-            raise ConfigurationError(
-                f"SlotDecodeStep.{who}(): these settings need the {needed!r} sampler variant, this step is "
-                f"built for {self.variant!r}; build it with variant=variant_for(settings)"
-            )
+        to._start(carried, k)
 
     # ------------------------------------------------------------------ the captured part
 
@@ -284,30 +199,9 @@ class SlotDecodeStep:
             top = self.positions.max()  # the causal mask's query offset: the furthest row (no host read)
             for layer in self.cache.layers:
                 layer.cumulative_length.copy_(top)
-            out = self.model(
-                input_ids=self.input_ids,
-                attention_mask=self.mask,
-                position_ids=self.positions,
-                cache=self.cache,
-                use_cache=True,
-            )
-            tokens, finite, logprobs = sample_rows(
-                out.logits[:, -1, :],
-                temperature=self.temperature,
-                top_p=self.top_p,
-                greedy=self.greedy,
-                uniforms=self.uniforms,
-                variant=self.variant,
-                record=self.record,
-            )
-            self.tokens.copy_(torch.where(finite, tokens, -1))
-            self.finite.copy_(finite)
-            if logprobs is not None:
-                self.logprobs.copy_(logprobs)
-            # the next step feeds this one's tokens (a bad row: a valid id, ignored); a padding row its
-            # source row's; a row past its last slot (a finished row still in the batch) stays there
-            fed = torch.where(finite, tokens, 0).index_select(0, self.source)
-            self.input_ids.copy_(fed.unsqueeze(1))
+            # the next step feeds this one's tokens, a padding row its source row's; a row past its last
+            # slot (a finished row still in the batch) stays there
+            self._forward_and_sample_into(source=self.source)
             self.positions.add_(1).clamp_(max=self.length - 1)
 
 

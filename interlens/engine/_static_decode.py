@@ -29,6 +29,10 @@ it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row 
 layout wider than its prompts) decodes in the eager loop in its own cache. Without a budget (the CPU) the
 pool grows by need, reallocated (steps and graphs rebuilt) when a batch needs more slots than any before.
 
+The steps kept per key, the launch/read of a step and the loop itself live in ``_step_loop`` (shared with
+the deterministic rows' ``_slot_decode``); this module decides where a batch goes in the pool, begins it,
+and gives the loop its row buckets and the kept-KV collector.
+
 Per-row seeded streams carry on through hand-overs (``Sampler.select``), so a row's tokens are those of the
 eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or eager, and why) is counted
 in :attr:`StaticDecoder.stats`.
@@ -46,33 +50,25 @@ still runs ``sdpa``.
 
 from __future__ import annotations
 
-import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._buckets import LENGTH_QUANTUM, ROW_BUCKETS, length_bucket, row_bucket
 from ._cpu_attention import GROUPED_DECODE_ATTENTION, use_grouped_decode_attention
-from ._decode import ModelRunner, Row, hand_out, raise_if_cancelled
+from ._decode import ModelRunner, Row
 from ._decode_graphs import GraphRunner
 from ._kv_pool import KVPool
 from ._prefill import plain_static
 from ._static_sampler import variant_for
 from ._static_step import StaticDecodeStep
+from ._step_loop import ENV_SWITCH, StepLoop, StepLoopOwner, forward_hooked, static_wanted
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["ENV_SWITCH", "StaticDecoder", "static_decoder_for"]
-
-#: Set to "1" to decode through static steps on the CPU too (CI's proof of the GPU's path); "0" turns them
-#: off on CUDA.
-ENV_SWITCH = "INTERLENS_STATIC_DECODE"
-
-#: Most steps (bucket keys) kept between batches; their graphs are capped by the graph runner.
-MAX_STEPS = 32
 
 
 def static_decoder_for(
@@ -81,15 +77,10 @@ def static_decoder_for(
     """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
     ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices. ``budget``: the pool's
     size in slots, asked when first needed (:class:`StaticDecoder`)."""
-    switch = os.environ.get(ENV_SWITCH, "")
-    if switch == "0" or (switch != "1" and not runner.device.startswith("cuda")):
-        return None
-    if len({p.device for p in runner.model.parameters()}) > 1:
-        return None  # a model split over devices: each layer's KV lives on its own device, not in one pool
-    return StaticDecoder(runner, budget=budget)
+    return StaticDecoder(runner, budget=budget) if static_wanted(runner) else None
 
 
-class StaticDecoder:
+class StaticDecoder(StepLoopOwner):
     """Static-shape decoding for one runner (module docstring). ``quantum``: the length bucket's step
     (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph)."""
 
@@ -117,13 +108,15 @@ class StaticDecoder:
             self.attention = GROUPED_DECODE_ATTENTION
         self.quantum = quantum
         self.pool = KVPool(runner.model)
-        self.graphs = graphs if graphs is not None else GraphRunner(device=runner.device)
         #: batches, steps by how they ran ("graph", "eager: why"), batches left to the eager loop (why)
         self.stats: Counter[str] = Counter()
-        self._steps: OrderedDict[tuple[int, int, str, bool], StaticDecodeStep] = OrderedDict()
+        #: the steps by (row bucket, length bucket, variant, recording), the host buffers, the loop
+        self.loop: StepLoop[StaticDecodeStep] = StepLoop(
+            graphs=graphs if graphs is not None else GraphRunner(device=runner.device),
+            stats=self.stats,
+            host_rows=ROW_BUCKETS[-1],
+        )
         self._generation = self.pool.generation
-        self._host: list[torch.Tensor] | None = None  # two host buffers the launched steps' tokens go to
-        self._flip = 0
         self._slots: int | None = None  # the pool's size from the budget, once asked (0: by need)
 
     def serves(self, rows: list[Row], cache: Any, static: bool, kv_len: int) -> bool:
@@ -135,7 +128,7 @@ class StaticDecoder:
         if not plain_static(cache):
             self.stats["eager batches: cache layers"] += 1
             return False
-        if _hooked(self.runner.model):
+        if forward_hooked(self.runner.model):
             self.stats["eager batches: forward hooks"] += 1
             return False
         if self.pool.holds(cache):
@@ -152,7 +145,7 @@ class StaticDecoder:
         straight into :meth:`KVPool.span` views of it, which the steps read), or None where the batch will
         not decode here (too many rows, cache layers that are not plain static ones, forward hooks on the
         model, no room in a pool sized from the budget): the prefill then builds its own cache."""
-        if not 1 <= rows <= ROW_BUCKETS[-1] or _hooked(self.runner.model) or not self._plain():
+        if not 1 <= rows <= ROW_BUCKETS[-1] or forward_hooked(self.runner.model) or not self._plain():
             return None
         length = length_bucket(need, quantum=self.quantum)
         if not self._room(row_bucket(rows), length):
@@ -181,8 +174,7 @@ class StaticDecoder:
 
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
-        self._steps.clear()
-        self.graphs.clear()
+        self.loop.clear()
         self.pool.release()
         self._slots = None  # measured again from the budget when next needed
 
@@ -213,8 +205,7 @@ class StaticDecoder:
         else:
             grown = self.pool.reserve(rows, length)
         if grown or self._generation != self.pool.generation:
-            self._steps.clear()
-            self.graphs.clear()
+            self.loop.clear()
             self._generation = self.pool.generation
         return True
 
@@ -234,7 +225,6 @@ class StaticDecoder:
         the step's pool-view cache), through static steps."""
         import torch
 
-        runner = self.runner
         settings = [r.request.sampling for r in rows]
         record = any(r.request.record_logprobs for r in rows)
         variant = variant_for(settings)
@@ -250,90 +240,39 @@ class StaticDecoder:
             settings, kv=cache, prompt_mask=prompt_mask.to(step.device), logits=logits, positions=positions
         )
         del cache, logits
-        first = torch.where(choice.finite, choice.tokens, -1).tolist()
-        active = list(rows)
-        recorded: list[tuple[list[tuple[int, Row]], torch.Tensor]] = []
-
-        def take(chosen: list[int], lps: torch.Tensor | None) -> None:
-            took = runner.take_tokens(active, chosen)
-            if lps is not None and took:
-                recorded.append((took, lps))
-
-        take(first, choice.logprobs)
+        first = (torch.where(choice.finite, choice.tokens, -1).tolist(), choice.logprobs)
         del choice
-        pending: _Launched | None = None  # a step launched whose tokens the host has not read yet
-        while not all(row.done for row in active):
-            raise_if_cancelled(cancelled)
-            live = [j for j, row in enumerate(active) if not row.done]
-            smaller = row_bucket(len(live))
-            if smaller < step.rows:  # a bucket edge
-                if pending is not None:  # drain: the step in flight may end more rows
-                    take(*self._read(pending))
-                    pending = None
-                    continue
-                # the collector reads the leavers, then the live rows move to the pool's front rows
-                if on_leave is not None:
-                    gone = [j for j, row in enumerate(active) if row.done]
-                    on_leave(gone, [active[j] for j in gone], step.cache, kv_len)
-                to, mode = self._step(smaller, length, variant, record)
-                step.hand_over(live, to)
-                step, active = to, [active[j] for j in live]
-                self.stats["hand-overs"] += 1
-            if pending is None:
-                pending = self._launch(step, len(active), mode)
-            # the next step runs on the device while the host checks this one (a row this one ends costs
-            # that step, ignored); none where every live row takes its last token in the one in flight
-            ahead = None
-            if step.slots_left > 0 and any(
-                not row.done and len(row.tokens) + 1 < row.request.sampling.max_new_tokens for row in active
-            ):
-                ahead = self._launch(step, len(active), mode)
-            take(*self._read(pending))
-            pending = ahead
-        if pending is not None:
-            self.stats["ignored steps"] += 1
-        hand_out(recorded)
+
+        # at a bucket edge the collector reads the leavers before the live rows move to the front rows
+        leaving: Callable[[list[int], list[Row], StaticDecodeStep], None] | None = None
+        if on_leave is not None:
+            collect = on_leave
+            leaving = lambda gone, left, at: collect(gone, left, at.cache, kv_len)  # noqa: E731
+
+        step, active = self.loop.run(
+            self.runner,
+            rows,
+            step,
+            mode,
+            padded=row_bucket,
+            smaller_step=lambda smaller: self._step(smaller, length, variant, record),
+            cancelled=cancelled,
+            first=first,
+            on_edge=leaving,
+            room=lambda at: at.slots_left > 0,
+        )
         if on_leave is not None:
             on_leave(list(range(len(active))), active, step.cache, kv_len)
         if any(row.failure is not None for row in rows):
             self.pool.clear()  # its NaN / inf KV would reach a later batch's masked slots
 
-    def _launch(self, step: StaticDecodeStep, n: int, mode: str) -> _Launched:
-        """Run one step and queue the copy of its first ``n`` rows' tokens to the host (pinned memory on
-        CUDA, without waiting) and of their log-probabilities (on the device), before a next step can
-        overwrite them."""
-        import torch
-
-        step.step()
-        self.stats[f"steps: {mode}"] += 1
-        if self._host is None:
-            cuda = step.device.startswith("cuda")
-            self._host = [torch.empty(ROW_BUCKETS[-1], dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self._flip ^= 1
-        host = self._host[self._flip][:n]
-        host.copy_(step.tokens[:n], non_blocking=True)
-        event = None
-        if step.device.startswith("cuda"):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(step.device))  # the step's device, not the thread's
-        lps = step.logprobs[:n].clone() if step.record else None
-        return _Launched(host, event, lps)
-
-    def _read(self, launched: _Launched) -> tuple[list[int], torch.Tensor | None]:
-        """A launched step's tokens (-1: non-finite), read on the host: the loop's one wait a step (for
-        that step's copy only, not for a step queued after it)."""
-        if launched.event is not None:
-            launched.event.synchronize()
-        return launched.host.tolist(), launched.logprobs
-
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[StaticDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""
         if not self._room(rows, length):  # serves() or layout() made room for the batch's layout
             raise AssertionError(f"no room in the KV pool for {rows} x {length} slots")
-        key = (rows, length, variant, record)
-        step = self._steps.get(key)
-        if step is None:
-            step = StaticDecodeStep(
+        return self.loop.step(
+            (rows, length, variant, record),
+            lambda: StaticDecodeStep(
                 self.runner.model,
                 rows=rows,
                 length=length,
@@ -341,29 +280,5 @@ class StaticDecoder:
                 record=record,
                 pad_id=self.runner.pad_id,
                 pool=self.pool,
-            )
-            self._steps[key] = step
-            while len(self._steps) > MAX_STEPS:
-                old, _ = self._steps.popitem(last=False)
-                self.graphs.forget(old)
-        self._steps.move_to_end(key)
-        return step, self.graphs.mode(key, step)
-
-
-@dataclass
-class _Launched:
-    """A step launched: where its tokens arrive on the host, the event that says they have (CUDA), and
-    its log-probabilities (a device copy; None without recording)."""
-
-    host: torch.Tensor
-    event: Any
-    logprobs: torch.Tensor | None
-
-
-def _hooked(model: Any) -> bool:
-    """Whether any forward hook is on the model (a graph would replay without calling it)."""
-    import torch
-
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+            ),
+        )

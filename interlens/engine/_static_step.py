@@ -36,20 +36,21 @@ them (``tests/test_static_step.py`` checks bucket 2 against bucket 8).
 At a bucket edge :meth:`StaticDecodeStep.hand_over` carries the live rows on in another step (fewer rows,
 a longer length bucket) or compacts them in place, their uniform streams included (``Sampler.select``).
 
-The engine drives it from ``_static_decode.StaticDecoder`` (steps kept per key over one pool, the
-pipelined loop, when to hand over) and captures :attr:`StaticDecodeStep.run` as a CUDA graph in
-``_decode_graphs``.
+The sampler's buffers and the sample-and-store tail are :class:`~._sampled_step.SampledStep`'s, shared with
+the deterministic rows' step (``_slot_step``). The engine drives it from ``_static_decode.StaticDecoder``
+(steps kept per key over one pool, the pipelined loop of ``_step_loop``, when to hand over) and captures
+:attr:`StaticDecodeStep.run` as a CUDA graph in ``_decode_graphs``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._core import ConfigurationError
+from ._sampled_step import SAMPLER_BUFFERS, SampledStep
 from ._sampler import Choice, Sampler
 from ._sampling import SamplingSettings
-from ._static_sampler import VARIANTS, sample_rows, variant_for
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,7 @@ def static_cache(model: Any, *, rows: int, length: int) -> Any:
     return cache
 
 
-class StaticDecodeStep:
+class StaticDecodeStep(SampledStep):
     """One decode step's static buffers and its capturable function, for one bucket key (module docstring).
 
     ``model``: a causal LM (``from_pretrained``); ``rows`` and ``length``: the row and length bucket (the
@@ -99,73 +100,21 @@ class StaticDecodeStep:
         pad_id: int = 0,
         pool: KVPool | None = None,
     ) -> None:
-        import torch
-
-        if variant not in VARIANTS:
-            raise ConfigurationError(
-                f"StaticDecodeStep(variant={variant!r}): variant must be one of {', '.join(VARIANTS)}; "
-                "variant_for(settings) gives the cheapest one for a batch"
-            )
-        self.model = model
-        self.rows = rows
-        self.length = length
-        self.variant = variant
-        self.record = record
+        super().__init__(model, rows=rows, length=length, variant=variant, record=record, fed=pad_id)
         self.pad_id = pad_id
-        device = next(model.parameters()).device
-        self.device = str(device)
         #: the pool this step's cache is a view of (None: the step owns its cache)
         self.pool = pool
-        self.generation = pool.generation if pool is not None else 0
         self.cache = (
             pool.views(rows, length) if pool is not None else static_cache(model, rows=rows, length=length)
         )
-        if pool is not None:
-            self.generation = pool.generation  # after views(), which may have grown the pool
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        self.vocab = vocab
-        # inputs (the host fills them in begin() and the uniforms per step; the step advances the rest)
-        self.input_ids = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
-        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.mask = torch.ones((rows, length), dtype=torch.long, device=device)
-        self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, device=device)
-        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
-        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
-        # outputs
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.finite = torch.ones(rows, dtype=torch.bool, device=device)
-        self.logprobs = torch.zeros((rows, 2), dtype=torch.float32, device=device)
-        #: what a step runs: this eager function, or what compiled / captured it
-        self.run: Callable[[], None] = self._forward_and_sample
-        self._sampler: Sampler | None = None
-        self._sampling_idx: torch.Tensor | None = None  # the batch rows the uniforms go to
-        self._n = 0  # the real rows of the batch begun
+        self.generation = pool.generation if pool is not None else 0  # after views(), which may grow it
+        self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self._slot = length  # the next cache slot a step writes (host-side count; no device read)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every static tensor a step reads or writes, by name: inputs, outputs, and each cache layer's
         keys, values and write position. A captured graph holds these addresses: none may ever move."""
-        named = {
-            name: getattr(self, name)
-            for name in (
-                "input_ids",
-                "positions",
-                "mask",
-                "uniforms",
-                "temperature",
-                "top_p",
-                "greedy",
-                "tokens",
-                "finite",
-                "logprobs",
-            )
-        }
-        for i, layer in enumerate(self.cache.layers):
-            named[f"cache.{i}.keys"] = layer.keys
-            named[f"cache.{i}.values"] = layer.values
-            named[f"cache.{i}.cumulative_length"] = layer.cumulative_length
-        return named
+        return self._buffers(SAMPLER_BUFFERS, self.cache)
 
     @property
     def slots_left(self) -> int:
@@ -206,28 +155,12 @@ class StaticDecodeStep:
             self.positions.zero_()
             self.positions[:n, 0].copy_(prompt_mask.sum(dim=-1) if positions is None else positions)
             self.input_ids.fill_(self.pad_id)
-            self.uniforms.fill_(0.5)
-            greedy = [s.temperature <= 0 for s in settings]
-            self.greedy.fill_(True)
-            self.greedy[:n].copy_(torch.tensor(greedy, dtype=torch.bool))
-            self.temperature.fill_(1.0)
-            self.temperature[:n].copy_(
-                torch.tensor([1.0 if g else s.temperature for g, s in zip(greedy, settings, strict=True)])
-            )
-            self.top_p.fill_(1.0)
-            self.top_p[:n].copy_(
-                torch.tensor([1.0 if g else s.top_p for g, s in zip(greedy, settings, strict=True)])
-            )
+            self._settings_into(settings)
             sampler = Sampler(settings, self.device, record=self.record)
             choice = sampler.choose(logits)
             fed = torch.where(choice.finite, choice.tokens, 0)
             self.input_ids[:n, 0].copy_(fed)
-        self._sampler = sampler
-        sampling = sampler.greedy.sampling
-        self._sampling_idx = (
-            torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
-        )
-        self._n = n
+        self._start(sampler, n)
         self._slot = width
         return choice
 
@@ -244,8 +177,7 @@ class StaticDecodeStep:
                 f"StaticDecodeStep.step(): the length bucket of {self.length} slots is full; "
                 "move the batch to the next length bucket (or end it) before this step"
             )
-        if self._sampling_idx is not None:
-            self.uniforms.index_copy_(0, self._sampling_idx, self._sampler.uniforms.next())
+        self._next_uniforms(self._sampler)
         self.run()
         self._slot += 1
 
@@ -259,14 +191,8 @@ class StaticDecodeStep:
         per bucket edge."""
         import torch
 
-        if self._sampler is None:
-            raise ConfigurationError("StaticDecodeStep.hand_over(): no batch begun on this step")
-        if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= self._n:
-            raise ConfigurationError(
-                f"StaticDecodeStep.hand_over(keep={list(keep)!r}): keep must be ascending indices of this "
-                f"batch's {self._n} rows, at least one"
-            )
-        settings = [self._sampler.settings[j] for j in keep]
+        sampler = self._begun_keeping(keep)
+        settings = [sampler.settings[j] for j in keep]
         to._check(settings, len(keep), self._slot, who="hand_over")
         if self.record and not to.record:
             raise ConfigurationError(
@@ -320,12 +246,9 @@ class StaticDecodeStep:
             to.greedy.fill_(True)
             to.greedy[:k].copy_(state["greedy"])
             to.uniforms.fill_(0.5)
-        sampler = self._sampler.select(list(keep))
+        carried = sampler.select(list(keep))  # each kept row's uniform stream, where it was
         self._sampler = None
-        to._sampler = sampler
-        sampling = sampler.greedy.sampling
-        to._sampling_idx = torch.tensor(sampling, dtype=torch.long, device=to.device) if sampling else None
-        to._n = k
+        to._start(carried, k)
         to._slot = slot
 
     def _check(self, settings: Sequence[SamplingSettings], n: int, width: int, *, who: str = "begin") -> None:
@@ -340,12 +263,7 @@ class StaticDecodeStep:
                 f"StaticDecodeStep.{who}(): the {width} slots already written leave no slot of the "
                 f"length bucket ({self.length}); build the step for a larger length bucket"
             )
-        needed = variant_for(settings)
-        if VARIANTS.index(needed) > VARIANTS.index(self.variant):
-            raise ConfigurationError(
-                f"StaticDecodeStep.{who}(): these settings need the {needed!r} sampler variant, this step "
-                f"is built for {self.variant!r}; build it with variant=variant_for(settings)"
-            )
+        self._check_variant(settings, who)
 
     # ------------------------------------------------------------------ the captured part
 
@@ -355,28 +273,5 @@ class StaticDecodeStep:
         import torch
 
         with torch.no_grad():
-            out = self.model(
-                input_ids=self.input_ids,
-                attention_mask=self.mask,
-                position_ids=self.positions,
-                cache=self.cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :]
-            tokens, finite, logprobs = sample_rows(
-                logits,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                greedy=self.greedy,
-                uniforms=self.uniforms,
-                variant=self.variant,
-                record=self.record,
-            )
-            # -1 where a row's logits went bad: the host's one read of the tokens brings the verdict along
-            self.tokens.copy_(torch.where(finite, tokens, -1))
-            self.finite.copy_(finite)
-            if logprobs is not None:
-                self.logprobs.copy_(logprobs)
-            # the next step feeds this one's tokens (a row whose logits went bad: a valid id, ignored)
-            self.input_ids.copy_(torch.where(finite, tokens, 0).unsqueeze(1))
+            self._forward_and_sample_into()
             self.positions.add_(1)
