@@ -45,7 +45,7 @@ def _speaker(name: str, url: str, model_id: str | None = None, **settings: objec
         base_url=url,
         retry=FAST,
         temperature=0.0,
-        max_tokens=24,
+        max_tokens=12,
         **settings,
     )
 
@@ -67,7 +67,7 @@ def test_a_debate_against_transformers_serve_runs_records_usage_and_resumes(
     assert all(m.metadata["model"] == PATH for m in turns)
     totals = report.usage().totals()  # the server's own token counts, recorded per turn
     assert (
-        totals["requests"] == 4 and totals["input_tokens"] > 4 * 20 and 4 <= totals["output_tokens"] <= 4 * 24
+        totals["requests"] == 4 and totals["input_tokens"] > 4 * 20 and 4 <= totals["output_tokens"] <= 4 * 12
     )
     with LedgerReader(tmp_path / "run") as reader:
         assert reader.counts()["done"] == 2
