@@ -72,13 +72,10 @@ class SlotDecoder(StepLoopOwner):
         self._generation = self.pool.generation
 
     def serves(self, layout: SlotLayout) -> bool:
-        """Whether the layout's rows decode here: every layer full attention, no forward hooks."""
-        config = layout.runner.model.config
-        types = getattr(
-            config.get_text_config() if hasattr(config, "get_text_config") else config, "layer_types", None
-        )
-        if types and set(types) != {"full_attention"}:
-            self.stats["eager batches: sliding layers"] += 1
+        """Whether the layout's rows decode here: every layer full or sliding-window attention (the pool's
+        layers), no forward hooks."""
+        if not self.pool.supported:
+            self.stats["eager batches: cache layers"] += 1
             return False
         if forward_hooked(self.runner.model):
             self.stats["eager batches: forward hooks"] += 1

@@ -47,6 +47,8 @@ __all__ = ["SlotDecodeStep"]
 
 #: the buffers a slot step adds to the sampler's: which row a padding row copies, the slots' and rows' ids
 _SLOT_BUFFERS = ("source", "slot_ids", "row_ids")
+#: the buffers its per-layer-type masks are built from: each row's window, the shape the builder reads
+_WINDOW_BUFFERS = ("windowed", "_shape")
 
 
 class SlotDecodeStep(SampledStep):
@@ -68,10 +70,16 @@ class SlotDecodeStep(SampledStep):
         self.source = torch.arange(rows, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(length, dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, dtype=torch.long, device=device)
+        #: the sliding window of the model's sliding-window layers (None: every layer attends in full)
+        self.window = pool.window
+        # with a window: the 2-D mask of each row's window (its slots up to its position, back to the window
+        # from there) and the shape the mask builder reads (rows, one token, the model's dtype)
+        self.windowed = torch.zeros((rows, length), dtype=torch.long, device=device)
+        self._shape = torch.empty((rows, 1, 1), dtype=model.dtype, device=device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every static tensor a step reads or writes, by name (a captured graph holds these addresses)."""
-        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS, self.cache)
+        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS + _WINDOW_BUFFERS, self.cache)
 
     # ------------------------------------------------------------------ the host's part
 
@@ -201,8 +209,31 @@ class SlotDecodeStep(SampledStep):
                 layer.cumulative_length.copy_(top)
             # the next step feeds this one's tokens, a padding row its source row's; a row past its last
             # slot (a finished row still in the batch) stays there
-            self._forward_and_sample_into(source=self.source)
+            self._forward_and_sample_into(source=self.source, attention=self._masks())
             self.positions.add_(1).clamp_(max=self.length - 1)
+
+
+    def _masks(self) -> dict[str, torch.Tensor] | None:
+        """For a model with sliding-window layers, its masks by layer type, built here from each row's own
+        position (the model would count a sliding layer's window back from the furthest row's, the cache's
+        write position): the full layers' from :attr:`mask`, the sliding layers' from :attr:`windowed`,
+        both through transformers' own causal-mask builder (the model's format for its attention). The
+        eager slot step's masks (``SlotCache.feed``), value for value. None for a model without one."""
+        if self.window is None:
+            return None
+        from transformers.masking_utils import create_causal_mask
+
+        self.windowed.copy_(self.mask * (self.slot_ids.unsqueeze(0) > self.positions - self.window))
+        return {
+            kind: create_causal_mask(
+                config=self.model.config,
+                inputs_embeds=self._shape,
+                attention_mask=mask,
+                cache=self.cache,
+                position_ids=self.positions,
+            )
+            for kind, mask in (("full_attention", self.mask), ("sliding_attention", self.windowed))
+        }
 
 
 @functools.cache

@@ -98,7 +98,6 @@ class StaticDecoder(StepLoopOwner):
         #: the scheduler's first batch budget in tokens); None, or a budget that says None (the CPU): the
         #: pool grows by need
         self.budget = budget
-        self._plain_model: bool | None = None  # whether the model's cache layers are plain static ones
         if grouped_attention is None:
             grouped_attention = runner.device.startswith("cuda")
         #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
@@ -145,7 +144,7 @@ class StaticDecoder(StepLoopOwner):
         straight into :meth:`KVPool.span` views of it, which the steps read), or None where the batch will
         not decode here (too many rows, cache layers that are not plain static ones, forward hooks on the
         model, no room in a pool sized from the budget): the prefill then builds its own cache."""
-        if not 1 <= rows <= ROW_BUCKETS[-1] or forward_hooked(self.runner.model) or not self._plain():
+        if not 1 <= rows <= ROW_BUCKETS[-1] or forward_hooked(self.runner.model) or not self.pool.supported:
             return None
         length = length_bucket(need, quantum=self.quantum)
         if not self._room(row_bucket(rows), length):
@@ -177,14 +176,6 @@ class StaticDecoder(StepLoopOwner):
         self.loop.clear()
         self.pool.release()
         self._slots = None  # measured again from the budget when next needed
-
-    def _plain(self) -> bool:
-        """Whether the model's cache layers are all plain static ones (the pool's layout), checked once."""
-        if self._plain_model is None:
-            from transformers import StaticCache
-
-            self._plain_model = plain_static(StaticCache(config=self.pool.config, max_cache_len=1))
-        return self._plain_model
 
     def _budget_slots(self) -> int | None:
         """The pool's size in slots from the budget (asked once, until :meth:`release`); None: by need."""

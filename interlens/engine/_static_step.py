@@ -62,12 +62,17 @@ __all__ = ["StaticDecodeStep", "static_cache"]
 
 def static_cache(model: Any, *, rows: int, length: int) -> Any:
     """A transformers ``StaticCache`` for ``model`` of ``rows`` x ``length`` slots, every layer's storage
-    allocated now (not at its first write), so its addresses are fixed before anything is captured."""
+    allocated now (not at its first write), so its addresses are fixed before anything is captured. Every
+    layer is full-length, a sliding-window one too (its window is in the model's mask, as in the engine's
+    pool: ``_kv_pool``)."""
     import torch
     from transformers import StaticCache
 
+    from ._kv_pool import full_length_layers
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cache = StaticCache(config=config, max_cache_len=length)
+    cache.layers = full_length_layers(cache, length)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     device = next(model.parameters()).device
