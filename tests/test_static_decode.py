@@ -324,8 +324,9 @@ def test_sliding_window_models_decode_through_static_steps(family: str) -> None:
     slots, prompts longer than it and up to 30 tokens: every layer a full-length layer of the pool, a
     sliding layer's window in the model's own mask. The eager loop's tokens (ring-buffer sliding layers) for
     mixed settings with hand-overs, rows sharing a long prefix (prefilled whole, as the eager path does:
-    the shared layout's holes would count in the window), identical prompts, and a second turn on reuse
-    streams; no step eager, no static buffer moved across the rollout."""
+    the shared layout's holes would count in the window; here in two length groups, each at the right end
+    of the prompt region), identical prompts, and a second turn on reuse streams; no step eager, no static
+    buffer moved across the rollout."""
     path = tiny_model(family)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
@@ -351,14 +352,17 @@ def test_sliding_window_models_decode_through_static_steps(family: str) -> None:
     head = ids(tokenizer, "A long shared system block. " * 6)
     batches = [
         [ids(tokenizer, f"row {i}: " + "tabs and spaces " * (i % 4 + 1)) for i in range(6)],
-        [(*head, *ids(tokenizer, "x " * i)) for i in range(1, 5)] + [ids(tokenizer, "alone here")],
+        [(*head, *ids(tokenizer, "x " * i)) for i in range(1, 5)]
+        + [ids(tokenizer, f"alone {i}") for i in range(4)],
         [ids(tokenizer, "the same prompt, long enough")] * 4,
     ]
-    for prompts, new in zip(batches, ([3, 20, 5, 8, 12, 4], [6, 9, 4, 7, 5], [6, 9, 4, 6]), strict=True):
+    for prompts, new in zip(
+        batches, ([3, 20, 5, 8, 12, 4], [6, 9, 4, 7, 5, 8, 3, 6], [6, 9, 4, 6]), strict=True
+    ):
         expected = eager.generate_batch(requests(prompts, new=new))
         same(static.generate_batch(requests(prompts, new=new)), expected)
         assert [r.n_tokens for r in expected if isinstance(r, GenerationResult)] == new
-    prompts = batches[0][:3]
+    prompts, then = batches[0][:3], ids(tokenizer, " then")
     for _ in range(2):
         batch = [
             GenerationRequest(prompt_ids=p, sampling=r.sampling, reuse_key=f"s{i}", record_logprobs=True)
@@ -367,7 +371,8 @@ def test_sliding_window_models_decode_through_static_steps(family: str) -> None:
         expected = eager.generate_batch(batch)
         got = static.generate_batch(batch)
         same(got, expected)
-        prompts = [(*p, *r.token_ids[:-1], *ids(tokenizer, " then")) for p, r in zip(prompts, got, strict=True)]  # type: ignore[union-attr]
+        done = [r for r in got if isinstance(r, GenerationResult)]
+        prompts = [(*p, *r.token_ids[:-1], *then) for p, r in zip(prompts, done, strict=True)]
     assert decoder.stats["batches"] == decoder.stats["prefills: in the pool"] == 5
     assert decoder.stats["hand-overs"] >= 3 and decoder.pool.generation == generation
     assert not any(key.startswith(("steps: eager", "eager batches")) for key in decoder.stats)

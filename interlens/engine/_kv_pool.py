@@ -73,7 +73,10 @@ def full_length_layers(cache: Any, length: int) -> list[Any]:
     others kept as they are."""
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-    return [StaticLayer(length) if isinstance(layer, StaticSlidingWindowLayer) else layer for layer in cache.layers]
+    return [
+        StaticLayer(length) if isinstance(layer, StaticSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
 
 
 class KVPool:

@@ -14,9 +14,14 @@ step touches, allocated once:
   chosen tokens' log-probabilities (rows, 2): the sampler's buffers, shared with the batched static step
   (``_sampled_step.SampledStep``);
 * its cache: views of a persistent ``_kv_pool.KVPool`` (``(rows, heads, slots, head dim)``: row ``r``'s slot
-  ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot.
+  ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot; every layer
+  full-length, a sliding-window one too;
+* for a model with sliding-window layers (gemma2, gemma3: ``KVPool.window``), each row's window as a 2-D
+  mask (``windowed``: its slots up to its position, back ``window`` slots from there), from which the step
+  builds the model's masks by layer type: the model itself would count a sliding layer's window back from
+  the cache's write position, the furthest row's, where the rows here stand at their own positions.
 
-:meth:`SlotDecodeStep._forward_and_sample` is the function a graph holds: the mask from the positions, the
+:meth:`SlotDecodeStep._forward_and_sample` is the function a graph holds: the masks from the positions, the
 model's forward, the sampler over the batched tensors (``_static_sampler.sample_rows``), the outputs, then
 the next inputs advanced in place (the chosen tokens fed, the padding rows given their source row's, the
 positions + 1). No host read and no Python branch on a tensor's value.
@@ -74,12 +79,14 @@ class SlotDecodeStep(SampledStep):
         self.window = pool.window
         # with a window: the 2-D mask of each row's window (its slots up to its position, back to the window
         # from there) and the shape the mask builder reads (rows, one token, the model's dtype)
-        self.windowed = torch.zeros((rows, length), dtype=torch.long, device=device)
+        windowed = (rows, length) if self.window is not None else (0, 0)
+        self.windowed = torch.zeros(windowed, dtype=torch.long, device=device)
         self._shape = torch.empty((rows, 1, 1), dtype=model.dtype, device=device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every static tensor a step reads or writes, by name (a captured graph holds these addresses)."""
-        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS + _WINDOW_BUFFERS, self.cache)
+        window: tuple[str, ...] = _WINDOW_BUFFERS if self.window is not None else ()
+        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS + window, self.cache)
 
     # ------------------------------------------------------------------ the host's part
 
@@ -211,7 +218,6 @@ class SlotDecodeStep(SampledStep):
             # slot (a finished row still in the batch) stays there
             self._forward_and_sample_into(source=self.source, attention=self._masks())
             self.positions.add_(1).clamp_(max=self.length - 1)
-
 
     def _masks(self) -> dict[str, torch.Tensor] | None:
         """For a model with sliding-window layers, its masks by layer type, built here from each row's own

@@ -15,7 +15,10 @@ allocated once:
 * its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every row bucket of one
   length bucket lays a row's slots at the same address), or a ``StaticCache`` of its own initialised to
   rows x length up front; its layers keep their write position in a tensor (``cumulative_length``)
-  advanced in place by the forward itself.
+  advanced in place by the forward itself. Every layer is full-length, a sliding-window layer's too
+  (gemma2, gemma3): the model builds that layer's mask itself, inside the step, from the write position
+  (its window counted back in slots, which is in positions here: a batch's rows all write the same slot
+  a step, and each row's tokens lie in consecutive slots; ``_kv_pool``).
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
