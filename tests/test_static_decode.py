@@ -330,8 +330,8 @@ def test_sliding_window_models_decode_through_static_steps(family: str) -> None:
     path = tiny_model(family)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
-    def load() -> Any:
-        return AutoModelForCausalLM.from_pretrained(path, sliding_window=8).eval()
+    def load() -> Any:  # queries scaled by 8 ** -0.5, not by the head size's (16)
+        return AutoModelForCausalLM.from_pretrained(path, sliding_window=8, query_pre_attn_scalar=8).eval()
 
     eager = LocalEngine(load(), tokenizer, device="cpu")
     static = LocalEngine(load(), tokenizer, device="cpu", decode_attention=family == "gemma2")
