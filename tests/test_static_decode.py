@@ -26,7 +26,7 @@ from interlens.engine._decode_graphs import GraphRunner
 from interlens.engine._generation import GenerationRequest, GenerationResult, LocalEngine, SamplingSettings
 from interlens.engine._static_decode import ENV_SWITCH, StaticDecoder
 from interlens.scheduler import ExecutionMode
-from interlens.testing import REAL_MODEL_INSTALL, real_model
+from interlens.testing import REAL_MODEL_INSTALL, real_model, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +315,70 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_never_used(loaded: 
     assert decoder.graphs.failed == "a captured step's replay gave other tokens than the eager step"
     eager_steps = sum(n for key, n in decoder.stats.items() if key.startswith("steps: eager: a captured"))
     assert decoder.stats["steps: graph"] == 0 and eager_steps > 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_sliding_window_models_decode_through_static_steps(family: str) -> None:
+    """gemma2 (eager attention with logit soft-capping; sliding and full layers alternate) and gemma3 (sdpa
+    with query pre-attention scaling, here the grouped-query decode attention CUDA gets) over a window of 8
+    slots, prompts longer than it and up to 30 tokens: every layer a full-length layer of the pool, a
+    sliding layer's window in the model's own mask. The eager loop's tokens (ring-buffer sliding layers) for
+    mixed settings with hand-overs, rows sharing a long prefix (prefilled whole, as the eager path does:
+    the shared layout's holes would count in the window; here in two length groups, each at the right end
+    of the prompt region), identical prompts, and a second turn on reuse streams; no step eager, no static
+    buffer moved across the rollout."""
+    path = tiny_model(family)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def load() -> Any:  # queries scaled by 8 ** -0.5, not by the head size's (16)
+        return AutoModelForCausalLM.from_pretrained(path, sliding_window=8, query_pre_attn_scalar=8).eval()
+
+    eager = LocalEngine(load(), tokenizer, device="cpu")
+    static = LocalEngine(load(), tokenizer, device="cpu", decode_attention=family == "gemma2")
+    eager._runner.static_decode = None
+    for engine in (eager, static):
+        engine._runner.eos_ids = frozenset()  # every row runs to its cap: past the window
+    decoder = StaticDecoder(
+        static._runner,
+        quantum=32,
+        graphs=GraphRunner(device="cpu", graph_type=AddressCheckingGraph),
+        grouped_attention=family == "gemma3",
+    )
+    static._runner.static_decode = decoder
+    assert decoder.pool.window == 8 and "sliding_attention" in static.model.config.layer_types
+    assert decoder.attention == ("interlens_grouped_decode" if family == "gemma3" else "eager")
+    decoder.pool.reserve(16, 128)
+    generation = decoder.pool.generation
+    head = ids(tokenizer, "A long shared system block. " * 6)
+    batches = [
+        [ids(tokenizer, f"row {i}: " + "tabs and spaces " * (i % 4 + 1)) for i in range(6)],
+        [(*head, *ids(tokenizer, "x " * i)) for i in range(1, 5)]
+        + [ids(tokenizer, f"alone {i}") for i in range(4)],
+        [ids(tokenizer, "the same prompt, long enough")] * 4,
+    ]
+    for prompts, new in zip(
+        batches, ([3, 20, 5, 8, 12, 4], [6, 9, 4, 7, 5, 8, 3, 6], [6, 9, 4, 6]), strict=True
+    ):
+        expected = eager.generate_batch(requests(prompts, new=new))
+        same(static.generate_batch(requests(prompts, new=new)), expected)
+        assert [r.n_tokens for r in expected if isinstance(r, GenerationResult)] == new
+    prompts, then = batches[0][:3], ids(tokenizer, " then")
+    for _ in range(2):
+        batch = [
+            GenerationRequest(prompt_ids=p, sampling=r.sampling, reuse_key=f"s{i}", record_logprobs=True)
+            for i, (p, r) in enumerate(zip(prompts, requests(prompts, new=[7, 12, 5]), strict=True))
+        ]
+        expected = eager.generate_batch(batch)
+        got = static.generate_batch(batch)
+        same(got, expected)
+        done = [r for r in got if isinstance(r, GenerationResult)]
+        prompts = [(*p, *r.token_ids[:-1], *then) for p, r in zip(prompts, done, strict=True)]
+    assert decoder.stats["batches"] == decoder.stats["prefills: in the pool"] == 5
+    assert decoder.stats["hand-overs"] >= 3 and decoder.pool.generation == generation
+    assert not any(key.startswith(("steps: eager", "eager batches")) for key in decoder.stats)
+    replays = [decoder.graphs.graph(key).replays for key in decoder.loop.steps]
+    assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0
+    assert decoder.graphs.failed is None
 
 
 REAL = real_model()

@@ -111,13 +111,21 @@ def test_row_and_length_buckets() -> None:
 # ---------------------------------------------------------------------------------------------- tokens
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def load(family: str) -> Any:
+    """A tiny model of ``family``; gemma2 (sliding and full layers alternating) with a window of 8 slots,
+    which the prompts and the steps pass."""
+    window = {"sliding_window": 8} if family == "gemma2" else {}
+    return AutoModelForCausalLM.from_pretrained(tiny_model(family), **window).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
 def test_tokens_and_logprobs_equal_the_engines_eager_decode(family: str) -> None:
     """Each variant's batch (all greedy; greedy and tempered; every kind, nucleus rows too) in its own row
     bucket and in one of 8: the engine's tokens exactly, its recorded log-probabilities to float32 rounding
-    (its prefill groups and attention differ in the last bits)."""
+    (its prefill groups and attention differ in the last bits). gemma2's sliding layers are full-length
+    here, their window in the model's mask; the engine's eager loop keeps them as ring buffers."""
     path = tiny_model(family)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load(family)
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = LocalEngine(model, tokenizer, device="cpu")
     engine._runner.eos_ids = frozenset()  # every row runs its whole length: the step never ends a row
@@ -187,13 +195,17 @@ def test_real_rows_are_the_same_with_dummy_rows(loaded: tuple[Any, Any]) -> None
 # ---------------------------------------------------------------------------------------------- compile
 
 
-def test_compiles_to_one_frame_per_bucket_with_the_eager_tokens(loaded: tuple[Any, Any]) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_compiles_to_one_frame_per_bucket_with_the_eager_tokens(family: str, loaded: tuple[Any, Any]) -> None:
     """``torch.compile(fullgraph=True)`` of the step's function: one frame for each of two buckets over 130
     steps each (no recompiles as positions, the cache's write position and the tokens change), the eager
     tokens exactly. The counting backend runs the captured graph as it is (what matters here is that
-    Dynamo takes the whole step once; inductor is the GPU session's part)."""
-    model, tokenizer = loaded
-    new = 131
+    Dynamo takes the whole step once; inductor is the GPU session's part). gemma2 (40 steps): its sliding
+    mask, logit soft-capping and eager attention inside the one frame too."""
+    model, tokenizer = (
+        loaded if family == "qwen2" else (load(family), AutoTokenizer.from_pretrained(tiny_model(family)))
+    )
+    new = 131 if family == "qwen2" else 40  # gemma2: five times past its window of 8
     for rows, settings in ((2, SETTINGS[:2]), (4, SETTINGS)):
         ids = prompts(tokenizer, len(settings))
         length = length_bucket(max(len(p) for p in ids) + new, quantum=64)

@@ -21,6 +21,16 @@ the static decoder reserves :meth:`KVPool.reserve_slots` once, the KV of the sch
 in tokens (``LocalEngine.token_budget``), and a batch whose padded rectangle does not fit is split
 (``StaticDecoder.chunks``), so a long run never reallocates it. :meth:`KVPool.release` drops the storage
 (the engine's out-of-memory retry), and the next batch allocates it again.
+
+Every layer is a full-length static layer here, a sliding-window one included (:attr:`KVPool.window`): a
+ring buffer of the window's size would put a row's keys at slots that depend on how far it has gone, which
+neither a fixed layout nor a captured graph can follow. A sliding layer's window is in its mask instead:
+the model's own sliding mask over a cache of full-length layers counts the window in slots (transformers'
+``sliding_window_overlay``: slot ``s`` is seen from slot ``q`` where ``q - window < s <= q``), which is the
+window in positions wherever a row's tokens lie in consecutive slots (a left-padded block, a length group, an
+identical prompts' expansion, the decode steps after them). A layout with holes between a row's tokens (a
+shared prefix before its suffix, a kept prefix) would count the holes: such layouts are not used for these
+models (``_prefill``, ``_kv_reuse``).
 """
 
 from __future__ import annotations
@@ -30,7 +40,43 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "full_length_layers"]
+
+
+def _layer_kinds(config: Any) -> tuple[bool, int | None]:
+    """Whether a model of ``config`` has only full and sliding-window attention layers over static cache
+    layers (chunked or linear attention and state-space layers are not laid out by slots), and its sliding
+    window where some layer slides."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    types = set(getattr(config, "layer_types", None) or ("full_attention",))
+    try:
+        kinds = {type(layer) for layer in StaticCache(config=config, max_cache_len=1).layers}
+    except (TypeError, ValueError, KeyError, NotImplementedError):
+        return False, None
+    sliding = StaticSlidingWindowLayer in kinds or "sliding_attention" in types
+    supported = (
+        bool(kinds)
+        and kinds <= {StaticLayer, StaticSlidingWindowLayer}
+        and types <= {"full_attention", "sliding_attention"}
+        # a sliding layer the config's layer types do not name: the model would not know to mask it
+        and (StaticSlidingWindowLayer not in kinds or "sliding_attention" in types)
+    )
+    window = getattr(config, "sliding_window", None) if sliding else None
+    return supported and (not sliding or bool(window)), window if supported else None
+
+
+def full_length_layers(cache: Any, length: int) -> list[Any]:
+    """``cache``'s layers as full-length static layers of ``length`` slots: a sliding-window layer's ring
+    buffer replaced by a plain ``StaticLayer`` (its window is in the model's mask: module docstring), the
+    others kept as they are."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    return [
+        StaticLayer(length) if isinstance(layer, StaticSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
 
 
 class KVPool:
@@ -45,6 +91,9 @@ class KVPool:
         self.head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
+        #: whether every layer is full or sliding-window attention (the layers the pool lays out), and the
+        #: window where some layer slides (None: every layer attends to the whole length)
+        self.supported, self.window = _layer_kinds(config)
         self.dtype = model.dtype
         self.device = next(model.parameters()).device
         #: the storage's capacity in slots (0: none allocated)
@@ -148,6 +197,7 @@ class KVPool:
                 f"not a range of a layout the pool's {self.slots} slots hold; reserve(rows, length) first"
             )
         cache: Any = StaticCache(config=self.config, max_cache_len=width)
+        cache.layers = full_length_layers(cache, width)
         for layer, keys, values in zip(cache.layers, self._keys, self._values, strict=True):
             layer.max_cache_len = width
             layer.device = self.device

@@ -200,7 +200,9 @@ class PlainBatch:
         prompts = [r.prompt_ids for r in requests]
         lengths = [len(p) for p in prompts]
         max_new = max(r.sampling.max_new_tokens for r in requests)
-        prefixes = prefix_groups(prompts) if sharing else []
+        # a shared prefix leaves holes before each suffix, which a sliding layer's window (counted in slots)
+        # would count: models with sliding-window layers prefill every row whole, as the eager path does
+        prefixes = prefix_groups(prompts) if sharing and pool.window is None else []
         shared_tokens = [0] * len(requests)
         if prefixes:
             grouped = {r for _, members in prefixes for r in members}

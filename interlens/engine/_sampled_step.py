@@ -161,17 +161,20 @@ class SampledStep:
                 f"step is built for {self.variant!r}; build it with variant=variant_for(settings)"
             )
 
-    def _forward_and_sample_into(self, *, source: torch.Tensor | None = None) -> None:
+    def _forward_and_sample_into(
+        self, *, source: torch.Tensor | None = None, attention: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """The model's forward for one token per row over the step's buffers and its cache (the subclass's
         ``cache``), then every row sampled from its last logits, the outputs written and the chosen tokens
         fed to the next step, all in place: a row whose logits went bad gets -1 as its token and is fed 0 (a
-        valid id, ignored); ``source``: the row each row is fed from (a padding row copies a real row's).
-        Call under ``torch.no_grad()``; the positions are the subclass's to advance."""
+        valid id, ignored); ``source``: the row each row is fed from (a padding row copies a real row's);
+        ``attention``: the model's masks by layer type, built by the step (None: the model builds them from
+        :attr:`mask`). Call under ``torch.no_grad()``; the positions are the subclass's to advance."""
         import torch
 
         out = self.model(
             input_ids=self.input_ids,
-            attention_mask=self.mask,
+            attention_mask=self.mask if attention is None else attention,
             position_ids=self.positions,
             cache=self.cache,
             use_cache=True,

@@ -17,9 +17,11 @@ shape: a row's slot is its position), each captured as a graph on first use (``_
 
 What the self-test (``_batch_invariance``) probes is this very step when the decoder is on (its verdicts
 are keyed by it), so a co-stepped row is still token-identical to the row alone. Used on CUDA by default,
-on the CPU only where asked (``INTERLENS_STATIC_DECODE=1``, or a test setting ``SlotLayout.decoder``); not
-for a model with sliding-window layers (their window is a per-layer mask the eager slot step builds), nor
-while forward hooks are on the model: those run the eager slot loop.
+on the CPU only where asked (``INTERLENS_STATIC_DECODE=1``, or a test setting ``SlotLayout.decoder``). A
+model with sliding-window layers (gemma2, gemma3) decodes here too: its pool's layers are all full-length
+and the step builds a sliding layer's window from each row's position into that layer type's mask (the
+eager slot step's masks, value for value: ``_slot_step``). Not for layers the pool does not lay out
+(``KVPool.supported``), nor while forward hooks are on the model: those run the eager slot loop.
 """
 
 from __future__ import annotations
@@ -72,13 +74,10 @@ class SlotDecoder(StepLoopOwner):
         self._generation = self.pool.generation
 
     def serves(self, layout: SlotLayout) -> bool:
-        """Whether the layout's rows decode here: every layer full attention, no forward hooks."""
-        config = layout.runner.model.config
-        types = getattr(
-            config.get_text_config() if hasattr(config, "get_text_config") else config, "layer_types", None
-        )
-        if types and set(types) != {"full_attention"}:
-            self.stats["eager batches: sliding layers"] += 1
+        """Whether the layout's rows decode here: every layer full or sliding-window attention (the pool's
+        layers), no forward hooks."""
+        if not self.pool.supported:
+            self.stats["eager batches: cache layers"] += 1
             return False
         if forward_hooked(self.runner.model):
             self.stats["eager batches: forward hooks"] += 1

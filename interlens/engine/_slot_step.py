@@ -14,9 +14,14 @@ step touches, allocated once:
   chosen tokens' log-probabilities (rows, 2): the sampler's buffers, shared with the batched static step
   (``_sampled_step.SampledStep``);
 * its cache: views of a persistent ``_kv_pool.KVPool`` (``(rows, heads, slots, head dim)``: row ``r``'s slot
-  ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot.
+  ``s`` is its position ``s``, the slot layout's own shape), written at each row's own slot; every layer
+  full-length, a sliding-window one too;
+* for a model with sliding-window layers (gemma2, gemma3: ``KVPool.window``), each row's window as a 2-D
+  mask (``windowed``: its slots up to its position, back ``window`` slots from there), from which the step
+  builds the model's masks by layer type: the model itself would count a sliding layer's window back from
+  the cache's write position, the furthest row's, where the rows here stand at their own positions.
 
-:meth:`SlotDecodeStep._forward_and_sample` is the function a graph holds: the mask from the positions, the
+:meth:`SlotDecodeStep._forward_and_sample` is the function a graph holds: the masks from the positions, the
 model's forward, the sampler over the batched tensors (``_static_sampler.sample_rows``), the outputs, then
 the next inputs advanced in place (the chosen tokens fed, the padding rows given their source row's, the
 positions + 1). No host read and no Python branch on a tensor's value.
@@ -47,6 +52,8 @@ __all__ = ["SlotDecodeStep"]
 
 #: the buffers a slot step adds to the sampler's: which row a padding row copies, the slots' and rows' ids
 _SLOT_BUFFERS = ("source", "slot_ids", "row_ids")
+#: the buffers its per-layer-type masks are built from: each row's window, the shape the builder reads
+_WINDOW_BUFFERS = ("windowed", "_shape")
 
 
 class SlotDecodeStep(SampledStep):
@@ -68,10 +75,18 @@ class SlotDecodeStep(SampledStep):
         self.source = torch.arange(rows, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(length, dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, dtype=torch.long, device=device)
+        #: the sliding window of the model's sliding-window layers (None: every layer attends in full)
+        self.window = pool.window
+        # with a window: the 2-D mask of each row's window (its slots up to its position, back to the window
+        # from there) and the shape the mask builder reads (rows, one token, the model's dtype)
+        windowed = (rows, length) if self.window is not None else (0, 0)
+        self.windowed = torch.zeros(windowed, dtype=torch.long, device=device)
+        self._shape = torch.empty((rows, 1, 1), dtype=model.dtype, device=device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every static tensor a step reads or writes, by name (a captured graph holds these addresses)."""
-        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS, self.cache)
+        window: tuple[str, ...] = _WINDOW_BUFFERS if self.window is not None else ()
+        return self._buffers(SAMPLER_BUFFERS + _SLOT_BUFFERS + window, self.cache)
 
     # ------------------------------------------------------------------ the host's part
 
@@ -201,8 +216,30 @@ class SlotDecodeStep(SampledStep):
                 layer.cumulative_length.copy_(top)
             # the next step feeds this one's tokens, a padding row its source row's; a row past its last
             # slot (a finished row still in the batch) stays there
-            self._forward_and_sample_into(source=self.source)
+            self._forward_and_sample_into(source=self.source, attention=self._masks())
             self.positions.add_(1).clamp_(max=self.length - 1)
+
+    def _masks(self) -> dict[str, torch.Tensor] | None:
+        """For a model with sliding-window layers, its masks by layer type, built here from each row's own
+        position (the model would count a sliding layer's window back from the furthest row's, the cache's
+        write position): the full layers' from :attr:`mask`, the sliding layers' from :attr:`windowed`,
+        both through transformers' own causal-mask builder (the model's format for its attention). The
+        eager slot step's masks (``SlotCache.feed``), value for value. None for a model without one."""
+        if self.window is None:
+            return None
+        from transformers.masking_utils import create_causal_mask
+
+        self.windowed.copy_(self.mask * (self.slot_ids.unsqueeze(0) > self.positions - self.window))
+        return {
+            kind: create_causal_mask(
+                config=self.model.config,
+                inputs_embeds=self._shape,
+                attention_mask=mask,
+                cache=self.cache,
+                position_ids=self.positions,
+            )
+            for kind, mask in (("full_attention", self.mask), ("sliding_attention", self.windowed))
+        }
 
 
 @functools.cache

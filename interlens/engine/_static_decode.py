@@ -38,9 +38,14 @@ eager loop (``tests/test_static_decode.py``). Which way each step ran (graph or 
 in :attr:`StaticDecoder.stats`.
 
 Used on CUDA by default; on the CPU only where asked (``INTERLENS_STATIC_DECODE=1`` when the engine is
-built, or a test setting ``ModelRunner.static_decode``): CI proves on the CPU what the GPU replays. Not for
-batches whose cache is not plain static layers (sliding windows, a dynamic cache, deterministic slot rows),
-nor while forward hooks are on the model (capture and steering, ``interp``): those run the eager loop.
+built, or a test setting ``ModelRunner.static_decode``): CI proves on the CPU what the GPU replays. A model
+with sliding-window layers (gemma2, gemma3) decodes here too: the pool lays every layer out full-length and
+a sliding layer's window is in the model's own mask, counted in slots, which is the window in positions in
+the layouts such a batch gets (``_kv_pool``; no shared-prefix holes for it: ``_prefill``). Not for layers
+the pool does not lay out (``KVPool.supported``: chunked or linear attention, state-space layers), batches
+whose cache is not the pool's (a dynamic cache, a stream's single-row cache of a sliding-window model,
+deterministic slot rows), nor while forward hooks are on the model (capture and steering, ``interp``):
+those run the eager loop.
 
 On CUDA the decoder gives a model on transformers' ``sdpa`` the grouped-query decode attention of
 ``_cpu_attention`` (``GROUPED_DECODE_ATTENTION``: two batched products and a float32 softmax over the
@@ -98,7 +103,6 @@ class StaticDecoder(StepLoopOwner):
         #: the scheduler's first batch budget in tokens); None, or a budget that says None (the CPU): the
         #: pool grows by need
         self.budget = budget
-        self._plain_model: bool | None = None  # whether the model's cache layers are plain static ones
         if grouped_attention is None:
             grouped_attention = runner.device.startswith("cuda")
         #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
@@ -143,9 +147,9 @@ class StaticDecoder(StepLoopOwner):
         """Where a batch of ``rows`` rows needing ``need`` slots (prompt width + largest token cap) is to
         be prefilled: the length bucket of its layout in the pool, made to hold it (the prefill then writes
         straight into :meth:`KVPool.span` views of it, which the steps read), or None where the batch will
-        not decode here (too many rows, cache layers that are not plain static ones, forward hooks on the
-        model, no room in a pool sized from the budget): the prefill then builds its own cache."""
-        if not 1 <= rows <= ROW_BUCKETS[-1] or forward_hooked(self.runner.model) or not self._plain():
+        not decode here (too many rows, layers the pool does not lay out, forward hooks on the model, no
+        room in a pool sized from the budget): the prefill then builds its own cache."""
+        if not 1 <= rows <= ROW_BUCKETS[-1] or forward_hooked(self.runner.model) or not self.pool.supported:
             return None
         length = length_bucket(need, quantum=self.quantum)
         if not self._room(row_bucket(rows), length):
@@ -177,14 +181,6 @@ class StaticDecoder(StepLoopOwner):
         self.loop.clear()
         self.pool.release()
         self._slots = None  # measured again from the budget when next needed
-
-    def _plain(self) -> bool:
-        """Whether the model's cache layers are all plain static ones (the pool's layout), checked once."""
-        if self._plain_model is None:
-            from transformers import StaticCache
-
-            self._plain_model = plain_static(StaticCache(config=self.pool.config, max_cache_len=1))
-        return self._plain_model
 
     def _budget_slots(self) -> int | None:
         """The pool's size in slots from the budget (asked once, until :meth:`release`); None: by need."""

@@ -15,7 +15,10 @@ allocated once:
 * its static KV cache: views of the engine's one ``_kv_pool.KVPool`` (``pool``; every row bucket of one
   length bucket lays a row's slots at the same address), or a ``StaticCache`` of its own initialised to
   rows x length up front; its layers keep their write position in a tensor (``cumulative_length``)
-  advanced in place by the forward itself.
+  advanced in place by the forward itself. Every layer is full-length, a sliding-window layer's too
+  (gemma2, gemma3): the model builds that layer's mask itself, inside the step, from the write position
+  (its window counted back in slots, which is in positions here: a batch's rows all write the same slot
+  a step, and each row's tokens lie in consecutive slots; ``_kv_pool``).
 
 :meth:`StaticDecodeStep._forward_and_sample` is the one function a graph holds: the model's forward for one
 token per row, the sampler over the batched tensors (``_static_sampler.sample_rows``, the parts' own math
@@ -62,12 +65,17 @@ __all__ = ["StaticDecodeStep", "static_cache"]
 
 def static_cache(model: Any, *, rows: int, length: int) -> Any:
     """A transformers ``StaticCache`` for ``model`` of ``rows`` x ``length`` slots, every layer's storage
-    allocated now (not at its first write), so its addresses are fixed before anything is captured."""
+    allocated now (not at its first write), so its addresses are fixed before anything is captured. Every
+    layer is full-length, a sliding-window one too (its window is in the model's mask, as in the engine's
+    pool: ``_kv_pool``)."""
     import torch
     from transformers import StaticCache
 
+    from ._kv_pool import full_length_layers
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cache = StaticCache(config=config, max_cache_len=length)
+    cache.layers = full_length_layers(cache, length)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     device = next(model.parameters()).device
