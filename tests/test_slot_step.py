@@ -219,6 +219,32 @@ def test_a_row_whose_logits_go_non_finite_fails_alone_and_leaves_nothing_in_the_
     ]
 
 
+def test_a_budget_sized_pool_splits_a_deterministic_batch_and_a_row_past_it_runs_eagerly(
+    loaded: tuple[Any, Any],
+) -> None:
+    """A pool of 256 slots (4 rows x one 64-slot length): six short deterministic rows co-step as 4 + 2,
+    and a row whose prompt needs more slots than the whole pool runs alone on the eager slot steps in a
+    cache of its own (counted once): the eager slot path's tokens and log-probabilities for the seven rows
+    in one batch (a row's tokens whatever its company), the pool allocated once, at the budget's size."""
+    eager, static = engines(loaded)
+    decoder = decoder_of(static)
+    assert static.batch_invariant  # the self-test first: its probes grow the pool past any budget
+    decoder.release()
+    decoder.pool.budget = lambda: 256
+    generation = decoder.pool.generation
+    tokenizer = loaded[1]
+    prompts = [tuple(tokenizer(f"row {i} speaks").input_ids) for i in range(6)]
+    prompts.append(tuple(tokenizer("long " * 70).input_ids))
+    new = [6, 9, 4, 7, 5, 8, 6]
+    expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+    got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+    for x, y in zip(got, expected, strict=True):
+        assert (x.token_ids, x.model_logprobs) == (y.token_ids, y.model_logprobs)
+    assert [r.batch_size for r in got] == [4, 4, 4, 4, 2, 2, 1]
+    assert decoder.pool.slots == 256 and decoder.pool.generation == generation + 1
+    assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
+
+
 def test_sliding_window_models_keep_the_eager_slot_steps() -> None:
     path = tiny_model("gemma2")
     engine = LocalEngine(
@@ -227,7 +253,6 @@ def test_sliding_window_models_keep_the_eager_slot_steps() -> None:
     decoder = SlotDecoder(engine._runner)
     engine._slots.decoder = decoder
     assert not engine._slots.static_steps()
-    assert decoder.stats["eager batches: sliding layers"] == 1
 
 
 def test_refuses_what_it_cannot_serve(loaded: tuple[Any, Any]) -> None:
@@ -254,3 +279,20 @@ def test_refuses_what_it_cannot_serve(loaded: tuple[Any, Any]) -> None:
         step.hand_over([1, 0], step)
     with pytest.raises(ConfigurationError, match=r"cannot go to a step of 4 rows, 128 slots"):
         step.hand_over([0], decoder.probe_step(4, 128))
+
+
+def test_a_batch_left_to_the_eager_slot_steps_is_counted_once(loaded: tuple[Any, Any]) -> None:
+    """With a forward hook on the model, the layout's checks (the self-test and the engine make several a
+    batch) count nothing; placing the batch counts it once, and without the hook it is placed in the pool."""
+    _, static = engines(loaded)
+    decoder, layout = decoder_of(static), static._slots
+    handle = static.model.model.layers[0].register_forward_hook(lambda *args: None)
+    try:
+        assert not any(layout.static_steps() for _ in range(3))
+        assert decoder.place(layout, 3, 20) is None
+    finally:
+        handle.remove()
+    assert {k: v for k, v in decoder.stats.items() if k.startswith("eager")} == {
+        "eager batches: forward hooks": 1
+    }
+    assert decoder.place(layout, 3, 70) == 128 and decoder.pool.fits(4, 128)

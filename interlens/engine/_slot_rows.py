@@ -123,10 +123,14 @@ class SlotSteps(Protocol):
     (``_slot_decode.SlotDecoder``: static-shape steps over a KV pool, replayed as graphs on CUDA); kept
     abstract here so this module does not import it."""
 
-    #: the deterministic rows' KV pool (the engine's memory figures count it)
+    #: the engine's KV pool, the batched rows' decoder's too (the engine's memory figures count it once)
     pool: KVPool
 
     def serves(self, layout: SlotLayout) -> bool: ...
+
+    def place(self, layout: SlotLayout, rows: int, need: int) -> int | None: ...
+
+    def chunks(self, prompts: list[int], caps: list[int], *, buckets: bool) -> list[list[int]]: ...
 
     def release(self) -> None: ...
 
@@ -209,7 +213,10 @@ class SlotLayout:
         length = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
         distinct = list(dict.fromkeys(prompts))
         rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
-        if self.decoder is not None and self.static_steps():
+        # the decoder's slot length: the longest prompt and the largest cap (as its steps count them)
+        need = max(len(p) for p in prompts) + max(r.sampling.max_new_tokens for r in requests)
+        place = None if self.decoder is None else self.decoder.place(self, len(rows), need)
+        if self.decoder is not None and place is not None:
             # the prefill's own cache holds only its blocks; the decode steps' KV lives in the pool
             cache = self.fill(distinct, 1, reuse=True)
             index = {p: i for i, p in enumerate(distinct)}
