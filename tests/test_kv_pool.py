@@ -38,6 +38,10 @@ def loaded(qwen2_path: str) -> tuple[Any, Any]:
 
 @pytest.fixture
 def allocations(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    return count_allocations(monkeypatch)
+
+
+def count_allocations(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Counts the KV storage transformers' cache layers allocate for themselves (a static layer's lazy or
     early initialisation, a dynamic layer's first update): every KV tensor a batch could make outside the
     pool."""

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from test_engine_syncs import per_step
+from test_kv_pool import count_allocations
 from test_static_step import AddressCheckingGraph
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,23 +80,36 @@ def ok(results: Sequence[Any]) -> list[GenerationResult]:
 
 
 def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
-    loaded: tuple[Any, Any],
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ten deterministic rows (caps 3 to 30: hand-overs 12 -> 8 -> 4 rows), then a second turn whose
-    prompts extend the first's (its prefill loads the kept blocks): the eager slot path's tokens and
-    log-probabilities bit for bit, each row's tokens alone; every step a stand-in graph replay over
-    buffers that never moved, on one pool never reallocated."""
+    """Ten deterministic rows under one system block (prefilled once in a row of its own, then loaded for
+    every row), two of them with one prompt (caps 3 to 30: hand-overs 12 -> 8 -> 4 rows), then a second
+    turn whose prompts extend the first's (its prefill loads the kept blocks): the eager slot path's tokens
+    and log-probabilities bit for bit, each row's tokens alone; every step a stand-in graph replay over
+    buffers that never moved, on one pool never reallocated. Every prefill, the self-test's included,
+    wrote straight into the pool: no cache layer allocated storage of its own (the eager path's did)."""
+    allocations = count_allocations(monkeypatch)
     eager, static = engines(loaded)
     decoder = decoder_of(static)
     assert static.batch_invariant  # the self-test first: its probes grow the pool (to 12 x 192 slots)
+    assert sum(allocations.values()) == 0
     decoder.pool.reserve(12, 256)
     generation = decoder.pool.generation
     tokenizer = loaded[1]
-    prompts = [tuple(tokenizer(f"row {i}: " + "tabs and spaces " * (i % 5)).input_ids) for i in range(10)]
+    system = tuple(tokenizer("You are one of ten debaters; argue briefly and well. " * 4).input_ids)
+    assert len(system) > 32  # a full prefill block shared by every row
+    prompts = [
+        (*system, *tokenizer(f"row {i}: " + "tabs and spaces " * (i % 5)).input_ids) for i in range(10)
+    ]
+    prompts[7] = prompts[0]  # rows 0 and 7 share one prompt: prefilled once, expanded in the pool
     new = [3, 30, 5, 8, 12, 4, 16, 6, 9, 28]
     for turn in range(2):
+        before = sum(allocations.values())
         expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+        assert sum(allocations.values()) > before  # the eager slot path's own cache (the count works)
+        before = sum(allocations.values())
         got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+        assert sum(allocations.values()) == before, turn
         assert [r.batch_size for r in got] == [10] * 10
         for x, y in zip(got, expected, strict=True):
             assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
@@ -108,6 +122,7 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
         ]
     assert static._slots.prefixes.hits > 0  # the second turn's prefill loaded kept blocks
     assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 6
+    assert decoder.stats["prefills: in the pool"] == 8 and decoder.stats["prefills: copied in"] == 0
     assert not any(key.startswith("steps: eager") for key in decoder.stats)
     replays = [decoder.graphs.graph(key).replays for key in decoder.loop.steps]
     assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0  # less each check at capture
@@ -243,6 +258,7 @@ def test_a_budget_sized_pool_splits_a_deterministic_batch_and_a_row_past_it_runs
     assert [r.batch_size for r in got] == [4, 4, 4, 4, 2, 2, 1]
     assert decoder.pool.slots == 256 and decoder.pool.generation == generation + 1
     assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
+    assert decoder.stats["prefills: in the pool"] == 2
 
 
 def test_sliding_window_models_keep_the_eager_slot_steps() -> None:

@@ -173,7 +173,9 @@ class SlotDecoder(StepLoopOwner):
         length = self.length_for(max(len(p) for p in prompts) + max(s.max_new_tokens for s in settings))
         self.stats["batches"] += 1
         step, mode = self._step(padded_rows(len(rows), buckets=buckets), length, variant, record)
-        self.stats["prefills: in the pool" if self.pool.holds(prefill) else "prefills: copied in"] += 1
+        self.stats[
+            "prefills: in the pool" if step.prefilled_in_place(prefill) else "prefills: copied in"
+        ] += 1
         step.begin(settings, prefill=prefill, index=index, prompts=prompts)
         del prefill
         self.loop.run(
