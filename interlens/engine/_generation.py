@@ -16,6 +16,9 @@ engine is composed of one object per concern, each in its own module and readabl
   on a batch-invariant layout, so that they co-step and stay token-identical to running alone; gated by the
   ``_batch_invariance`` self-test); ``_interp_rows.HookedRow`` (a row with ``capture``/``steering`` alone,
   with forward hooks on its decoder layers; and :meth:`LocalEngine.score`'s teacher-forced rows);
+* ``_kv_pool.KVPool``: the engine's one KV pool, built here and handed to both static-shape decoders (the
+  batched rows' ``_static_decode``, the deterministic rows' ``_slot_decode``; CUDA by default), sized from
+  :meth:`LocalEngine.token_budget` on CUDA: a process running both modes holds one pool, counted once;
 * ``_generation_types``: the request/result records crossing the engine's boundary.
 
 Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in

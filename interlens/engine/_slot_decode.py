@@ -4,9 +4,16 @@ graphs).
 The slot layout's eager loop (``ModelRunner.decode`` over a ``SlotCache``) pads, masks and compacts with new
 tensors every step, so it cannot be replayed. :class:`SlotDecoder` decodes the same rows through a
 :class:`~._slot_step.SlotDecodeStep` per key (padded rows, slot length, sampler variant, recording), kept
-between batches, whose caches are views of one :class:`~._kv_pool.KVPool` of its own (the slot layout's
-shape: a row's slot is its position), each captured as a graph on first use (``_decode_graphs``):
+between batches, whose caches are views of the engine's one :class:`~._kv_pool.KVPool` (the batched rows'
+decoder's too: the slot layout's shape, a row's slot its position, is a layout of it), each captured as a
+graph on first use (``_decode_graphs``):
 
+* :meth:`SlotDecoder.place` decides, once a batch, where it goes: its layout in the pool (made to hold it;
+  ``SlotLayout.fill`` then prefills straight into the pool's view of it, and ``SlotDecodeStep.begin`` finds
+  the prompts' KV in place), or the eager slot steps in a cache of their own (sliding layers, forward hooks,
+  or a pool sized from the budget that the batch does not fit), counted in :attr:`SlotDecoder.stats`. The
+  engine first splits a deterministic batch into pieces that fit a budget-sized pool
+  (:meth:`SlotDecoder.chunks`): a deterministic row's tokens do not depend on its company;
 * the rows are padded as the slot layout pads them (``padded_rows``: a multiple of ``ROW_BLOCK``, on CUDA
   the row bucket) and the slots to a multiple of the length quantum (``SLOT_BLOCK`` on the CPU, the graphs'
   ``LENGTH_QUANTUM`` on CUDA: both multiples of ``SLOT_BLOCK``, as the layout needs), chosen once a batch;

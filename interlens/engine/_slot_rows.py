@@ -41,7 +41,9 @@ alone through the plain batch path.
 
 The decode steps here (``SlotCache.feed``, ``reorder_cache``) pad, mask and compact with new tensors every
 step. Where :attr:`SlotLayout.decoder` is set (on CUDA; ``_slot_decode``) the same layout's steps run as
-static shapes over a KV pool instead, replayed as CUDA graphs; the self-test then probes those.
+static shapes over the engine's KV pool instead, replayed as CUDA graphs, and :meth:`SlotLayout.fill` writes
+the prefill straight into the pool's view of the batch's layout (no KV tensor allocated); the self-test then
+probes those.
 """
 
 from __future__ import annotations

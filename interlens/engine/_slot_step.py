@@ -21,9 +21,12 @@ model's forward, the sampler over the batched tensors (``_static_sampler.sample_
 the next inputs advanced in place (the chosen tokens fed, the padding rows given their source row's, the
 positions + 1). No host read and no Python branch on a tensor's value.
 
-A batch starts from the slot layout's block prefill (``SlotLayout.fill``: a cache of its own, not captured)
-in :meth:`SlotDecodeStep.begin`, which copies the rows' prefilled slots into the pool views; the first step
-feeds each row its last prompt token (what ``SlotLayout.first`` did eagerly). At a row bucket edge
+A batch starts from the slot layout's block prefill (``SlotLayout.fill``, not captured), which on the
+engine's path wrote the distinct prompts straight into this step's pool layout (its first rows):
+:meth:`SlotDecodeStep.begin` then only fills the rows holding another row's prompt (a repeated prompt, the
+padding rows) inside the pool, from a gather of just those rows, and zeroes the slots past the prefill (a
+prefill in a cache of its own is copied in instead); the first step feeds each row its last prompt token
+(what ``SlotLayout.first`` did eagerly). At a row bucket edge
 :meth:`SlotDecodeStep.hand_over` carries the live rows on in a smaller bucket's step over the same pool.
 """
 
