@@ -5,8 +5,10 @@ Two engines over one tiny model in the dtype that co-steps on this CPU: the slot
 its static steps in the other (the address-checking stand-in for a CUDA graph, as
 ``tests/test_static_decode.py`` uses). Deterministic rows of every kind of setting get the eager slot path's
 tokens and log-probabilities and each row's tokens alone, across hand-overs between row buckets and a second
-turn whose prompts load kept prefill blocks, with no static buffer moving; the self-test probes the static
-steps; a step reads the device once; ``torch.compile(fullgraph=True)`` takes each bucket's step as one frame.
+turn whose prompts load kept prefill blocks, with no static buffer moving and every prefill written straight
+into the pool (no cache layer allocates KV of its own); the self-test probes the static steps; a pool sized
+from a budget splits a batch; a step reads the device once; ``torch.compile(fullgraph=True)`` takes each
+bucket's step as one frame.
 """
 
 from __future__ import annotations
@@ -131,7 +133,13 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
 
 def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(loaded: tuple[Any, Any]) -> None:
     """With the decoder on, the self-test runs the static steps over the decoder's pool (before any batch
-    decoded), passes, and its verdict is kept apart from the eager steps' one."""
+    decoded), passes, and its verdict is kept apart from the eager steps' one.
+
+    Then a pool sized from a budget of 256 slots (4 rows x one 64-slot length): six short deterministic
+    rows co-step as 4 + 2, and a row whose prompt needs more slots than the whole pool runs alone on the
+    eager slot steps in a cache of its own (counted once): the eager slot path's tokens and log-probabilities
+    for the seven rows in one batch (a row's tokens whatever its company), the pool allocated once, at the
+    budget's size."""
     eager, static = engines(loaded)
     decoder = decoder_of(static)
     assert decoder.pool.nbytes() == 0
@@ -144,6 +152,22 @@ def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(load
     assert static_key.parts["probe"]["static_steps"] is True
     assert "static_steps" not in eager_key.parts["probe"]
     assert eager_verdict is not None and static_verdict is not None and static_verdict["invariant"] is True
+
+    decoder.release()  # the self-test's probes grew the pool past any budget
+    decoder.pool.budget = lambda: 256
+    generation = decoder.pool.generation
+    tokenizer = loaded[1]
+    prompts = [tuple(tokenizer(f"row {i} speaks").input_ids) for i in range(6)]
+    prompts.append(tuple(tokenizer("long " * 70).input_ids))
+    new = [6, 9, 4, 7, 5, 8, 6]
+    expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+    got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+    for x, y in zip(got, expected, strict=True):
+        assert (x.token_ids, x.model_logprobs) == (y.token_ids, y.model_logprobs)
+    assert [r.batch_size for r in got] == [4, 4, 4, 4, 2, 2, 1]
+    assert decoder.pool.slots == 256 and decoder.pool.generation == generation + 1
+    assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
+    assert decoder.stats["prefills: in the pool"] == 2
 
 
 def test_a_static_slot_step_reads_the_device_once(
@@ -232,33 +256,6 @@ def test_a_row_whose_logits_go_non_finite_fails_alone_and_leaves_nothing_in_the_
     assert [r.token_ids for r in again] == [
         r.token_ids for r in ok(eager.generate_batch(requests(prompts[::-1], [12] * 4), mode=DET))
     ]
-
-
-def test_a_budget_sized_pool_splits_a_deterministic_batch_and_a_row_past_it_runs_eagerly(
-    loaded: tuple[Any, Any],
-) -> None:
-    """A pool of 256 slots (4 rows x one 64-slot length): six short deterministic rows co-step as 4 + 2,
-    and a row whose prompt needs more slots than the whole pool runs alone on the eager slot steps in a
-    cache of its own (counted once): the eager slot path's tokens and log-probabilities for the seven rows
-    in one batch (a row's tokens whatever its company), the pool allocated once, at the budget's size."""
-    eager, static = engines(loaded)
-    decoder = decoder_of(static)
-    assert static.batch_invariant  # the self-test first: its probes grow the pool past any budget
-    decoder.release()
-    decoder.pool.budget = lambda: 256
-    generation = decoder.pool.generation
-    tokenizer = loaded[1]
-    prompts = [tuple(tokenizer(f"row {i} speaks").input_ids) for i in range(6)]
-    prompts.append(tuple(tokenizer("long " * 70).input_ids))
-    new = [6, 9, 4, 7, 5, 8, 6]
-    expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
-    got = ok(static.generate_batch(requests(prompts, new), mode=DET))
-    for x, y in zip(got, expected, strict=True):
-        assert (x.token_ids, x.model_logprobs) == (y.token_ids, y.model_logprobs)
-    assert [r.batch_size for r in got] == [4, 4, 4, 4, 2, 2, 1]
-    assert decoder.pool.slots == 256 and decoder.pool.generation == generation + 1
-    assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
-    assert decoder.stats["prefills: in the pool"] == 2
 
 
 def test_sliding_window_models_keep_the_eager_slot_steps() -> None:
