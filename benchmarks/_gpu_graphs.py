@@ -331,13 +331,18 @@ def _engine_vs_generate(
     same static steps run eagerly, and the eager loop it had before; against HF ``generate`` with the same
     sampling (``sdpa``). One warm-up of each graph side (the graphs are captured there; the eager kernels
     ran in the pieces before), then ``repeats`` timed runs of each, interleaved; medians and spreads of
-    tokens a second. On the CPU the graphs are the stand-in and every run has the CPU's attention."""
+    tokens a second. On the CPU the graphs are the stand-in and every run has the CPU's attention. The three
+    static engines decode over one KV pool sized as the engine sizes its own (from its token budget on
+    CUDA, ``LocalEngine.token_budget``; by need on the CPU), as one engine's two decoders share one: the
+    figures are the budget-sized pool's (its size in ``pool_mib``), and three pools of 70 % of the free
+    memory each would not fit."""
     import statistics
 
     import torch
 
     from interlens.engine._decode_graphs import GraphRunner
     from interlens.engine._generation import GenerationRequest, LocalEngine
+    from interlens.engine._kv_pool import KVPool
     from interlens.engine._sampling import SamplingSettings
     from interlens.engine._static_decode import StaticDecoder
 
@@ -353,6 +358,7 @@ def _engine_vs_generate(
     engines: dict[str, Any] = {}
     attention: dict[str, str] = {}  # on CUDA, the attention each run's model calls (eager ones read it live)
     sdpa = str(model.config._attn_implementation)
+    pool: KVPool | None = None  # the static engines' one pool (docstring)
     for name in ("graphs", "graphs_sdpa", "static_eager", "eager_loop"):
         if cuda:
             model.set_attn_implementation(sdpa)
@@ -366,8 +372,10 @@ def _engine_vs_generate(
                 graph_type=None if cuda else _StandInGraph,
                 capture=name != "static_eager",
             )
+            if pool is None:  # sized when first needed, from the free memory then (None on the CPU)
+                pool = KVPool(model, budget=engine.token_budget)
             engine._runner.static_decode = StaticDecoder(
-                engine._runner, graphs=graphs, grouped_attention=cuda and name != "graphs_sdpa"
+                engine._runner, graphs=graphs, grouped_attention=cuda and name != "graphs_sdpa", pool=pool
             )
         attention[name] = str(model.config._attn_implementation)
         engines[name] = engine

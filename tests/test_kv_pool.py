@@ -26,6 +26,7 @@ from interlens.engine._generation import (
     SamplingSettings,
     token_budget_estimate,
 )
+from interlens.engine._slot_decode import SlotDecoder
 from interlens.engine._static_decode import ENV_SWITCH, StaticDecoder
 from interlens.scheduler import ExecutionMode
 
@@ -37,6 +38,10 @@ def loaded(qwen2_path: str) -> tuple[Any, Any]:
 
 @pytest.fixture
 def allocations(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    return count_allocations(monkeypatch)
+
+
+def count_allocations(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Counts the KV storage transformers' cache layers allocate for themselves (a static layer's lazy or
     early initialisation, a dynamic layer's first update): every KV tensor a batch could make outside the
     pool."""
@@ -202,6 +207,35 @@ def test_the_engine_sizes_its_pool_from_its_batch_budget(
     decoder = engine._runner.static_decode
     assert isinstance(decoder, StaticDecoder)
     assert decoder.budget == engine.token_budget and engine.token_budget() is None
+
+
+def test_the_engines_two_decoders_share_one_pool_and_see_each_others_reallocation(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine hands its batched and its deterministic rows' decoders one pool (counted once in its
+    memory figures, freed once by the out-of-memory retry). When the deterministic rows' decoder grows it
+    (a probe step of more slots, as its self-test or a larger batch does), the batched decoder's steps are
+    stale: the next batched batch rebuilds them over the new storage, its prefill found in place (none
+    copied in into a step over the old storage), the eager loop's tokens."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    engine = LocalEngine(*loaded, device="cpu")
+    decoder, slots = engine._runner.static_decode, engine._slots.decoder
+    assert isinstance(decoder, StaticDecoder) and isinstance(slots, SlotDecoder)
+    pool = decoder.pool
+    assert slots.pool is pool
+    tokenizer = loaded[1]
+    plain = requests([ids(tokenizer, "a first row"), ids(tokenizer, "and a second, longer row")], new=[5, 4])
+    expected = engines(loaded)[0].generate_batch(plain)
+    same(engine.generate_batch(plain), expected)
+    generation = pool.generation
+    slots.probe_step(12, 1024)
+    assert pool.generation > generation
+    same(engine.generate_batch(plain), expected)
+    assert decoder.stats["prefills: in the pool"] == 2 and decoder.stats["prefills: copied in"] == 0
+    assert decoder.loop.steps and all(pool.holds(step.cache) for step in decoder.loop.steps.values())
+    assert engine.memory_held()["kv_pool"] == pool.nbytes() >= 12 * 1024 * pool.slot_bytes()
+    engine.release_memory()
+    assert engine.memory_held()["kv_pool"] == 0 and not decoder.loop.steps and not slots.loop.steps
 
 
 # ------------------------------------------------------------------------------ what the budgets count

@@ -5,8 +5,10 @@ Two engines over one tiny model in the dtype that co-steps on this CPU: the slot
 its static steps in the other (the address-checking stand-in for a CUDA graph, as
 ``tests/test_static_decode.py`` uses). Deterministic rows of every kind of setting get the eager slot path's
 tokens and log-probabilities and each row's tokens alone, across hand-overs between row buckets and a second
-turn whose prompts load kept prefill blocks, with no static buffer moving; the self-test probes the static
-steps; a step reads the device once; ``torch.compile(fullgraph=True)`` takes each bucket's step as one frame.
+turn whose prompts load kept prefill blocks, with no static buffer moving and every prefill written straight
+into the pool (no cache layer allocates KV of its own); the self-test probes the static steps; a pool sized
+from a budget splits a batch; a step reads the device once; ``torch.compile(fullgraph=True)`` takes each
+bucket's step as one frame.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from test_engine_syncs import per_step
+from test_kv_pool import count_allocations
 from test_static_step import AddressCheckingGraph
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,23 +82,36 @@ def ok(results: Sequence[Any]) -> list[GenerationResult]:
 
 
 def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
-    loaded: tuple[Any, Any],
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ten deterministic rows (caps 3 to 30: hand-overs 12 -> 8 -> 4 rows), then a second turn whose
-    prompts extend the first's (its prefill loads the kept blocks): the eager slot path's tokens and
-    log-probabilities bit for bit, each row's tokens alone; every step a stand-in graph replay over
-    buffers that never moved, on one pool never reallocated."""
+    """Ten deterministic rows under one system block (prefilled once in a row of its own, then loaded for
+    every row), two of them with one prompt (caps 3 to 30: hand-overs 12 -> 8 -> 4 rows), then a second
+    turn whose prompts extend the first's (its prefill loads the kept blocks): the eager slot path's tokens
+    and log-probabilities bit for bit, each row's tokens alone; every step a stand-in graph replay over
+    buffers that never moved, on one pool never reallocated. Every prefill, the self-test's included,
+    wrote straight into the pool: no cache layer allocated storage of its own (the eager path's did)."""
+    allocations = count_allocations(monkeypatch)
     eager, static = engines(loaded)
     decoder = decoder_of(static)
     assert static.batch_invariant  # the self-test first: its probes grow the pool (to 12 x 192 slots)
+    assert sum(allocations.values()) == 0
     decoder.pool.reserve(12, 256)
     generation = decoder.pool.generation
     tokenizer = loaded[1]
-    prompts = [tuple(tokenizer(f"row {i}: " + "tabs and spaces " * (i % 5)).input_ids) for i in range(10)]
+    system = tuple(tokenizer("You are one of ten debaters; argue briefly and well. " * 4).input_ids)
+    assert len(system) > 32  # a full prefill block shared by every row
+    prompts = [
+        (*system, *tokenizer(f"row {i}: " + "tabs and spaces " * (i % 5)).input_ids) for i in range(10)
+    ]
+    prompts[7] = prompts[0]  # rows 0 and 7 share one prompt: prefilled once, expanded in the pool
     new = [3, 30, 5, 8, 12, 4, 16, 6, 9, 28]
     for turn in range(2):
+        before = sum(allocations.values())
         expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+        assert sum(allocations.values()) > before  # the eager slot path's own cache (the count works)
+        before = sum(allocations.values())
         got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+        assert sum(allocations.values()) == before, turn
         assert [r.batch_size for r in got] == [10] * 10
         for x, y in zip(got, expected, strict=True):
             assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
@@ -108,6 +124,7 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
         ]
     assert static._slots.prefixes.hits > 0  # the second turn's prefill loaded kept blocks
     assert decoder.stats["hand-overs"] >= 4 and decoder.stats["batches"] == 2 + 6
+    assert decoder.stats["prefills: in the pool"] == 8 and decoder.stats["prefills: copied in"] == 0
     assert not any(key.startswith("steps: eager") for key in decoder.stats)
     replays = [decoder.graphs.graph(key).replays for key in decoder.loop.steps]
     assert decoder.stats["steps: graph"] == sum(replays) - len(replays) > 0  # less each check at capture
@@ -116,7 +133,13 @@ def test_static_slot_steps_give_the_eager_slot_paths_tokens_and_each_rows_alone(
 
 def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(loaded: tuple[Any, Any]) -> None:
     """With the decoder on, the self-test runs the static steps over the decoder's pool (before any batch
-    decoded), passes, and its verdict is kept apart from the eager steps' one."""
+    decoded), passes, and its verdict is kept apart from the eager steps' one.
+
+    Then a pool sized from a budget of 256 slots (4 rows x one 64-slot length): six short deterministic
+    rows co-step as 4 + 2, and a row whose prompt needs more slots than the whole pool runs alone on the
+    eager slot steps in a cache of its own (counted once): the eager slot path's tokens and log-probabilities
+    for the seven rows in one batch (a row's tokens whatever its company), the pool allocated once, at the
+    budget's size."""
     eager, static = engines(loaded)
     decoder = decoder_of(static)
     assert decoder.pool.nbytes() == 0
@@ -129,6 +152,22 @@ def test_the_self_test_probes_the_static_steps_and_keys_its_verdict_by_them(load
     assert static_key.parts["probe"]["static_steps"] is True
     assert "static_steps" not in eager_key.parts["probe"]
     assert eager_verdict is not None and static_verdict is not None and static_verdict["invariant"] is True
+
+    decoder.release()  # the self-test's probes grew the pool past any budget
+    decoder.pool.budget = lambda: 256
+    generation = decoder.pool.generation
+    tokenizer = loaded[1]
+    prompts = [tuple(tokenizer(f"row {i} speaks").input_ids) for i in range(6)]
+    prompts.append(tuple(tokenizer("long " * 70).input_ids))
+    new = [6, 9, 4, 7, 5, 8, 6]
+    expected = ok(eager.generate_batch(requests(prompts, new), mode=DET))
+    got = ok(static.generate_batch(requests(prompts, new), mode=DET))
+    for x, y in zip(got, expected, strict=True):
+        assert (x.token_ids, x.model_logprobs) == (y.token_ids, y.model_logprobs)
+    assert [r.batch_size for r in got] == [4, 4, 4, 4, 2, 2, 1]
+    assert decoder.pool.slots == 256 and decoder.pool.generation == generation + 1
+    assert decoder.stats["batches"] == 2 and decoder.stats["eager batches: pool full"] == 1
+    assert decoder.stats["prefills: in the pool"] == 2
 
 
 def test_a_static_slot_step_reads_the_device_once(
@@ -289,3 +328,20 @@ def test_refuses_what_it_cannot_serve(loaded: tuple[Any, Any]) -> None:
         step.hand_over([1, 0], step)
     with pytest.raises(ConfigurationError, match=r"cannot go to a step of 4 rows, 128 slots"):
         step.hand_over([0], decoder.probe_step(4, 128))
+
+
+def test_a_batch_left_to_the_eager_slot_steps_is_counted_once(loaded: tuple[Any, Any]) -> None:
+    """With a forward hook on the model, the layout's checks (the self-test and the engine make several a
+    batch) count nothing; placing the batch counts it once, and without the hook it is placed in the pool."""
+    _, static = engines(loaded)
+    decoder, layout = decoder_of(static), static._slots
+    handle = static.model.model.layers[0].register_forward_hook(lambda *args: None)
+    try:
+        assert not any(layout.static_steps() for _ in range(3))
+        assert decoder.place(layout, 3, 20) is None
+    finally:
+        handle.remove()
+    assert {k: v for k, v in decoder.stats.items() if k.startswith("eager")} == {
+        "eager batches: forward hooks": 1
+    }
+    assert decoder.place(layout, 3, 70) == 128 and decoder.pool.fits(4, 128)

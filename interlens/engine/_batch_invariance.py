@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from ._slot_rows import SlotLayout
+    from ._slot_step import SlotDecodeStep
 
 __all__ = ["PROBED_ROWS", "batch_invariant", "invariant_at", "probe_definition"]
 
@@ -172,8 +173,11 @@ def _run(
         )
     )
     try:
-        # the static path's prefill cache holds only the prefill (its steps' KV lives in the pool)
-        cache = layout.fill(rows, 1 if static else max(len(p) for p in prompts) + _STEPS + slack)
+        if static:  # prefilled straight into the decoder's pool, at the slots the first step reads
+            step = _probe_step(layout, prompts, slack=slack)
+            cache = layout.fill(rows, step.length, pool=step.pool)
+        else:
+            cache = layout.fill(rows, max(len(p) for p in prompts) + _STEPS + slack)
         block = _slot_rows.PREFILL_BLOCK  # the prefill's outputs, block by block: (rows, block, ...)
         for k, p in enumerate(prompts):  # each row's own tokens (the last-position logits are a pad's)
             trace = []
@@ -189,8 +193,10 @@ def _run(
             out[k].append(trace)
         seen.clear()
         handles.pop().remove()
-        steps = _static_steps if static else _eager_steps
-        steps(layout, prompts, feeds, cache, seen, out, slack=slack, drop_first_at=drop_first_at)
+        if static:
+            _static_steps(layout, step, prompts, feeds, cache, seen, out, drop_first_at=drop_first_at)
+        else:
+            _eager_steps(layout, prompts, feeds, cache, seen, out, drop_first_at=drop_first_at)
     finally:
         for handle in handles:
             handle.remove()
@@ -205,7 +211,6 @@ def _eager_steps(
     seen: list[torch.Tensor],
     out: _Trace,
     *,
-    slack: int,
     drop_first_at: int | None,
 ) -> None:
     """The eager slot steps (``SlotLayout.first``, ``ModelRunner.step``; ``reorder_cache`` drops a row)."""
@@ -234,30 +239,41 @@ def _eager_steps(
         positions = positions + 1
 
 
+def _probe_step(layout: SlotLayout, prompts: list[list[int]], *, slack: int) -> SlotDecodeStep:
+    """The decoder's probe step for these rows, the pool made to hold its layout (before the prefill
+    writes into it). A batch mate asking for more tokens makes the batch's slots a length quantum longer
+    than a row's alone."""
+    from ._slot_decode import SlotDecoder
+
+    decoder = layout.decoder
+    assert isinstance(decoder, SlotDecoder)
+    extra = decoder.quantum + 3 if slack else 0
+    length = decoder.length_for(max(len(p) for p in prompts) + _STEPS + extra)
+    return decoder.probe_step(padded_rows(len(prompts), buckets=layout.buckets), length)
+
+
 def _static_steps(
     layout: SlotLayout,
+    step: SlotDecodeStep,
     prompts: list[list[int]],
     feeds: list[list[int]],
     cache: Any,
     seen: list[torch.Tensor],
     out: _Trace,
     *,
-    slack: int,
     drop_first_at: int | None,
 ) -> None:
-    """The static slot steps (``_slot_step``) over the decoder's pool, run eagerly (the forward hooks see
-    them; a graph replays these very kernels, checked bit for bit at capture: ``_decode_graphs``): a row
-    leaves by a hand-over into the next smaller row count's step, as in the decode loop. A batch mate
-    asking for more tokens makes the batch's slots a length quantum longer than a row's alone."""
+    """The static slot steps (``_slot_step``) over the decoder's pool, from ``step`` (its prefill written
+    in place), run eagerly (the forward hooks see them; a graph replays these very kernels, checked bit for
+    bit at capture: ``_decode_graphs``): a row leaves by a hand-over into the next smaller row count's step,
+    as in the decode loop."""
     from ._sampling import SamplingSettings
     from ._slot_decode import SlotDecoder
 
     decoder = layout.decoder
     assert isinstance(decoder, SlotDecoder)
     n = len(prompts)
-    extra = decoder.quantum + 3 if slack else 0
-    length = decoder.length_for(max(len(p) for p in prompts) + _STEPS + extra)
-    step = decoder.probe_step(padded_rows(n, buckets=layout.buckets), length)
+    length = step.length
     greedy = SamplingSettings(max_new_tokens=_STEPS + 1, temperature=0)
     step.begin([greedy] * n, prefill=cache, index=list(range(n)), prompts=prompts)
     del cache

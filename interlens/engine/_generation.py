@@ -16,6 +16,9 @@ engine is composed of one object per concern, each in its own module and readabl
   on a batch-invariant layout, so that they co-step and stay token-identical to running alone; gated by the
   ``_batch_invariance`` self-test); ``_interp_rows.HookedRow`` (a row with ``capture``/``steering`` alone,
   with forward hooks on its decoder layers; and :meth:`LocalEngine.score`'s teacher-forced rows);
+* ``_kv_pool.KVPool``: the engine's one KV pool, built here and handed to both static-shape decoders (the
+  batched rows' ``_static_decode``, the deterministic rows' ``_slot_decode``; CUDA by default), sized from
+  :meth:`LocalEngine.token_budget` on CUDA: a process running both modes holds one pool, counted once;
 * ``_generation_types``: the request/result records crossing the engine's boundary.
 
 Out-of-memory errors are deliberately NOT caught: the scheduler splits a batch that ran out of memory in
@@ -42,6 +45,7 @@ from ._device_memory import model_cuda_devices, usable_cuda_bytes
 from ._generation_types import GenerationRequest, GenerationResult, ScoreRequest, ScoreResult
 from ._interp_rows import HookedRow
 from ._kept_kv import KeptKV
+from ._kv_pool import KVPool
 from ._kv_reuse import ReusedPrefixBatch
 from ._load_options import require_transformers
 from ._prefill import PlainBatch
@@ -111,9 +115,13 @@ class LocalEngine:
         self._plain = PlainBatch(runner, shared_prefill=shared_prefill)
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
-        # None: the eager loop (the CPU's default); its KV pool sized from the batch budget (CUDA)
-        runner.static_decode = static_decoder_for(runner, budget=self.token_budget)
-        self._slots.decoder = slot_decoder_for(runner)  # deterministic rows' static steps (None: eager)
+        # One KV pool for both static decoders, sized from the batch budget (CUDA; by need elsewhere): a
+        # process running batched and deterministic rows holds one pool (``_kv_pool``).
+        pool = KVPool(model, budget=self.token_budget)
+        # None: the eager loop (the CPU's default)
+        runner.static_decode = static_decoder_for(runner, pool=pool)
+        # the deterministic rows' static steps over the same pool (None: the eager slot steps)
+        self._slots.decoder = slot_decoder_for(runner, pool=pool)
         self._hooked = HookedRow(runner, plain=self._plain)
         self._lock = threading.Lock()
         #: How ``from_pretrained`` placed the weights (``device_map``, ``max_memory``, ``dtype``), when
@@ -341,7 +349,9 @@ class LocalEngine:
             # the slot layout where the self-test found it batch-invariant, else each row alone from scratch.
             if self._invariant():
                 step = self._co_steps(len(rest))
-                routes += [(self._slots.generate, rest[i : i + step]) for i in range(0, len(rest), step)]
+                for i in range(0, len(rest), step):
+                    part = rest[i : i + step]
+                    routes += [(self._slots.generate, chunk) for chunk in self._slot_chunks(requests, part)]
             else:
                 routes += [(self._plain.generate, [i]) for i in rest]
         elif rest:
@@ -362,6 +372,17 @@ class LocalEngine:
             return [list(range(len(rows)))]
         prompts = [len(requests[i].prompt_ids) for i in rows]
         return decoder.chunks(prompts, [requests[i].sampling.max_new_tokens for i in rows])
+
+    def _slot_chunks(self, requests: list[GenerationRequest], rows: list[int]) -> list[list[int]]:
+        """Deterministic ``rows`` in consecutive pieces that each fit the KV pool where it is sized from the
+        budget (``SlotDecoder.chunks``; by need, or no slot decoder: one piece)."""
+        decoder = self._slots.decoder
+        if decoder is None or len(rows) < 2:
+            return [rows]
+        prompts = [len(requests[i].prompt_ids) for i in rows]
+        caps = [requests[i].sampling.max_new_tokens for i in rows]
+        chunks = decoder.chunks(prompts, caps, buckets=self._slots.buckets)
+        return [[rows[j] for j in chunk] for chunk in chunks]
 
     def score(
         self, requests: Sequence[ScoreRequest], *, cancelled: threading.Event | None = None
@@ -433,14 +454,15 @@ class LocalEngine:
 
     def memory_held(self) -> dict[str, int]:
         """Bytes the engine holds between batches, by holder: the kept KV caches, the deterministic path's
-        kept prompt blocks (``_slot_prefix``), the static decoders' KV pools (the batched rows' and the
-        deterministic rows'); :meth:`release_memory` (the out-of-memory retry) frees them all, and
-        :meth:`token_budget` counts them."""
-        pools = [d.pool for d in (self._runner.static_decode, self._slots.decoder) if d is not None]
+        kept prompt blocks (``_slot_prefix``), the static decoders' KV pool (one, shared by the batched
+        and the deterministic rows' decoders: counted once); :meth:`release_memory` (the out-of-memory
+        retry) frees them all, and :meth:`token_budget` counts them."""
+        decoders = (self._runner.static_decode, self._slots.decoder)
+        pools = {id(d.pool): d.pool for d in decoders if d is not None}  # one pool, counted once
         return {
             "kept_kv": self._kept.kept_bytes(),
             "prefix_store": self._slots.prefixes.nbytes(),
-            "kv_pool": sum(pool.nbytes() for pool in pools),  # the batched and the deterministic rows' pools
+            "kv_pool": sum(pool.nbytes() for pool in pools.values()),
         }
 
     def release_memory(self) -> None:
@@ -452,9 +474,9 @@ class LocalEngine:
 
         self.clear_reuse()
         if self._runner.static_decode is not None:
-            self._runner.static_decode.release()  # the decode steps' KV pool, steps and graphs
+            self._runner.static_decode.release()  # the engine's KV pool, the decode steps and graphs
         if self._slots.decoder is not None:
-            self._slots.decoder.release()  # the deterministic rows' pool, steps and graphs
+            self._slots.decoder.release()  # the deterministic rows' steps and graphs (the pool: freed above)
         gc.collect()
         if self.device.startswith("cuda") and torch.cuda.is_available():
             for member in self._memory_devices.split(","):  # every GPU of a group

@@ -14,13 +14,22 @@ batch (rows x the longest prompt + its token cap), not only the largest rows and
 The prefill paths write straight into it (:meth:`KVPool.span`: a ``StaticCache`` over a range of rows and a
 range of slots of a batch's layout), so a static batch allocates no KV tensor of its own (``_pool_prefill``).
 
-Two ways to size it. By need (the CPU; the default): :meth:`KVPool.reserve` reallocates when a batch needs
-more slots than the pool has (:attr:`KVPool.generation` is bumped: every step, and every graph captured on
-one, built on an older generation is stale and must be rebuilt). From the engine's memory budget (CUDA):
-the static decoder reserves :meth:`KVPool.reserve_slots` once, the KV of the scheduler's first batch budget
-in tokens (``LocalEngine.token_budget``), and a batch whose padded rectangle does not fit is split
-(``StaticDecoder.chunks``), so a long run never reallocates it. :meth:`KVPool.release` drops the storage
-(the engine's out-of-memory retry), and the next batch allocates it again.
+One pool per engine: the batched rows' decoder (``_static_decode``) and the deterministic rows' one
+(``_slot_decode``) decode over the same pool object (the engine builds it once and hands it to both), so a
+process running both modes holds one pool, and the engine's memory figures count it once. Batches run one
+at a time under the engine's lock, so a batch of either kind owns the whole storage while it runs; nothing
+in it outlives its batch (the kept-KV collector reads its rows before the batch ends).
+
+Two ways to size it (:meth:`KVPool.room`, what both decoders ask before a batch). By need (the CPU; the
+default): :meth:`KVPool.reserve` reallocates when a batch needs more slots than the pool has
+(:attr:`KVPool.generation` is bumped: every step, and every graph captured on one, built on an older
+generation is stale and must be rebuilt: each decoder compares the generation its steps were built on with
+the pool's before it uses them, so a reallocation by one decoder makes the other's steps stale too). From
+the engine's memory budget (CUDA: :attr:`KVPool.budget`): the pool reserves :meth:`KVPool.reserve_slots`
+once, the KV of the scheduler's first batch budget in tokens (``LocalEngine.token_budget``), and a batch
+whose padded rectangle does not fit is split (``StaticDecoder.chunks``, ``SlotDecoder.chunks``), so a long
+run never reallocates it. :meth:`KVPool.release` drops the storage (the engine's out-of-memory retry), and
+the next batch allocates it again (asking the budget again).
 
 Every layer is a full-length static layer here, a sliding-window one included (:attr:`KVPool.window`): a
 ring buffer of the window's size would put a row's keys at slots that depend on how far it has gone, which
@@ -35,6 +44,7 @@ models (``_prefill``, ``_kv_reuse``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,9 +91,10 @@ def full_length_layers(cache: Any, length: int) -> list[Any]:
 
 class KVPool:
     """Per-layer K/V storage for ``model``'s static batches (module docstring). Not thread-safe: the engine's
-    lock guards it, as it guards the model."""
+    lock guards it, as it guards the model. ``budget``: the storage's size in slots, asked when first needed
+    (the engine's ``token_budget``); None, or a budget that says None (the CPU): grown by need."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, budget: Callable[[], int | None] | None = None) -> None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.layers = int(config.num_hidden_layers)
@@ -103,6 +114,9 @@ class KVPool:
         self.length = 0
         #: bumped at every (re)allocation: views, steps and graphs of an older generation are stale
         self.generation = 0
+        #: the storage's size in slots, asked once when first needed (None: grown by need)
+        self.budget = budget
+        self._budget_slots: int | None = None  # the budget's answer, once asked (0: by need)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
 
@@ -144,11 +158,33 @@ class KVPool:
         self.generation += 1
         return True
 
+    def budget_slots(self) -> int | None:
+        """The storage's size in slots from :attr:`budget` (asked once, until :meth:`release`); None: sized
+        by need."""
+        if self._budget_slots is None and self.budget is not None:
+            self._budget_slots = self.budget() or 0
+        return self._budget_slots or None
+
+    def room(self, rows: int, length: int) -> bool:
+        """Make the storage hold a ``rows`` x ``length`` layout if it can: grown by need, or allocated once
+        at the budget's size (then False where the layout does not fit it). A caller whose steps were built
+        on an older :attr:`generation` rebuilds them."""
+        slots = self.budget_slots()
+        if slots is None:
+            self.reserve(rows, length)
+            return True
+        if rows * length > max(slots, self.slots):
+            return False
+        self.reserve_slots(slots)
+        self.reserve(rows, length)  # within the storage: the largest layout, for figures
+        return True
+
     def release(self) -> None:
-        """Drop the storage (the next :meth:`reserve` allocates it again); stale views keep their memory
-        alive until they are dropped too."""
+        """Drop the storage (the next :meth:`reserve` allocates it again, the budget asked again); stale
+        views keep their memory alive until they are dropped too."""
         self._keys, self._values = [], []
         self.slots = self.rows = self.length = 0
+        self._budget_slots = None
 
     def clear(self) -> None:
         """Zero the storage: after a row whose logits went non-finite wrote NaN or inf KV, which a later

@@ -4,9 +4,16 @@ graphs).
 The slot layout's eager loop (``ModelRunner.decode`` over a ``SlotCache``) pads, masks and compacts with new
 tensors every step, so it cannot be replayed. :class:`SlotDecoder` decodes the same rows through a
 :class:`~._slot_step.SlotDecodeStep` per key (padded rows, slot length, sampler variant, recording), kept
-between batches, whose caches are views of one :class:`~._kv_pool.KVPool` of its own (the slot layout's
-shape: a row's slot is its position), each captured as a graph on first use (``_decode_graphs``):
+between batches, whose caches are views of the engine's one :class:`~._kv_pool.KVPool` (the batched rows'
+decoder's too: the slot layout's shape, a row's slot its position, is a layout of it), each captured as a
+graph on first use (``_decode_graphs``):
 
+* :meth:`SlotDecoder.place` decides, once a batch, where it goes: its layout in the pool (made to hold it;
+  ``SlotLayout.fill`` then prefills straight into the pool's view of it, and ``SlotDecodeStep.begin`` finds
+  the prompts' KV in place), or the eager slot steps in a cache of their own (layers the pool cannot lay
+  out, forward hooks, or a pool sized from the budget that the batch does not fit), counted in
+  :attr:`SlotDecoder.stats`. The engine first splits a deterministic batch into pieces that fit a
+  budget-sized pool (:meth:`SlotDecoder.chunks`): a deterministic row's tokens do not depend on its company;
 * the rows are padded as the slot layout pads them (``padded_rows``: a multiple of ``ROW_BLOCK``, on CUDA
   the row bucket) and the slots to a multiple of the length quantum (``SLOT_BLOCK`` on the CPU, the graphs'
   ``LENGTH_QUANTUM`` on CUDA: both multiples of ``SLOT_BLOCK``, as the layout needs), chosen once a batch;
@@ -43,17 +50,26 @@ from ._step_loop import StepLoop, StepLoopOwner, forward_hooked, static_wanted
 __all__ = ["SlotDecoder", "slot_decoder_for"]
 
 
-def slot_decoder_for(runner: ModelRunner) -> SlotDecoder | None:
+def slot_decoder_for(runner: ModelRunner, *, pool: KVPool | None = None) -> SlotDecoder | None:
     """The slot layout's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
-    ``INTERLENS_STATIC_DECODE=1``; never for a model split over devices (as ``static_decoder_for``)."""
-    return SlotDecoder(runner) if static_wanted(runner) else None
+    ``INTERLENS_STATIC_DECODE=1``; never for a model split over devices (as ``static_decoder_for``).
+    ``pool``: the engine's KV pool, the batched rows' decoder's too."""
+    return SlotDecoder(runner, pool=pool) if static_wanted(runner) else None
 
 
 class SlotDecoder(StepLoopOwner):
     """Static-shape decoding of slot-layout rows for one runner (module docstring). ``quantum``: the slot
-    length's step (a multiple of ``SLOT_BLOCK``); ``graphs``: the graph runner (a test may give one)."""
+    length's step (a multiple of ``SLOT_BLOCK``); ``graphs``: the graph runner (a test may give one);
+    ``pool``: the engine's KV pool (None: one of its own, grown by need)."""
 
-    def __init__(self, runner: ModelRunner, *, quantum: int | None = None, graphs: GraphRunner | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        quantum: int | None = None,
+        graphs: GraphRunner | None = None,
+        pool: KVPool | None = None,
+    ):
         self.runner = runner
         cuda = runner.device.startswith("cuda")
         self.quantum = quantum if quantum is not None else (LENGTH_QUANTUM if cuda else SLOT_BLOCK)
@@ -64,8 +80,10 @@ class SlotDecoder(StepLoopOwner):
                 f"SlotDecoder(quantum={self.quantum}): the slot length's step must be a multiple of "
                 f"SLOT_BLOCK ({SLOT_BLOCK}), or the key reductions' lanes move with the length"
             )
-        self.pool = KVPool(runner.model)
-        #: batches, steps by how they ran ("graph", "eager: why"), hand-overs, ignored steps
+        self.pool = pool if pool is not None else KVPool(runner.model)
+        #: batches, steps by how they ran ("graph", "eager: why"), hand-overs, ignored steps, where each
+        #: batch's prefill went ("prefills: in the pool" / "copied in"), batches left to the eager slot
+        #: steps ("eager batches: why": counted once a batch, by :meth:`place`)
         self.stats: Counter[str] = Counter()
         #: the steps by (padded rows, slot length, variant, recording), the host buffers, the loop
         self.loop: StepLoop[SlotDecodeStep] = StepLoop(
@@ -75,18 +93,56 @@ class SlotDecoder(StepLoopOwner):
 
     def serves(self, layout: SlotLayout) -> bool:
         """Whether the layout's rows decode here: every layer full or sliding-window attention (the pool's
-        layers), no forward hooks."""
+        layers), no forward hooks (counted nowhere: :meth:`place` counts a batch left to the eager slot
+        steps, once)."""
+        return self._refusal(layout) is None
+
+    def _refusal(self, layout: SlotLayout) -> str | None:
+        """Why the layout's rows cannot decode here (None: they can)."""
         if not self.pool.supported:
-            self.stats["eager batches: cache layers"] += 1
-            return False
+            return "cache layers"
         if forward_hooked(self.runner.model):
-            self.stats["eager batches: forward hooks"] += 1
-            return False
-        return True
+            return "forward hooks"
+        return None
 
     def length_for(self, slots: int) -> int:
         """The slot length a batch needing ``slots`` slots runs at."""
         return length_bucket(slots, quantum=self.quantum)
+
+    def place(self, layout: SlotLayout, rows: int, need: int) -> int | None:
+        """Where a batch of ``rows`` rows needing ``need`` slots (longest prompt + largest token cap) is
+        prefilled and decoded: the slot length of its layout in the pool (padded rows x that length), made
+        to hold it, or None where it decodes in the eager slot steps in a cache of its own (a refusal of
+        :meth:`serves`, or a pool sized from the budget that it does not fit), counted in :attr:`stats`
+        once a batch."""
+        why = self._refusal(layout)
+        if why is None:
+            length = self.length_for(need)
+            if self._room(padded_rows(rows, buckets=layout.buckets), length):
+                return length
+            why = "pool full"
+        self.stats[f"eager batches: {why}"] += 1
+        return None
+
+    def chunks(self, prompts: list[int], caps: list[int], *, buckets: bool) -> list[list[int]]:
+        """Rows (prompt lengths ``prompts``, token caps ``caps``) in consecutive batches whose padded layouts
+        (``padded_rows`` x the slot length of the longest prompt + the largest cap) fit a pool sized from
+        the budget: all in one where it is sized by need; a row alone past the pool is a batch of its own
+        (which :meth:`place` leaves to the eager slot steps). A deterministic row's tokens do not depend
+        on its company, so a split changes none."""
+        slots = self.pool.budget_slots()
+        if slots is None:
+            return [list(range(len(prompts)))]
+        out: list[list[int]] = []
+        for i in range(len(prompts)):
+            if out:
+                batch = [*out[-1], i]
+                need = max(prompts[j] for j in batch) + max(caps[j] for j in batch)
+                if padded_rows(len(batch), buckets=buckets) * self.length_for(need) <= slots:
+                    out[-1].append(i)
+                    continue
+            out.append([i])
+        return out
 
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
@@ -95,8 +151,10 @@ class SlotDecoder(StepLoopOwner):
 
     def probe_step(self, rows: int, length: int) -> SlotDecodeStep:
         """A greedy step over the pool that is never captured: the self-test runs it eagerly under its
-        forward hooks (``_batch_invariance``)."""
-        self._fit(rows, length)
+        forward hooks (``_batch_invariance``); the pool is grown for it past a budget if it must be."""
+        if not self._room(rows, length):
+            self.pool.reserve(rows, length)
+            self._room(rows, length)
         return SlotDecodeStep(
             self.runner.model, rows=rows, length=length, variant="greedy", record=False, pool=self.pool
         )
@@ -111,8 +169,9 @@ class SlotDecoder(StepLoopOwner):
         buckets: bool,
     ) -> None:
         """Decode ``rows`` (their prompts prefilled in ``prefill`` by ``SlotLayout.fill``, row ``j`` at its
-        row ``index[j]``) until every one is finished, with ``ModelRunner.decode``'s effects on the rows.
-        ``buckets``: pad rows to row buckets (``padded_rows``). Call in ``SlotLayout.invariant_kernels``."""
+        row ``index[j]``: the pool's view where :meth:`place` placed the batch, or a cache of its own, copied
+        in) until every one is finished, with ``ModelRunner.decode``'s effects on the rows. ``buckets``:
+        pad rows to row buckets (``padded_rows``). Call in ``SlotLayout.invariant_kernels``."""
         settings = [r.request.sampling for r in rows]
         prompts = [r.request.prompt_ids for r in rows]
         record = any(r.request.record_logprobs for r in rows)
@@ -120,6 +179,9 @@ class SlotDecoder(StepLoopOwner):
         length = self.length_for(max(len(p) for p in prompts) + max(s.max_new_tokens for s in settings))
         self.stats["batches"] += 1
         step, mode = self._step(padded_rows(len(rows), buckets=buckets), length, variant, record)
+        self.stats[
+            "prefills: in the pool" if step.prefilled_in_place(prefill) else "prefills: copied in"
+        ] += 1
         step.begin(settings, prefill=prefill, index=index, prompts=prompts)
         del prefill
         self.loop.run(
@@ -131,17 +193,23 @@ class SlotDecoder(StepLoopOwner):
             smaller_step=lambda smaller: self._step(smaller, length, variant, record),
             cancelled=cancelled,
         )
+        if any(row.failure is not None for row in rows):
+            self.pool.clear()  # its NaN / inf KV would reach a later batch's masked slots (either decoder's)
 
-    def _fit(self, rows: int, length: int) -> None:
-        """Grow the pool to ``rows`` x ``length`` if it is smaller (every step and graph on it goes stale)."""
-        if self._generation != self.pool.generation or self.pool.rows < rows or self.pool.length < length:
+    def _room(self, rows: int, length: int) -> bool:
+        """Make the pool hold ``rows`` x ``length`` slots if it can (``KVPool.room``); steps and graphs over
+        a storage reallocated since they were built (here or by the batched rows' decoder, which shares
+        the pool) are dropped."""
+        fits = self.pool.room(rows, length)
+        if self._generation != self.pool.generation:
             self.loop.clear()
-            self.pool.reserve(max(rows, self.pool.rows), max(length, self.pool.length))
             self._generation = self.pool.generation
+        return fits
 
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[SlotDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""
-        self._fit(rows, length)
+        if not self._room(rows, length):  # place() made room for the batch's layout
+            raise AssertionError(f"no room in the KV pool for {rows} x {length} slots")
         return self.loop.step(
             (rows, length, variant, record),
             lambda: SlotDecodeStep(

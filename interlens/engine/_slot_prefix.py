@@ -85,20 +85,23 @@ class PrefixStore:
 
     def load(self, cache: Any, prompts: list[tuple[int, ...]], blocks: int) -> None:
         """Write the first ``blocks`` kept blocks of each of ``prompts`` (the cache's rows, in order) into the
-        fresh slot ``cache``, and move its write position past them."""
+        fresh slot ``cache`` (a cache of its own, or the KV pool's view: ``SlotLayout.fill``), each row's
+        blocks concatenated straight into its slots (nothing allocated), and move its write position past
+        them."""
         import torch
 
+        slots = blocks * self.block
         for layer_idx, layer in enumerate(cache.slot_layers):
-            keys = []
-            values = []
-            for prompt in prompts:
+            if not layer.is_initialized:  # a cache of its own: allocated as the prefill's first write would
+                keys, values = self._blocks[prompts[0][: self.block]][layer_idx]
+                rows = (len(prompts), -1, -1, -1)
+                layer.lazy_initialization(keys.unsqueeze(0).expand(rows), values.unsqueeze(0).expand(rows))
+            for row, prompt in enumerate(prompts):
                 parts = [self._blocks[prompt[: (b + 1) * self.block]][layer_idx] for b in range(blocks)]
-                keys.append(torch.cat([k for k, _ in parts], dim=1))
-                values.append(torch.cat([v for _, v in parts], dim=1))
-            k_rows, v_rows = torch.stack(keys), torch.stack(values)
-            if not layer.is_initialized:
-                layer.lazy_initialization(k_rows, v_rows)
-            layer.update(k_rows, v_rows)  # at slots 0 .. blocks*block-1, as the prefill would write them
+                # at slots 0 .. blocks*block-1, as the prefill would write them
+                torch.cat([k for k, _ in parts], dim=1, out=layer.keys[row, :, :slots])
+                torch.cat([v for _, v in parts], dim=1, out=layer.values[row, :, :slots])
+            layer.cumulative_length.add_(slots)
         for b in range(blocks):  # recently used
             for prompt in prompts:
                 self._blocks.move_to_end(prompt[: (b + 1) * self.block])

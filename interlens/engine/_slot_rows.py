@@ -41,7 +41,9 @@ alone through the plain batch path.
 
 The decode steps here (``SlotCache.feed``, ``reorder_cache``) pad, mask and compact with new tensors every
 step. Where :attr:`SlotLayout.decoder` is set (on CUDA; ``_slot_decode``) the same layout's steps run as
-static shapes over a KV pool instead, replayed as CUDA graphs; the self-test then probes those.
+static shapes over the engine's KV pool instead, replayed as CUDA graphs, and :meth:`SlotLayout.fill` writes
+the prefill straight into the pool's view of the batch's layout (no KV tensor allocated); the self-test then
+probes those.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._core import ConfigurationError
 from ..interp import text_config
 from ._buckets import ROW_BUCKETS, row_bucket
 from ._cpu_attention import at_any_row_count
@@ -123,10 +126,14 @@ class SlotSteps(Protocol):
     (``_slot_decode.SlotDecoder``: static-shape steps over a KV pool, replayed as graphs on CUDA); kept
     abstract here so this module does not import it."""
 
-    #: the deterministic rows' KV pool (the engine's memory figures count it)
+    #: the engine's KV pool, the batched rows' decoder's too (the engine's memory figures count it once)
     pool: KVPool
 
     def serves(self, layout: SlotLayout) -> bool: ...
+
+    def place(self, layout: SlotLayout, rows: int, need: int) -> int | None: ...
+
+    def chunks(self, prompts: list[int], caps: list[int], *, buckets: bool) -> list[list[int]]: ...
 
     def release(self) -> None: ...
 
@@ -209,9 +216,12 @@ class SlotLayout:
         length = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
         distinct = list(dict.fromkeys(prompts))
         rows = [Row(r, stop_window=stop_window(r.sampling.stop)) for r in requests]
-        if self.decoder is not None and self.static_steps():
-            # the prefill's own cache holds only its blocks; the decode steps' KV lives in the pool
-            cache = self.fill(distinct, 1, reuse=True)
+        # the decoder's slot length: the longest prompt and the largest cap (as its steps count them)
+        need = max(len(p) for p in prompts) + max(r.sampling.max_new_tokens for r in requests)
+        place = None if self.decoder is None else self.decoder.place(self, len(rows), need)
+        if self.decoder is not None and place is not None:
+            # prefilled straight into the pool, at the slots the decode steps read (padded rows x place)
+            cache = self.fill(distinct, place, reuse=True, pool=self.decoder.pool)
             index = {p: i for i, p in enumerate(distinct)}
             with self.invariant_kernels(DECODE_CHUNK_ROWS):
                 self.decoder.decode(rows, cache, [index[p] for p in prompts], cancelled, buckets=self.buckets)
@@ -236,13 +246,20 @@ class SlotLayout:
             for row in rows
         ]
 
-    def fill(self, distinct: list[tuple[int, ...]], length: int, *, reuse: bool = False) -> Any:
+    def fill(
+        self, distinct: list[tuple[int, ...]], length: int, *, reuse: bool = False, pool: KVPool | None = None
+    ) -> Any:
         """A new slot cache (at least ``length`` slots) with all but the last token of each distinct prompt
         prefilled at slots ``0 .. len-2``: in one batch padded on the RIGHT to a multiple of
         ``PREFILL_BLOCK`` tokens (slot == position; so a multiple of ``ROW_BLOCK`` matmul rows), fed one
         block of ``PREFILL_BLOCK`` tokens at a time (block ``k`` attends to blocks ``0 .. k-1`` in the
         cache): so a block's KV depends on the tokens up to its end alone, and with ``reuse`` the blocks
         every prompt has in :attr:`prefixes` are loaded instead of computed (``_slot_prefix``).
+
+        With ``pool`` (the static decoder's: ``SlotDecoder.place`` made it hold the batch's layout of
+        ``length`` slots, a multiple of ``SLOT_BLOCK``) the cache is the pool's view of that layout's first
+        rows (``KVPool.span``): the prefill writes straight into the slots the decode steps read, and no KV
+        tensor is allocated (``SlotDecodeStep.begin`` expands the distinct prompts to their rows there).
 
         No padding mask is needed: a real token never attends to a later slot, so pads are seen only by pad
         queries, and a row's decode steps overwrite its pad slots before its mask reaches them. Unmasked,
@@ -252,13 +269,22 @@ class SlotLayout:
 
         model, device = self.runner.model, self.runner.device
         width = _round_up(max(len(p) for p in distinct) - 1, PREFILL_BLOCK)
-        cache = slot_cache(
-            model.config,
-            rows=len(distinct),
-            length=max(length, width),
-            dtype=model.dtype,
-            buckets=self.buckets,
-        )
+        if pool is not None:
+            if length % SLOT_BLOCK or width > length:
+                raise ConfigurationError(
+                    f"SlotLayout.fill(length={length}, pool=...): a pool layout's slots must be a multiple "
+                    f"of SLOT_BLOCK ({SLOT_BLOCK}) holding the {width}-slot prefill; ask SlotDecoder.place"
+                )
+            cache = pool.span(0, len(distinct), length=length)
+            cache.slot_layers = cache.layers  # what the prefix store reads and writes
+        else:
+            cache = slot_cache(
+                model.config,
+                rows=len(distinct),
+                length=max(length, width),
+                dtype=model.dtype,
+                buckets=self.buckets,
+            )
         if not width:  # every prompt is one token: nothing before its last
             return cache
         start = 0
@@ -268,7 +294,7 @@ class SlotLayout:
             if len(distinct) > 1 and shared > self.prefixes.kept(distinct, width):
                 # the blocks every prompt starts with (a system prompt), prefilled once in a row of their
                 # own and kept: then loaded for every row below (the same bits as each row computing them)
-                self.fill([distinct[0][: shared * PREFILL_BLOCK + 1]], length, reuse=True)
+                self.fill([distinct[0][: shared * PREFILL_BLOCK + 1]], length, reuse=True, pool=pool)
             start = self.prefixes.kept(distinct, width) * PREFILL_BLOCK
             if start:
                 self.prefixes.load(cache, distinct, start // PREFILL_BLOCK)

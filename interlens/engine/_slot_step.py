@@ -26,9 +26,12 @@ model's forward, the sampler over the batched tensors (``_static_sampler.sample_
 the next inputs advanced in place (the chosen tokens fed, the padding rows given their source row's, the
 positions + 1). No host read and no Python branch on a tensor's value.
 
-A batch starts from the slot layout's block prefill (``SlotLayout.fill``: a cache of its own, not captured)
-in :meth:`SlotDecodeStep.begin`, which copies the rows' prefilled slots into the pool views; the first step
-feeds each row its last prompt token (what ``SlotLayout.first`` did eagerly). At a row bucket edge
+A batch starts from the slot layout's block prefill (``SlotLayout.fill``, not captured), which on the
+engine's path wrote the distinct prompts straight into this step's pool layout (its first rows):
+:meth:`SlotDecodeStep.begin` then only fills the rows holding another row's prompt (a repeated prompt, the
+padding rows) inside the pool, from a gather of just those rows, and zeroes the slots past the prefill (a
+prefill in a cache of its own is copied in instead); the first step feeds each row its last prompt token
+(what ``SlotLayout.first`` did eagerly). At a row bucket edge
 :meth:`SlotDecodeStep.hand_over` carries the live rows on in a smaller bucket's step over the same pool.
 """
 
@@ -100,9 +103,12 @@ class SlotDecodeStep(SampledStep):
     ) -> None:
         """Start a batch of ``len(settings)`` real rows: ``prefill`` a slot cache from ``SlotLayout.fill``
         (its rows the distinct prompts), ``index`` each row's row in it, ``prompts`` each row's prompt ids.
-        Each row's prefilled slots are copied into the pool views (padding rows: the last row's), the slots
-        past them zeroed (a masked slot must hold a finite value: ``0 * NaN`` would reach the row), and the
-        first step set to feed each row its last prompt token. Nothing a step reads is allocated."""
+        Where the prefill wrote straight into this step's pool layout (:meth:`prefilled_in_place`: the
+        engine's path), only the rows that hold another row's prompt (a repeated prompt, the padding rows:
+        the last row's) are copied, inside the pool, from a gather of just those rows; otherwise each row's
+        prefilled slots are copied into the pool views. The slots past the prefill are zeroed (a masked
+        slot must hold a finite value: ``0 * NaN`` would reach the row), and the first step set to feed each
+        row its last prompt token. Nothing a step reads is allocated."""
         import torch
 
         n = len(settings)
@@ -122,22 +128,45 @@ class SlotDecodeStep(SampledStep):
         device = self.device
         with torch.no_grad():
             gather = torch.tensor([index[j] for j in copies], dtype=torch.long, device=device)
-            sources = getattr(prefill, "slot_layers", None) or [None] * len(self.cache.layers)
-            for src, dst in zip(sources, self.cache.layers, strict=True):
-                if written and src is not None and src.is_initialized:
-                    dst.keys[:, :, :written].copy_(src.keys[:, :, :written].index_select(0, gather))
-                    dst.values[:, :, :written].copy_(src.values[:, :, :written].index_select(0, gather))
-                    dst.keys[:, :, written:].zero_()
-                    dst.values[:, :, written:].zero_()
-                else:
-                    dst.keys.zero_()
-                    dst.values.zero_()
+            if self.prefilled_in_place(prefill):
+                moved = [j for j in range(self.rows) if index[copies[j]] != j]
+                into = torch.tensor(moved, dtype=torch.long, device=device)
+                for dst in self.cache.layers:
+                    for storage in (dst.keys, dst.values):
+                        if written and moved:  # gathered first: a row may be read after it is written
+                            region = storage[:, :, :written]
+                            region.index_copy_(0, into, region.index_select(0, gather[into]))
+                        storage[:, :, written:].zero_()
+            else:
+                sources = getattr(prefill, "slot_layers", None) or [None] * len(self.cache.layers)
+                for src, dst in zip(sources, self.cache.layers, strict=True):
+                    if written and src is not None and src.is_initialized:
+                        dst.keys[:, :, :written].copy_(src.keys[:, :, :written].index_select(0, gather))
+                        dst.values[:, :, :written].copy_(src.values[:, :, :written].index_select(0, gather))
+                        dst.keys[:, :, written:].zero_()
+                        dst.values[:, :, written:].zero_()
+                    else:
+                        dst.keys.zero_()
+                        dst.values.zero_()
             self.input_ids[:, 0].copy_(torch.tensor([prompts[j][-1] for j in copies]))
             self.positions[:, 0].copy_(torch.tensor([len(prompts[j]) - 1 for j in copies]))
             self.source.copy_(torch.tensor(copies))
             self._settings_into(settings)
         self._sampler = Sampler(settings, device, record=self.record)
         self._start(self._sampler, n)
+
+    def prefilled_in_place(self, prefill: Any) -> bool:
+        """Whether ``prefill``'s layers are views of this step's own cache storage at its layout (the same
+        first address and strides: the prefill wrote its rows where this step reads them)."""
+        layers = getattr(prefill, "slot_layers", None)
+        if not layers or len(layers) != len(self.cache.layers):
+            return False
+        return all(
+            getattr(src, "keys", None) is not None
+            and src.keys.data_ptr() == dst.keys.data_ptr()
+            and src.keys.stride() == dst.keys.stride()
+            for src, dst in zip(layers, self.cache.layers, strict=True)
+        )
 
     def step(self) -> None:
         """One decode step: this step's uniforms into their buffer (one copy), then :attr:`run`."""

@@ -23,11 +23,13 @@ recording), kept between batches, whose caches are views of the engine's one :cl
   step carries on. The length bucket is chosen once per batch (its longest prompt plus its largest token
   cap), so no step runs out of slots.
 
-The pool is sized once from the engine's batch budget where the engine gives one (CUDA: ``budget``, the
-scheduler's first token budget): a batched batch is split by the engine into pieces whose padded layouts fit
-it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row past the whole pool, a kept-KV
-layout wider than its prompts) decodes in the eager loop in its own cache. Without a budget (the CPU) the
-pool grows by need, reallocated (steps and graphs rebuilt) when a batch needs more slots than any before.
+The pool is the engine's one pool, shared with the deterministic rows' decoder (``_slot_decode``; the engine
+hands both the same ``KVPool``). It is sized once from the engine's batch budget where the engine gives one
+(CUDA: ``budget``, the scheduler's first token budget): a batched batch is split by the engine into pieces
+whose padded layouts fit it (:meth:`StaticDecoder.chunks`), and a batch that still does not fit (one row past
+the whole pool, a kept-KV layout wider than its prompts) decodes in the eager loop in its own cache. Without
+a budget (the CPU) the pool grows by need, reallocated (steps and graphs rebuilt, here and in the other
+decoder, which sees the pool's generation move) when a batch needs more slots than any before.
 
 The steps kept per key, the launch/read of a step and the loop itself live in ``_step_loop`` (shared with
 the deterministic rows' ``_slot_decode``); this module decides where a batch goes in the pool, begins it,
@@ -77,17 +79,18 @@ __all__ = ["ENV_SWITCH", "StaticDecoder", "static_decoder_for"]
 
 
 def static_decoder_for(
-    runner: ModelRunner, *, budget: Callable[[], int | None] | None = None
+    runner: ModelRunner, *, budget: Callable[[], int | None] | None = None, pool: KVPool | None = None
 ) -> StaticDecoder | None:
     """The runner's static decoder: on CUDA unless ``INTERLENS_STATIC_DECODE=0``; elsewhere only with
     ``INTERLENS_STATIC_DECODE=1``; never for a model split over several devices. ``budget``: the pool's
-    size in slots, asked when first needed (:class:`StaticDecoder`)."""
-    return StaticDecoder(runner, budget=budget) if static_wanted(runner) else None
+    size in slots, asked when first needed (:class:`StaticDecoder`); ``pool``: the engine's pool."""
+    return StaticDecoder(runner, budget=budget, pool=pool) if static_wanted(runner) else None
 
 
 class StaticDecoder(StepLoopOwner):
     """Static-shape decoding for one runner (module docstring). ``quantum``: the length bucket's step
-    (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph)."""
+    (tests use a small one); ``graphs``: the graph runner (a test may give one with a stand-in graph);
+    ``pool``: the engine's KV pool (None: one of its own, sized from ``budget``)."""
 
     def __init__(
         self,
@@ -97,12 +100,9 @@ class StaticDecoder(StepLoopOwner):
         graphs: GraphRunner | None = None,
         grouped_attention: bool | None = None,
         budget: Callable[[], int | None] | None = None,
+        pool: KVPool | None = None,
     ) -> None:
         self.runner = runner
-        #: the pool's size in slots, asked once when it is first needed (the engine's ``token_budget``:
-        #: the scheduler's first batch budget in tokens); None, or a budget that says None (the CPU): the
-        #: pool grows by need
-        self.budget = budget
         if grouped_attention is None:
             grouped_attention = runner.device.startswith("cuda")
         #: the attention the model's one-token steps run (``_cpu_attention``'s grouped-query products on
@@ -111,7 +111,9 @@ class StaticDecoder(StepLoopOwner):
         if grouped_attention and use_grouped_decode_attention(runner.model):
             self.attention = GROUPED_DECODE_ATTENTION
         self.quantum = quantum
-        self.pool = KVPool(runner.model)
+        self.pool = pool if pool is not None else KVPool(runner.model)
+        if budget is not None:
+            self.pool.budget = budget
         #: batches, steps by how they ran ("graph", "eager: why"), batches left to the eager loop (why)
         self.stats: Counter[str] = Counter()
         #: the steps by (row bucket, length bucket, variant, recording), the host buffers, the loop
@@ -121,7 +123,17 @@ class StaticDecoder(StepLoopOwner):
             host_rows=ROW_BUCKETS[-1],
         )
         self._generation = self.pool.generation
-        self._slots: int | None = None  # the pool's size from the budget, once asked (0: by need)
+
+    @property
+    def budget(self) -> Callable[[], int | None] | None:
+        """The pool's size in slots, asked once when it is first needed (the engine's ``token_budget``:
+        the scheduler's first batch budget in tokens); None, or a budget that says None (the CPU): the
+        pool grows by need (``KVPool.budget``: the pool is the engine's, shared by both decoders)."""
+        return self.pool.budget
+
+    @budget.setter
+    def budget(self, budget: Callable[[], int | None] | None) -> None:
+        self.pool.budget = budget
 
     def serves(self, rows: list[Row], cache: Any, static: bool, kv_len: int) -> bool:
         """Whether this batch can decode here: a static cache of plain layers, rows within the largest
@@ -161,7 +173,7 @@ class StaticDecoder(StepLoopOwner):
         (row bucket x length bucket of the longest prompt + the largest cap) fit a pool sized from the
         budget: all in one where it is sized by need; a row alone past the pool is a batch of its own,
         which then decodes eagerly in its own cache (``serves``)."""
-        slots = self._budget_slots()
+        slots = self.pool.budget_slots()
         if slots is None:
             return [list(range(len(prompts)))]
         out: list[list[int]] = []
@@ -179,31 +191,18 @@ class StaticDecoder(StepLoopOwner):
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
         self.loop.clear()
-        self.pool.release()
-        self._slots = None  # measured again from the budget when next needed
-
-    def _budget_slots(self) -> int | None:
-        """The pool's size in slots from the budget (asked once, until :meth:`release`); None: by need."""
-        if self._slots is None and self.budget is not None:
-            self._slots = self.budget() or 0
-        return self._slots or None
+        self.pool.release()  # its budget asked again when next needed
 
     def _room(self, rows: int, length: int) -> bool:
-        """Make the pool hold a ``rows`` x ``length`` layout if it can: grown by need, or allocated once at
-        the budget's size (then False where the layout does not fit). Steps and graphs over a storage that
-        is reallocated are dropped."""
-        slots = self._budget_slots()
-        if slots is not None:
-            if rows * length > max(slots, self.pool.slots):
-                return False
-            grown = self.pool.reserve_slots(slots)
-            self.pool.reserve(rows, length)  # within the storage: the largest layout, for figures
-        else:
-            grown = self.pool.reserve(rows, length)
-        if grown or self._generation != self.pool.generation:
+        """Make the pool hold a ``rows`` x ``length`` layout if it can (``KVPool.room``: grown by need, or
+        allocated once at the budget's size, then False where the layout does not fit). Steps and graphs
+        over a storage reallocated since they were built (here or by the deterministic rows' decoder, which
+        shares the pool) are dropped."""
+        fits = self.pool.room(rows, length)
+        if self._generation != self.pool.generation:
             self.loop.clear()
             self._generation = self.pool.generation
-        return True
+        return fits
 
     def decode(
         self,
