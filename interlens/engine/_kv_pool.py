@@ -131,6 +131,28 @@ class KVPool:
         """Bytes the pool holds now."""
         return sum(t.nbytes for t in (*self._keys, *self._values))
 
+    def pieces(
+        self, prompts: list[int], caps: list[int], layout: Callable[[int, int], int | None]
+    ) -> list[list[int]]:
+        """Rows (prompt lengths ``prompts``, token caps ``caps``) in consecutive batches whose layouts fit a
+        pool sized from the budget (both decoders' ``chunks``): ``layout(rows, need)`` is the slots a batch
+        of ``rows`` rows needing ``need`` slots (the longest prompt + the largest cap) takes, padding
+        included, or None where that many rows never share a step. All in one batch where the pool is
+        sized by need; a row alone past the pool is a batch of its own."""
+        slots = self.budget_slots()
+        if slots is None:
+            return [list(range(len(prompts)))]
+        out: list[list[int]] = []
+        for i in range(len(prompts)):
+            if out:
+                batch = [*out[-1], i]
+                taken = layout(len(batch), max(prompts[j] for j in batch) + max(caps[j] for j in batch))
+                if taken is not None and taken <= slots:
+                    out[-1].append(i)
+                    continue
+            out.append([i])
+        return out
+
     def fits(self, rows: int, length: int) -> bool:
         """Whether the storage allocated now holds a ``rows`` x ``length`` layout."""
         return rows * length <= self.slots

@@ -130,19 +130,9 @@ class SlotDecoder(StepLoopOwner):
         the budget: all in one where it is sized by need; a row alone past the pool is a batch of its own
         (which :meth:`place` leaves to the eager slot steps). A deterministic row's tokens do not depend
         on its company, so a split changes none."""
-        slots = self.pool.budget_slots()
-        if slots is None:
-            return [list(range(len(prompts)))]
-        out: list[list[int]] = []
-        for i in range(len(prompts)):
-            if out:
-                batch = [*out[-1], i]
-                need = max(prompts[j] for j in batch) + max(caps[j] for j in batch)
-                if padded_rows(len(batch), buckets=buckets) * self.length_for(need) <= slots:
-                    out[-1].append(i)
-                    continue
-            out.append([i])
-        return out
+        return self.pool.pieces(
+            prompts, caps, lambda rows, need: padded_rows(rows, buckets=buckets) * self.length_for(need)
+        )
 
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""

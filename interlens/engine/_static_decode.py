@@ -173,20 +173,13 @@ class StaticDecoder(StepLoopOwner):
         (row bucket x length bucket of the longest prompt + the largest cap) fit a pool sized from the
         budget: all in one where it is sized by need; a row alone past the pool is a batch of its own,
         which then decodes eagerly in its own cache (``serves``)."""
-        slots = self.pool.budget_slots()
-        if slots is None:
-            return [list(range(len(prompts)))]
-        out: list[list[int]] = []
-        for i in range(len(prompts)):
-            if out:
-                batch = [*out[-1], i]
-                need = max(prompts[j] for j in batch) + max(caps[j] for j in batch)
-                fits = row_bucket(len(batch)) * length_bucket(need, quantum=self.quantum) <= slots
-                if len(batch) <= ROW_BUCKETS[-1] and fits:
-                    out[-1].append(i)
-                    continue
-            out.append([i])
-        return out
+
+        def layout(rows: int, need: int) -> int | None:
+            if rows > ROW_BUCKETS[-1]:
+                return None
+            return row_bucket(rows) * length_bucket(need, quantum=self.quantum)
+
+        return self.pool.pieces(prompts, caps, layout)
 
     def release(self) -> None:
         """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
