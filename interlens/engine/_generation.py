@@ -54,6 +54,7 @@ from ._sampling import SamplingSettings
 from ._slot_decode import slot_decoder_for
 from ._slot_rows import SlotLayout, padded_rows
 from ._static_decode import static_decoder_for
+from ._step_loop import static_wanted
 from ._verdicts import Verdicts
 
 log = logging.getLogger("interlens")
@@ -116,8 +117,9 @@ class LocalEngine:
         self._reused = ReusedPrefixBatch(runner, plain=self._plain, kept=self._kept)
         self._slots = SlotLayout(runner)
         # One KV pool for both static decoders, sized from the batch budget (CUDA; by need elsewhere): a
-        # process running batched and deterministic rows holds one pool (``_kv_pool``).
-        pool = KVPool(model, budget=self.token_budget)
+        # process running batched and deterministic rows holds one pool (``_kv_pool``). None where neither
+        # decoder runs (the CPU's default): the eager paths keep their own caches, whatever the layers.
+        pool = KVPool(model, budget=self.token_budget) if static_wanted(runner) else None
         # None: the eager loop (the CPU's default)
         runner.static_decode = static_decoder_for(runner, pool=pool)
         # the deterministic rows' static steps over the same pool (None: the eager slot steps)
