@@ -134,11 +134,6 @@ class SlotDecoder(StepLoopOwner):
             prompts, caps, lambda rows, need: padded_rows(rows, buckets=buckets) * self.length_for(need)
         )
 
-    def release(self) -> None:
-        """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
-        self.loop.clear()
-        self.pool.release()
-
     def probe_step(self, rows: int, length: int) -> SlotDecodeStep:
         """A greedy step over the pool that is never captured: the self-test runs it eagerly under its
         forward hooks (``_batch_invariance``); the pool is grown for it past a budget if it must be."""
@@ -183,18 +178,7 @@ class SlotDecoder(StepLoopOwner):
             smaller_step=lambda smaller: self._step(smaller, length, variant, record),
             cancelled=cancelled,
         )
-        if any(row.failure is not None for row in rows):
-            self.pool.clear()  # its NaN / inf KV would reach a later batch's masked slots (either decoder's)
-
-    def _room(self, rows: int, length: int) -> bool:
-        """Make the pool hold ``rows`` x ``length`` slots if it can (``KVPool.room``); steps and graphs over
-        a storage reallocated since they were built (here or by the batched rows' decoder, which shares
-        the pool) are dropped."""
-        fits = self.pool.room(rows, length)
-        if self._generation != self.pool.generation:
-            self.loop.clear()
-            self._generation = self.pool.generation
-        return fits
+        self._after_batch(rows)
 
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[SlotDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""

@@ -181,22 +181,6 @@ class StaticDecoder(StepLoopOwner):
 
         return self.pool.pieces(prompts, caps, layout)
 
-    def release(self) -> None:
-        """Drop the pool's storage, every step and every graph (before an out-of-memory retry)."""
-        self.loop.clear()
-        self.pool.release()  # its budget asked again when next needed
-
-    def _room(self, rows: int, length: int) -> bool:
-        """Make the pool hold a ``rows`` x ``length`` layout if it can (``KVPool.room``: grown by need, or
-        allocated once at the budget's size, then False where the layout does not fit). Steps and graphs
-        over a storage reallocated since they were built (here or by the deterministic rows' decoder, which
-        shares the pool) are dropped."""
-        fits = self.pool.room(rows, length)
-        if self._generation != self.pool.generation:
-            self.loop.clear()
-            self._generation = self.pool.generation
-        return fits
-
     def decode(
         self,
         rows: list[Row],
@@ -251,8 +235,7 @@ class StaticDecoder(StepLoopOwner):
         )
         if on_leave is not None:
             on_leave(list(range(len(active))), active, step.cache, kv_len)
-        if any(row.failure is not None for row in rows):
-            self.pool.clear()  # its NaN / inf KV would reach a later batch's masked slots
+        self._after_batch(rows)
 
     def _step(self, rows: int, length: int, variant: str, record: bool) -> tuple[StaticDecodeStep, str]:
         """The step for this key (built on first use, its graph captured then) and how it runs."""

@@ -38,6 +38,8 @@ from ._decode_graphs import Capturable, GraphRunner
 if TYPE_CHECKING:
     import torch
 
+    from ._kv_pool import KVPool
+
 __all__ = [
     "ENV_SWITCH",
     "MAX_STEPS",
@@ -233,10 +235,36 @@ class StepLoop(Generic[StepT]):
 
 
 class StepLoopOwner:
-    """A decoder whose steps a :class:`StepLoop` keeps: its :attr:`graphs` is its loop's graph runner (a
-    test may put a stand-in one there after the decoder is built)."""
+    """A decoder whose steps a :class:`StepLoop` keeps over the engine's KV pool (both static decoders): its
+    :attr:`graphs` is its loop's graph runner (a test may put a stand-in one there after the decoder is
+    built); :attr:`_generation` is the pool's generation its steps were built on (set at construction)."""
 
     loop: StepLoop[Any]
+    pool: KVPool
+    _generation: int
+
+    def release(self) -> None:
+        """Drop the pool's storage (its budget asked again when next needed), every step and every graph
+        (before an out-of-memory retry)."""
+        self.loop.clear()
+        self.pool.release()
+
+    def _room(self, rows: int, length: int) -> bool:
+        """Make the pool hold a ``rows`` x ``length`` layout if it can (``KVPool.room``: grown by need, or
+        allocated once at the budget's size, then False where the layout does not fit). Steps and graphs
+        over a storage reallocated since they were built (by this decoder or the other one, which shares
+        the pool) are dropped."""
+        fits = self.pool.room(rows, length)
+        if self._generation != self.pool.generation:
+            self.loop.clear()
+            self._generation = self.pool.generation
+        return fits
+
+    def _after_batch(self, rows: list[Row]) -> None:
+        """Zero the pool after a batch where a row's logits went non-finite: its NaN / inf KV would reach a
+        later batch's masked slots (either decoder's: zero weight x NaN is NaN)."""
+        if any(row.failure is not None for row in rows):
+            self.pool.clear()
 
     @property
     def graphs(self) -> GraphRunner:
