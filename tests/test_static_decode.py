@@ -186,7 +186,9 @@ def test_kept_kv_across_turns_and_no_static_buffer_moves(loaded: tuple[Any, Any]
 
 def test_a_row_whose_logits_go_non_finite_fails_alone(loaded: tuple[Any, Any], qwen2_path: str) -> None:
     """A token's embedding set to NaN: the row that generates it gets NaN logits on the next step and fails
-    with the eager loop's error; the other rows carry on to the same tokens."""
+    with the eager loop's error; the other rows carry on to the same tokens. Restored, the next batch over
+    the same pool (where the failed row's KV went NaN: masked slots weigh zero, and zero x NaN is NaN) gets
+    the eager loop's tokens: the pool is zeroed after a batch with a non-finite row."""
     model = AutoModelForCausalLM.from_pretrained(qwen2_path).eval()
     tokenizer = loaded[1]
     eager, static, _ = engines((model, tokenizer))
@@ -195,11 +197,17 @@ def test_a_row_whose_logits_go_non_finite_fails_alone(loaded: tuple[Any, Any], q
     poisoned = before[2].token_ids[4]  # type: ignore[union-attr]
     others = [r.token_ids for r in before if isinstance(r, GenerationResult)]
     assert sum(poisoned in t[:-1] for t in others) >= 1
+    weight = model.get_input_embeddings().weight
+    saved = weight[poisoned].clone()
     with torch.no_grad():
-        model.get_input_embeddings().weight[poisoned] = float("nan")
+        weight[poisoned] = float("nan")
     expected = eager.generate_batch(requests(prompts, new=[12] * 4))
     assert isinstance(expected[2], GenerationError)
     same(static.generate_batch(requests(prompts, new=[12] * 4)), expected)
+    with torch.no_grad():
+        weight[poisoned] = saved
+    again = requests(prompts[::-1], new=[12] * 4)
+    same(static.generate_batch(again), eager.generate_batch(again))
 
 
 def test_a_hooked_model_decodes_eagerly_and_says_so(loaded: tuple[Any, Any]) -> None:
